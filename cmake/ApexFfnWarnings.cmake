@@ -1,0 +1,9 @@
+# Compile options for this repository's own targets (tests, benchmarks,
+# examples). Never attached to apex::ffn itself: consumers choose their flags.
+add_library(apex_ffn_dev_options INTERFACE)
+target_compile_options(apex_ffn_dev_options INTERFACE -Wall -Wextra -Wpedantic
+  $<$<BOOL:${APEX_FFN_WERROR}>:-Werror>
+  $<$<BOOL:${APEX_FFN_NATIVE}>:-march=native>)
+
+# OpenMP threads the MoE dispatch; the library works without it.
+find_package(OpenMP COMPONENTS CXX)

@@ -1,0 +1,13 @@
+#pragma once
+/// \file ffn.hpp
+/// Umbrella header of apex-ffn: the feed-forward layers of APEX-1.
+
+#include "ffn/activations.hpp"
+#include "ffn/errors.hpp"
+#include "ffn/init.hpp"
+#include "ffn/linear.hpp"
+#include "ffn/param.hpp"
+#include "ffn/rms_norm.hpp"
+#include "ffn/swiglu.hpp"
+#include "ffn/types.hpp"
+#include "ffn/version.hpp"

@@ -1,0 +1,79 @@
+#pragma once
+/// \file rms_norm.hpp
+/// RMSNorm: y = x / sqrt(mean(x²) + ε) · γ, per token (row).
+
+#include <cmath>
+#include <string>
+
+#include "errors.hpp"
+#include "param.hpp"
+#include "types.hpp"
+
+namespace apex {
+
+/// Root-mean-square normalisation with a learnable gain γ (init 1).
+template <class T>
+class RMSNorm {
+ public:
+  using Scalar = T;
+
+  /// Activations kept for backward.
+  struct Cache {
+    Matrix<T> x_hat;  ///< N × d: x · r
+    Vector<T> r;      ///< N: 1 / sqrt(mean(x²) + ε)
+  };
+
+  explicit RMSNorm(Index d_model, T eps = T(1e-6)) : eps_(eps) {
+    detail::require_config(d_model > 0, "RMSNorm", "d_model must be positive, got " + std::to_string(d_model));
+    detail::require_config(eps >= T(0) && std::isfinite(double(eps)), "RMSNorm", "eps must be finite and >= 0");
+    gain_ = RowVector<T>::Ones(d_model);
+    gain_grad_ = RowVector<T>::Zero(d_model);
+  }
+
+  Index d_model() const { return gain_.cols(); }
+  T eps() const { return eps_; }
+
+  /// x: N × d → N × d.
+  Matrix<T> forward(const ConstMatrixRef<T>& x, Cache* cache = nullptr) const {
+    detail::check_shape("RMSNorm::forward", "x", x, detail::kAny, d_model());
+    // r_t = (mean_j x_tj² + ε)^(−1/2)
+    Vector<T> r = ((x.array().square().rowwise().sum() / T(d_model())) + eps_).rsqrt();
+    Matrix<T> x_hat = r.asDiagonal() * x;                                  // N × d
+    Matrix<T> y = (x_hat.array().rowwise() * gain_.array()).matrix();     // N × d
+    if (cache) {
+      cache->x_hat = std::move(x_hat);
+      cache->r = std::move(r);
+    }
+    return y;
+  }
+
+  /// dy: N × d → dx: N × d; adds into dγ.
+  Matrix<T> backward(const ConstMatrixRef<T>& dy, const Cache& cache) {
+    detail::check_shape("RMSNorm::backward", "dy", dy, cache.x_hat.rows(), d_model());
+    // dγ_j += Σ_t dy_tj · x̂_tj
+    gain_grad_.noalias() += (dy.array() * cache.x_hat.array()).colwise().sum().matrix();
+    // dx̂ = dy ⊙ γ;  dx = r · (dx̂ − x̂ · mean_j(dx̂ ⊙ x̂))
+    const Matrix<T> dx_hat = (dy.array().rowwise() * gain_.array()).matrix();                    // N × d
+    const Vector<T> proj = (dx_hat.array() * cache.x_hat.array()).rowwise().sum() / T(d_model());  // N
+    Matrix<T> dx = cache.r.asDiagonal() * (dx_hat - proj.asDiagonal() * cache.x_hat);
+    return dx;
+  }
+
+  ParamList<T> params() {
+    ParamList<T> out;
+    out.push_back(detail::make_param<T>("weight", gain_, gain_grad_));
+    return out;
+  }
+  void zero_grad() { gain_grad_.setZero(); }
+
+  RowVector<T>& gain() { return gain_; }
+  const RowVector<T>& gain() const { return gain_; }
+  const RowVector<T>& gain_grad() const { return gain_grad_; }
+
+ private:
+  T eps_;
+  RowVector<T> gain_;       ///< 1 × d: γ
+  RowVector<T> gain_grad_;  ///< 1 × d: ∂L/∂γ
+};
+
+}  // namespace apex
