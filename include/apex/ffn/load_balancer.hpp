@@ -1,0 +1,118 @@
+#pragma once
+/// \file load_balancer.hpp
+/// Auxiliary-loss-free, bias-based load balancing (reference §14, SPEC).
+///
+/// Per expert, over the tokens routed since the last update:
+///     f_e = c_e / (N·K),  τ = 1/E,  b_e ← clamp(b_e + α·sign(τ − f_e), −1, 1).
+/// The bias is not a trained parameter: it only shifts which experts the
+/// router selects. Counts accumulate over any number of micro-batches
+/// (`observe`) before one `update`.
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "errors.hpp"
+#include "types.hpp"
+
+namespace apex {
+
+/// Per-expert load over an observation window.
+struct LoadReport {
+  std::vector<Index> counts;  ///< c_e: (token, slot) assignments per expert
+  std::vector<double> load;   ///< f_e = c_e / (N·K)
+  Index tokens = 0;           ///< N
+  /// max load / mean load (1 = perfectly even; E = everything on one expert;
+  /// 0 when nothing was observed).
+  double imbalance = 0;
+};
+
+template <class T>
+class LoadBalancer {
+ public:
+  LoadBalancer(Index n_experts, Index n_active, double alpha = 1e-3)
+      : n_active_(n_active), alpha_(alpha), bias_(RowVector<T>::Zero(n_experts)), counts_(n_experts, 0) {
+    detail::require_config(n_experts >= 1, "LoadBalancer", "n_experts must be >= 1");
+    detail::require_config(n_active >= 1 && n_active <= n_experts, "LoadBalancer", "need 1 <= n_active <= n_experts");
+    detail::require_config(alpha >= 0 && alpha < 1e300, "LoadBalancer", "alpha must be finite and >= 0");
+  }
+
+  Index n_experts() const { return bias_.cols(); }
+  Index n_active() const { return n_active_; }
+  double alpha() const { return alpha_; }
+  void set_alpha(double alpha) {
+    detail::require_config(alpha >= 0 && alpha < 1e300, "LoadBalancer::set_alpha", "alpha must be finite and >= 0");
+    alpha_ = alpha;
+  }
+
+  /// 1 × E: the balancing bias b added to the router logits for selection.
+  const RowVector<T>& bias() const { return bias_; }
+  void set_bias(const RowVector<T>& bias) {
+    detail::check_shape("LoadBalancer::set_bias", "bias", bias, 1, n_experts());
+    detail::check_finite("LoadBalancer::set_bias", "bias", bias);
+    bias_ = bias.cwiseMax(T(-1)).cwiseMin(T(1));
+  }
+
+  /// Adds one micro-batch: `n_tokens` tokens whose K choices gave `counts`
+  /// (length E, summing to n_tokens·K).
+  void observe(const std::vector<Index>& counts, Index n_tokens) {
+    if (Index(counts.size()) != n_experts())
+      throw ShapeError("LoadBalancer::observe: argument 'counts' has length " + std::to_string(counts.size()) +
+                       ", expected " + std::to_string(n_experts()));
+    Index total = 0;
+    for (Index c : counts) total += c;
+    if (total != n_tokens * n_active_)
+      throw ValueError("LoadBalancer::observe: counts sum to " + std::to_string(total) + ", expected N*K = " +
+                       std::to_string(n_tokens * n_active_));
+    for (Index e = 0; e < n_experts(); ++e) counts_[e] += counts[e];
+    tokens_ += n_tokens;
+  }
+
+  /// Load over the tokens observed since the last update.
+  LoadReport report() const { return make_report(counts_, tokens_, n_active_); }
+
+  /// Applies the bias rule to the observed window, clears it, and returns the
+  /// window's report. With no tokens observed the bias is left unchanged.
+  LoadReport update() {
+    LoadReport r = report();
+    if (tokens_ > 0) {
+      // sign(τ − f_e) = sign(N·K − E·c_e), compared exactly in integers so a
+      // perfectly balanced expert (f_e = τ) gets exactly 0.
+      const Index target = tokens_ * n_active_;
+      for (Index e = 0; e < n_experts(); ++e) {
+        const Index diff = target - n_experts() * counts_[e];
+        const int sign = (diff > 0) - (diff < 0);
+        bias_(e) = std::clamp(T(double(bias_(e)) + alpha_ * sign), T(-1), T(1));
+      }
+    }
+    std::fill(counts_.begin(), counts_.end(), 0);
+    tokens_ = 0;
+    return r;
+  }
+
+  /// Report of arbitrary counts (helper for callers that keep their own window).
+  static LoadReport make_report(const std::vector<Index>& counts, Index tokens, Index n_active) {
+    LoadReport r;
+    r.counts = counts;
+    r.tokens = tokens;
+    r.load.assign(counts.size(), 0.0);
+    if (tokens == 0 || counts.empty()) return r;
+    const double assignments = double(tokens) * double(n_active);
+    double max_load = 0;
+    for (std::size_t e = 0; e < counts.size(); ++e) {
+      r.load[e] = double(counts[e]) / assignments;
+      max_load = std::max(max_load, r.load[e]);
+    }
+    r.imbalance = max_load * double(counts.size());  // mean load is 1/E
+    return r;
+  }
+
+ private:
+  Index n_active_;
+  double alpha_;
+  RowVector<T> bias_;           ///< 1 × E
+  std::vector<Index> counts_;   ///< E: assignments since the last update
+  Index tokens_ = 0;            ///< tokens since the last update
+};
+
+}  // namespace apex

@@ -1,0 +1,65 @@
+#pragma once
+/// \file moe_config.hpp
+/// MoE layer configuration, its validation, and the APEX-1 model presets.
+
+#include <cmath>
+#include <string>
+
+#include "errors.hpp"
+#include "types.hpp"
+
+namespace apex {
+
+/// Shape and routing options of one MoEFFN layer.
+struct MoEConfig {
+  Index d_model = 0;    ///< token width d
+  Index d_ffn = 0;      ///< hidden width f of every expert (routed and shared)
+  Index n_experts = 0;  ///< routed experts E ≥ 1
+  Index n_active = 0;   ///< experts per token K, 1 ≤ K ≤ E
+  Index n_shared = 0;   ///< always-active shared experts, ≥ 0
+  /// Routing weights from the unbiased logits ℓ (DeepSeek-V3) instead of the
+  /// biased r = ℓ + b of the reference; the bias then only steers selection.
+  bool weights_from_unbiased = false;
+  double balancer_alpha = 1e-3;  ///< bias step α of the load balancer
+
+  /// Throws ConfigError naming the first field that is out of range.
+  void validate(const char* where = "MoEConfig") const {
+    auto need = [&](bool ok, const std::string& what) { detail::require_config(ok, where, what); };
+    need(d_model > 0, "d_model must be positive, got " + std::to_string(d_model));
+    need(d_ffn > 0, "d_ffn must be positive, got " + std::to_string(d_ffn));
+    need(n_experts >= 1, "n_experts must be >= 1, got " + std::to_string(n_experts));
+    need(n_active >= 1 && n_active <= n_experts, "n_active (K) must satisfy 1 <= K <= n_experts = " +
+                                                      std::to_string(n_experts) + ", got " + std::to_string(n_active));
+    need(n_shared >= 0, "n_shared must be >= 0, got " + std::to_string(n_shared));
+    need(std::isfinite(balancer_alpha) && balancer_alpha >= 0,
+         "balancer_alpha must be finite and >= 0, got " + std::to_string(balancer_alpha));
+  }
+};
+
+/// Whole-model sizes of the APEX-1 code's presets (SPEC "Router and routed
+/// experts"). The reference's §13.3 table differs (Small 4/2/1, Medium 64/8/2,
+/// Large 256/8/2): an erratum; these are the code's values.
+struct ModelPreset {
+  const char* name;
+  Index d_model, n_layers, d_ffn, n_experts, n_active, n_shared, skip_hidden;
+
+  /// The MoE layer configuration of this preset.
+  MoEConfig moe() const { return MoEConfig{d_model, d_ffn, n_experts, n_active, n_shared}; }
+
+  /// APEX-1 places MoE on odd layers (`layer % 2 != 0`), dense SwiGLU on even ones.
+  static constexpr bool is_moe_layer(Index layer) { return layer % 2 != 0; }
+
+  static constexpr ModelPreset tiny() { return {"tiny", 64, 6, 128, 4, 2, 1, 16}; }
+  static constexpr ModelPreset small() { return {"small", 512, 12, 1376, 8, 2, 1, 64}; }
+  static constexpr ModelPreset medium() { return {"medium", 2048, 36, 5504, 64, 4, 2, 128}; }
+  static constexpr ModelPreset large() { return {"large", 7168, 72, 18432, 256, 8, 4, 256}; }
+
+  /// Preset by name ("tiny", "small", "medium", "large"); ConfigError otherwise.
+  static ModelPreset by_name(const std::string& name) {
+    for (const ModelPreset& p : {tiny(), small(), medium(), large()})
+      if (name == p.name) return p;
+    throw ConfigError("ModelPreset::by_name: unknown preset '" + name + "' (tiny, small, medium, large)");
+  }
+};
+
+}  // namespace apex

@@ -1,0 +1,127 @@
+#pragma once
+/// \file router.hpp
+/// Top-K router (reference §13.2, SPEC "Router and routed experts").
+///
+///     ℓ = X·W_routerᵀ          (N × E, no bias: the raw logits)
+///     r = ℓ + b                (b: the load balancer's bias, not trained)
+///     (e_1..e_K) = top-K(r)    per token, ties to the lower expert index
+///     g = softmax(r_{e_1..e_K})   — or softmax(ℓ_{e_1..e_K}) with
+///                                   `weights_from_unbiased`
+///
+/// Selection has no gradient; the bias gets none. Gradients flow through the
+/// softmax of the K selected entries into W_router and X.
+
+#include <cmath>
+#include <string>
+
+#include "errors.hpp"
+#include "init.hpp"
+#include "linear.hpp"
+#include "param.hpp"
+#include "types.hpp"
+
+namespace apex {
+
+/// Row-major integer matrix (expert ids).
+using IndexMatrix = Eigen::Matrix<Index, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+/// One batch's routing decision.
+template <class T>
+struct Routing {
+  Matrix<T> logits;     ///< N × E: ℓ, unbiased
+  IndexMatrix experts;  ///< N × K: chosen experts, best first
+  Matrix<T> weights;    ///< N × K: g, each row sums to 1
+};
+
+template <class T>
+class Router {
+ public:
+  Router(Index d_model, Index n_experts, Index n_active, Rng& rng) : k_(n_active) {
+    detail::require_config(d_model > 0, "Router", "d_model must be positive");
+    detail::require_config(n_experts >= 1, "Router", "n_experts must be >= 1");
+    detail::require_config(n_active >= 1 && n_active <= n_experts, "Router", "need 1 <= n_active <= n_experts");
+    weight_.resize(n_experts, d_model);
+    init_linear(weight_, rng);
+    weight_grad_ = Matrix<T>::Zero(n_experts, d_model);
+  }
+
+  Index d_model() const { return weight_.cols(); }
+  Index n_experts() const { return weight_.rows(); }
+  Index n_active() const { return k_; }
+
+  /// Routes x (N × d) with balancing bias (1 × E). Throws ValueError if a
+  /// logit is not finite: the top-K choice of a NaN is undefined.
+  void route(const ConstMatrixRef<T>& x, const RowVector<T>& bias, bool weights_from_unbiased,
+             Routing<T>& out) const {
+    const Index n = x.rows(), e_count = n_experts();
+    out.logits.resize(n, e_count);
+    detail::linear_nt(x, weight_, out.logits, false);
+    if (!out.logits.allFinite())
+      throw ValueError("Router::route: router logits are not finite (the input contains NaN/Inf or is too large)");
+    out.experts.resize(n, k_);
+    out.weights.resize(n, k_);
+    Eigen::Array<T, 1, Eigen::Dynamic> top(k_);  // scores of the current best K, descending
+    for (Index t = 0; t < n; ++t) {
+      // Insertion into a sorted top-K list: a later expert displaces an
+      // earlier one only if strictly greater, so ties keep the lower index.
+      Index filled = 0;
+      for (Index e = 0; e < e_count; ++e) {
+        const T score = out.logits(t, e) + bias(e);
+        if (filled == k_ && !(score > top(k_ - 1))) continue;
+        Index pos = filled < k_ ? filled++ : k_ - 1;
+        while (pos > 0 && score > top(pos - 1)) {
+          top(pos) = top(pos - 1);
+          out.experts(t, pos) = out.experts(t, pos - 1);
+          --pos;
+        }
+        top(pos) = score;
+        out.experts(t, pos) = e;
+      }
+      // g = softmax over the selected (biased by default) scores, shifted by the max.
+      for (Index k = 0; k < k_; ++k)
+        out.weights(t, k) = weights_from_unbiased ? out.logits(t, out.experts(t, k)) : top(k);
+      auto w = out.weights.row(t).array();
+      w = (w - w.maxCoeff()).exp();
+      w /= w.sum();
+    }
+  }
+
+  /// Adds the softmax backward into d_logits (N × E):
+  ///     ∂L/∂s_k = g_k (∂L/∂g_k − Σ_j g_j ∂L/∂g_j),  scattered to column e_k.
+  /// ∂r/∂ℓ = 1 whichever scores the softmax read, so this is ∂L/∂ℓ.
+  void softmax_backward(const Routing<T>& routing, const ConstMatrixRef<T>& d_weights, Matrix<T>& d_logits) const {
+    for (Index t = 0; t < routing.weights.rows(); ++t) {
+      const auto g = routing.weights.row(t).array();
+      const auto dg = d_weights.row(t).array();
+      const T inner = (g * dg).sum();
+      for (Index k = 0; k < k_; ++k) d_logits(t, routing.experts(t, k)) += g(k) * (dg(k) - inner);
+    }
+  }
+
+  /// Given ∂L/∂ℓ (N × E): adds ∂L/∂W_router = (∂L/∂ℓ)ᵀ·X and returns ∂L/∂X = (∂L/∂ℓ)·W_router.
+  Matrix<T> backward(const ConstMatrixRef<T>& x, const ConstMatrixRef<T>& d_logits) {
+    weight_grad_.noalias() += d_logits.transpose() * x;  // E × d
+    Matrix<T> dx(x.rows(), d_model());
+    dx.noalias() = d_logits * weight_;  // N × d
+    return dx;
+  }
+
+  ParamList<T> params() {
+    ParamList<T> out;
+    out.push_back(detail::make_param<T>("weight", weight_, weight_grad_));
+    return out;
+  }
+  void zero_grad() { weight_grad_.setZero(); }
+
+  /// E × d (PyTorch `nn.Linear(d, E).weight`).
+  Matrix<T>& weight() { return weight_; }
+  const Matrix<T>& weight() const { return weight_; }
+  const Matrix<T>& weight_grad() const { return weight_grad_; }
+
+ private:
+  Index k_;
+  Matrix<T> weight_;       ///< E × d
+  Matrix<T> weight_grad_;  ///< E × d
+};
+
+}  // namespace apex
