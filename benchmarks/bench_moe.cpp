@@ -1,0 +1,247 @@
+// Expert-dispatch benchmark suite: MoE forward and forward+backward over
+// layer shapes × tokens × routing × threads, each with baselines timed in the
+// same binary:
+//   (a) x_dense   — the same active FLOPs as one dense product X·Wᵀ with the
+//                   same GEMM engine (Eigen): M = N·(K+S) rows, d → 3f
+//                   (forward) or d → 9f (forward+backward, 3× the FLOPs);
+//   (b) x_loop    — the tutorial's plain per-expert loop (scan all tokens,
+//                   gather, expert product, scatter-add), forward only;
+//   (c) bw_frac   — for N ≤ 16: (weight bytes the layer must read) / (read
+//                   bandwidth measured here) divided by the measured time,
+//                   i.e. the fraction of the memory-bandwidth bound reached.
+// Baselines are measured once per configuration (median of repetitions) and
+// cached for the run. Counters: tokens/s, GFLOP/s (active), x_dense, x_loop,
+// bw_frac, and for forward+backward fb_over_f (total / forward time).
+//
+// Shapes: small (SPEC preset 512/1376/E8/K2/S1), medium (2048/5504/E64/K4/S2),
+// fine (1024/512/E64/K8/S2), coarse (1024/3584/E8/K2/S0).
+#include <apex/ffn/moe.hpp>
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "bench_common.hpp"
+
+namespace {
+
+using namespace apex;
+using apex::bench::Clock;
+using apex::bench::random_matrix;
+using apex::bench::seconds_since;
+using T = float;
+
+struct Shape {
+  const char* name;
+  Index d, f, experts, k, shared;
+};
+const Shape kShapes[] = {{"small", 512, 1376, 8, 2, 1},
+                         {"medium", 2048, 5504, 64, 4, 2},
+                         {"fine", 1024, 512, 64, 8, 2},
+                         {"coarse", 1024, 3584, 8, 2, 0}};
+enum RoutingKind { kUniform = 0, kZipf = 1, kOne = 2 };
+const char* kRoutingNames[] = {"uniform", "zipf", "one"};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+template <class Fn>
+double median_time(int reps, Fn&& fn) {
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = Clock::now();
+    fn();
+    t.push_back(seconds_since(t0));
+  }
+  return median(t);
+}
+
+// One layer per shape, built once (the medium layer holds 8.9 GB of weights).
+MoEFFN<T>& layer(int shape_index) {
+  static std::map<int, std::unique_ptr<MoEFFN<T>>> layers;
+  auto& slot = layers[shape_index];
+  if (!slot) {
+    layers.clear();  // keep one large layer alive at a time
+    const Shape& s = kShapes[shape_index];
+    MoEConfig c{s.d, s.f, s.experts, s.k, s.shared};
+    auto& fresh = layers[shape_index];
+    fresh = std::make_unique<MoEFFN<T>>(c, 7);
+    return *fresh;
+  }
+  return *slot;
+}
+
+// Steers routing through the balancing bias (|b| ≤ 1 against logits of std ≈ 0.3):
+// uniform: b = 0; Zipf-like: b_e = −0.5·ln(e + 1); one: expert 0 takes every token.
+void set_routing(MoEFFN<T>& moe, RoutingKind routing) {
+  const Index e_count = moe.config().n_experts;
+  RowVector<T> b = RowVector<T>::Zero(e_count);
+  for (Index e = 0; e < e_count; ++e) {
+    if (routing == kZipf) b(e) = T(-0.5 * std::log(double(e + 1)));
+    if (routing == kOne) b(e) = e == 0 ? T(1) : T(-1);
+  }
+  moe.balancer().set_bias(b);
+}
+
+// The tutorial's dispatch (reference tutorial `MoEFFN.forward`), in C++.
+Matrix<T> plain_loop(const MoEFFN<T>& moe, const Matrix<T>& x) {
+  Routing<T> routing;
+  moe.router().route(x, moe.balancer().bias(), false, routing);
+  Matrix<T> out = Matrix<T>::Zero(x.rows(), x.cols());
+  std::vector<Index> rows, slots;
+  for (Index e = 0; e < moe.config().n_experts; ++e) {
+    rows.clear();
+    slots.clear();
+    for (Index t = 0; t < x.rows(); ++t)  // token_mask = topk_idx == e; nonzero()
+      for (Index k = 0; k < moe.config().n_active; ++k)
+        if (routing.experts(t, k) == e) {
+          rows.push_back(t);
+          slots.push_back(k);
+        }
+    if (rows.empty()) continue;
+    Matrix<T> xe(Index(rows.size()), x.cols());  // gather
+    for (std::size_t i = 0; i < rows.size(); ++i) xe.row(Index(i)) = x.row(rows[i]);
+    const Matrix<T> ye = moe.experts()[e].forward(xe);
+    for (std::size_t i = 0; i < rows.size(); ++i)  // index_add_
+      out.row(rows[i]) += routing.weights(rows[i], slots[i]) * ye.row(Index(i));
+  }
+  for (const auto& s : moe.shared_experts()) out += s.forward(x);
+  return out;
+}
+
+// Read bandwidth with `threads` threads: sum of a 512 MiB buffer.
+double read_bandwidth(int threads) {
+  static std::map<int, double> cache;
+  if (cache.count(threads)) return cache[threads];
+  const Index n = Index(1) << 27;  // floats
+  static Vector<T> buf = Vector<T>::Constant(n, T(1));
+  const Index chunk = n / threads;
+  std::vector<T> partial(threads);
+  const double t = median_time(5, [&] {
+    detail::parallel_for(threads, threads, [&](Index i) { partial[i] = buf.segment(i * chunk, chunk).sum(); });
+    benchmark::DoNotOptimize(partial.data());
+  });
+  return cache[threads] = double(n) * sizeof(T) / t;
+}
+
+// Bytes of weights a forward must read: the router and every expert used.
+double weight_bytes(const MoEFFN<T>& moe, const Matrix<T>& x) {
+  Routing<T> r;
+  moe.router().route(x, moe.balancer().bias(), false, r);
+  std::set<Index> used(r.experts.data(), r.experts.data() + r.experts.size());
+  const MoEConfig& c = moe.config();
+  const double expert = 3.0 * double(c.d_model) * double(c.d_ffn);
+  return sizeof(T) * (double(c.n_experts) * double(c.d_model) + expert * double(used.size() + c.n_shared));
+}
+
+double dense_time(const Shape& s, Index n, int threads, int width_mult) {
+  static std::map<std::tuple<std::string, Index, int, int>, double> cache;
+  const auto key = std::make_tuple(std::string(s.name), n, threads, width_mult);
+  if (cache.count(key)) return cache[key];
+  const Index m = n * (s.k + s.shared);
+  bench::DenseProduct<T> dense(m, s.d, width_mult * s.f);
+  double t = 0;
+  // Same engine, same thread budget: Eigen's own threading at `threads`.
+  Eigen::setNbThreads(threads);
+  dense.run();
+  t = median_time(m >= 4096 ? 3 : 7, [&] { dense.run(); });
+  Eigen::setNbThreads(0);
+  return cache[key] = t;
+}
+
+void configure(benchmark::State& state, MoEFFN<T>*& moe, Matrix<T>& x, const Shape*& s, Index& n, int& threads) {
+  const int shape_index = int(state.range(0));
+  s = &kShapes[shape_index];
+  n = state.range(1);
+  const auto routing = RoutingKind(state.range(2));
+  threads = int(state.range(3));
+  moe = &layer(shape_index);
+  moe->set_threads(threads);
+  set_routing(*moe, routing);
+  x = random_matrix<T>(n, s->d, 100 + n);
+  state.SetLabel(std::string(s->name) + "/" + kRoutingNames[routing]);
+}
+
+void common_counters(benchmark::State& state, Index n, double flops) {
+  state.counters["tokens/s"] = benchmark::Counter(double(n), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void BM_MoE_Forward(benchmark::State& state) {
+  MoEFFN<T>* moe;
+  Matrix<T> x;
+  const Shape* s;
+  Index n;
+  int threads;
+  configure(state, moe, x, s, n, threads);
+  const double flops = 6.0 * double(n) * double(s->k + s->shared) * double(s->d) * double(s->f);
+  double total = 0;
+  for (auto _ : state) {
+    const auto t0 = Clock::now();
+    Matrix<T> y = moe->forward(x);
+    benchmark::DoNotOptimize(y.data());
+    const double t = seconds_since(t0);
+    state.SetIterationTime(t);
+    total += t;
+  }
+  const double mean = total / double(state.iterations());
+  common_counters(state, n, flops);
+  state.counters["x_dense"] = mean / dense_time(*s, n, threads, 3);
+  // The plain loop runs at the same thread budget through Eigen's own threading.
+  Eigen::setNbThreads(threads);
+  const double loop = median_time(n >= 2048 ? 1 : 3, [&] { benchmark::DoNotOptimize(plain_loop(*moe, x).data()); });
+  Eigen::setNbThreads(0);
+  state.counters["x_loop"] = mean / loop;
+  if (n <= 16) state.counters["bw_frac"] = weight_bytes(*moe, x) / read_bandwidth(threads) / mean;
+}
+
+void BM_MoE_ForwardBackward(benchmark::State& state) {
+  MoEFFN<T>* moe;
+  Matrix<T> x;
+  const Shape* s;
+  Index n;
+  int threads;
+  configure(state, moe, x, s, n, threads);
+  const Matrix<T> dy = random_matrix<T>(n, s->d, 200 + n);
+  const double flops = 18.0 * double(n) * double(s->k + s->shared) * double(s->d) * double(s->f);
+  MoEFFN<T>::Cache cache;
+  double total = 0, forward = 0;
+  for (auto _ : state) {
+    const auto t0 = Clock::now();
+    Matrix<T> y = moe->forward(x, &cache);
+    const double tf = seconds_since(t0);
+    Matrix<T> dx = moe->backward(dy, cache);
+    benchmark::DoNotOptimize(dx.data());
+    const double t = seconds_since(t0);
+    state.SetIterationTime(t);
+    total += t;
+    forward += tf;
+  }
+  moe->zero_grad();
+  const double mean = total / double(state.iterations());
+  common_counters(state, n, flops);
+  state.counters["x_dense"] = mean / dense_time(*s, n, threads, 9);
+  state.counters["fb_over_f"] = total / forward;
+}
+
+void moe_args(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"shape", "N", "routing", "threads"});
+  for (int s = 0; s < 4; ++s)
+    for (int r = 0; r < 3; ++r)
+      for (Index n : {1, 4, 16, 128, 2048})
+        for (int t : {1, 2}) b->Args({s, n, r, t});
+  b->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(0.2);
+}
+
+BENCHMARK(BM_MoE_Forward)->Apply(moe_args);
+BENCHMARK(BM_MoE_ForwardBackward)->Apply(moe_args);
+
+}  // namespace
+
+BENCHMARK_MAIN();
