@@ -1,0 +1,359 @@
+#pragma once
+/// \file kappa_swiglu.hpp
+/// κ-SwiGLU: a SwiGLU expert whose gate sharpness follows the router's
+/// confidence (paper summary `003_…`, SPEC "κ-SwiGLU"). For a token t routed
+/// to this expert, with raw (unbiased) router logit ℓ_t, and gate unit j:
+///
+///     s_t    = c · ℓ_t
+///     u_tj   = b_j + α_j · s_t
+///     κ_tj   = exp(ln U · tanh(u_tj))               ∈ [1/U, U]
+///     FFN(x) = (SiLU_κ(x·W_gateᵀ) ⊙ (x·W_upᵀ)) · W_downᵀ,   SiLU_κ(z) = z·σ(κz)
+///
+/// α and b (`kappa_alpha`, `kappa_bias`, 1 × f) start at 0, so κ ≡ 1 and the
+/// layer starts as plain SwiGLU. Defaults: U = 4, c = 0.3; the gradient that
+/// reaches ℓ through κ is scaled by ρ = 0.1 (ρ = 0 detaches it; the forward
+/// value is unchanged). The loss term `w·(mean(b²) + mean(α²))`, w = 1e-2,
+/// keeps κ near 1 (`regularizer`, `add_regularizer_grad`).
+///
+/// The weights are a SwiGLU (same init order, names and layout: one 2f × d
+/// gate-and-up buffer), so `KappaSwiGLU(d, f, seed)` has the weights of
+/// `SwiGLU(d, f, seed)`, and a trained SwiGLU can be converted.
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "activations.hpp"
+#include "errors.hpp"
+#include "init.hpp"
+#include "linear.hpp"
+#include "param.hpp"
+#include "swiglu.hpp"
+#include "types.hpp"
+
+namespace apex {
+
+/// Hyper-parameters of κ-SwiGLU (SPEC defaults).
+struct KappaOptions {
+  double U = 4.0;            ///< sharpness ceiling: κ ∈ [1/U, U]; U ≥ 1 (U = 1 gives κ ≡ 1)
+  double c = 0.3;            ///< logit scale: s = c·ℓ; finite
+  double rho = 0.1;          ///< factor on ∂L/∂ℓ through κ; ≥ 0 (0 detaches the router)
+  double reg_weight = 1e-2;  ///< w of the regulariser w·(mean(b²) + mean(α²)); ≥ 0
+
+  /// Throws ConfigError naming the first field out of range.
+  void validate(const char* where = "KappaOptions") const {
+    detail::require_config(std::isfinite(U) && U >= 1.0, where, "U must be finite and >= 1, got " + std::to_string(U));
+    detail::require_config(std::isfinite(c), where, "c must be finite, got " + std::to_string(c));
+    detail::require_config(std::isfinite(rho) && rho >= 0.0, where,
+                           "rho must be finite and >= 0, got " + std::to_string(rho));
+    detail::require_config(std::isfinite(reg_weight) && reg_weight >= 0.0, where,
+                           "reg_weight must be finite and >= 0, got " + std::to_string(reg_weight));
+  }
+};
+
+/// The U ramp trainers use: 1 at `progress` ≤ 0 (κ ≡ 1, plain SwiGLU), rising
+/// linearly to `U_max` at `progress` ≥ 1. `progress` is e.g. (step − warmup) / ramp_steps.
+inline double kappa_ramp(double progress, double U_max = 4.0) {
+  const double p = progress < 0.0 ? 0.0 : (progress > 1.0 ? 1.0 : progress);
+  return 1.0 + (U_max - 1.0) * p;
+}
+
+namespace detail {
+
+/// tanh(u) elementwise, vectorised for float and double. Eigen 3.4 vectorises
+/// `tanh` for float only; for double, tanh(u) = 1 − 2/(1 + e^{2u}), whose
+/// limits are exact (e^{2u} = inf gives 1, e^{2u} = 0 gives −1) and which is 0
+/// at u = 0 exactly. Near 0 its error is absolute (≈ ε), which is all κ = exp(ln U·τ) sees.
+template <class Derived>
+auto tanh_array(const Eigen::ArrayBase<Derived>& u) {
+  using T = typename Derived::Scalar;
+  if constexpr (std::is_same_v<T, float>) {
+    return u.derived().tanh();
+  } else {
+    return T(1) - T(2) * (T(1) + (T(2) * u.derived()).exp()).inverse();
+  }
+}
+
+}  // namespace detail
+
+/// SwiGLU with router-confidence adaptive gate sharpness; the routed expert of
+/// `MoEFFN<T, KappaSwiGLU<T>>`. Shared experts and dense layers stay SwiGLU.
+template <class T>
+class KappaSwiGLU {
+ public:
+  using Scalar = T;
+  /// MoEFFN passes each row's raw router logit ℓ and takes ∂L/∂ℓ back.
+  static constexpr bool uses_router_logit = true;
+
+  /// Activations kept for backward.
+  struct Cache {
+    Matrix<T> x;      ///< N × d: the input
+    Vector<T> logit;  ///< N: the router logit ℓ of each row
+    Matrix<T> work;   ///< N × 5f: [G | U | A | K | K'] (see work_cols)
+  };
+
+  /// What backward returns: the input gradients.
+  struct InputGrad {
+    Matrix<T> dx;      ///< N × d: ∂L/∂x
+    Vector<T> dlogit;  ///< N: ρ·∂L/∂ℓ (the path through κ only)
+  };
+
+  /// Weights as `SwiGLU(d_model, d_ffn, rng)` draws them; α = b = 0.
+  KappaSwiGLU(Index d_model, Index d_ffn, Rng& rng, const KappaOptions& options = {})
+      : KappaSwiGLU(SwiGLU<T>(d_model, d_ffn, rng), options) {}
+  KappaSwiGLU(Index d_model, Index d_ffn, Rng&& rng, const KappaOptions& options = {})
+      : KappaSwiGLU(d_model, d_ffn, rng, options) {}
+  /// Weights from `Rng(seed)`: the same as `SwiGLU(d_model, d_ffn, seed)`.
+  KappaSwiGLU(Index d_model, Index d_ffn, std::uint64_t seed = 0, const KappaOptions& options = {})
+      : KappaSwiGLU(d_model, d_ffn, Rng(seed), options) {}
+  /// Takes over the weights of a (trained) SwiGLU; α = b = 0, so the output is unchanged.
+  explicit KappaSwiGLU(SwiGLU<T> mlp, const KappaOptions& options = {}) : mlp_(std::move(mlp)), opt_(options) {
+    opt_.validate("KappaSwiGLU");
+    const Index f = mlp_.d_ffn();
+    alpha_ = RowVector<T>::Zero(f);
+    bias_ = RowVector<T>::Zero(f);
+    alpha_grad_ = RowVector<T>::Zero(f);
+    bias_grad_ = RowVector<T>::Zero(f);
+  }
+
+  Index d_model() const { return mlp_.d_model(); }
+  Index d_ffn() const { return mlp_.d_ffn(); }
+
+  /// \name Options
+  ///@{
+  const KappaOptions& options() const { return opt_; }
+  /// Throws ConfigError (and changes nothing) if `options` is invalid.
+  void set_options(const KappaOptions& options) {
+    options.validate("KappaSwiGLU::set_options");
+    opt_ = options;
+  }
+  double U() const { return opt_.U; }
+  /// The sharpness ceiling, changeable between steps (see kappa_ramp). A
+  /// backward uses the κ and ∂κ/∂u its forward stored, so changing U between
+  /// a forward and its backward is harmless. ConfigError unless U ≥ 1 and finite.
+  void set_U(double U) {
+    KappaOptions o = opt_;
+    o.U = U;
+    set_options(o);
+  }
+  ///@}
+
+  /// Width of the per-row workspace: 5f, `[G | U | A | K | K']` with
+  /// G = x·W_gateᵀ, U = x·W_upᵀ, A = SiLU_κ(G) ⊙ U, K = κ, K' = ∂κ/∂u.
+  /// Keeping K' makes backward independent of the current U and saves it a
+  /// tanh and an exp per entry.
+  Index work_cols() const { return 5 * d_ffn(); }
+
+  /// x: N × d, logit: N (this expert's raw router logit per row) → N × d.
+  /// ShapeError on wrong shapes, ValueError on a non-finite logit.
+  Matrix<T> forward(const ConstMatrixRef<T>& x, const ConstVectorRef<T>& logit, Cache* cache = nullptr) const {
+    detail::check_shape("KappaSwiGLU::forward", "x", x, detail::kAny, d_model());
+    detail::check_shape("KappaSwiGLU::forward", "logit", logit, x.rows(), 1);
+    detail::check_finite("KappaSwiGLU::forward", "logit", logit);
+    Matrix<T> y(x.rows(), d_model());
+    if (cache) {
+      cache->x = x;
+      cache->logit = logit;
+      cache->work.resize(x.rows(), work_cols());
+      forward_block(x, logit, cache->work, y);
+    } else {
+      Matrix<T> work(x.rows(), work_cols());
+      forward_block(x, logit, work, y);
+    }
+    return y;
+  }
+
+  /// dy: N × d → {∂L/∂x, ρ·∂L/∂ℓ}; adds into every parameter gradient.
+  InputGrad backward(const ConstMatrixRef<T>& dy, const Cache& cache) {
+    detail::check_shape("KappaSwiGLU::backward", "dy", dy, cache.x.rows(), d_model());
+    InputGrad out{Matrix<T>(dy.rows(), d_model()), Vector<T>(dy.rows())};
+    backward_block(cache.x, cache.logit, cache.work, dy, out.dx, out.dlogit);
+    return out;
+  }
+
+  /// κ for every row and gate unit (N × f) given the rows' router logits:
+  /// κ depends on ℓ only, not on x. For monitoring and tests.
+  Matrix<T> kappa(const ConstVectorRef<T>& logit) const {
+    Matrix<T> k(logit.size(), d_ffn()), dk(logit.size(), d_ffn());
+    for (Index t = 0; t < logit.size(); ++t) fill_kappa(logit(t), k.row(t).array(), dk.row(t).array());
+    return k;
+  }
+
+  /// \name Block interface used by MoEFFN's grouped dispatch
+  /// The caller owns every buffer; shapes are not re-checked here.
+  ///@{
+
+  /// x: n × d, logit: n, work: n × 5f (filled), y: n × d (written).
+  template <class Work, class Y>
+  void forward_block(const ConstMatrixRef<T>& x, const ConstVectorRef<T>& logit, const Eigen::MatrixBase<Work>& work_,
+                     const Eigen::MatrixBase<Y>& y) const {
+    auto& work = const_cast<Eigen::MatrixBase<Work>&>(work_);
+    const Index n = x.rows(), f = d_ffn();
+    eigen_assert(logit.size() == n && work.cols() == work_cols());
+    detail::linear_nt(x, mlp_.w_gate_up(), work.leftCols(2 * f), false);  // [G | U] = x·W_guᵀ
+    // One row at a time: its G, U, A, K, K' (5f values) stay in L1 between
+    // the passes, where whole-matrix passes would stream them through memory.
+    for (Index t = 0; t < n; ++t) {
+      auto row = work.row(t);
+      const auto g = row.segment(0, f).array();
+      auto k = row.segment(3 * f, f).array();
+      fill_kappa(logit(t), k, row.segment(4 * f, f).array());
+      // A = SiLU_κ(G) ⊙ U = G·σ(κG) ⊙ U
+      row.segment(2 * f, f).array() = g * array::sigmoid(k * g) * row.segment(f, f).array();
+    }
+    detail::linear_nt(work.middleCols(2 * f, f), mlp_.w_down(), y, false);
+  }
+
+  /// Backward of forward_block. dy: n × d; dx: n × d and dlogit: n (written,
+  /// dlogit = ρ·∂L/∂ℓ); adds into every parameter gradient.
+  template <class DX, class DL>
+  void backward_block(const ConstMatrixRef<T>& x, const ConstVectorRef<T>& logit, const ConstMatrixRef<T>& work,
+                      const ConstMatrixRef<T>& dy, const Eigen::MatrixBase<DX>& dx,
+                      const Eigen::MatrixBase<DL>& dlogit_) {
+    auto& dlogit = const_cast<Eigen::MatrixBase<DL>&>(dlogit_);
+    const Index n = x.rows(), f = d_ffn();
+    WeightGrads wg = weight_grads();
+    // ∂L/∂W_down += dYᵀ·A      (d × f)
+    wg.down.noalias() += dy.transpose() * work.middleCols(2 * f, f);
+    Matrix<T> dh(n, 2 * f);  // n × 2f: [dG | dU]
+    // ∂L/∂A = dY·W_down        (n × f), held in the dU half until dU replaces it
+    dh.rightCols(f).noalias() = dy * mlp_.w_down();
+    const T c = T(opt_.c), rho_c = T(opt_.rho * opt_.c);
+    const auto alpha = alpha_.array();
+    Eigen::Array<T, 1, Eigen::Dynamic> sk(f), smk(f), du(f);  // one row each: σ(κG), σ(−κG), ∂L/∂u
+    for (Index t = 0; t < n; ++t) {
+      const auto row = work.row(t);
+      const auto g = row.segment(0, f).array();
+      const auto up = row.segment(f, f).array();
+      const auto k = row.segment(3 * f, f).array();
+      const auto dk = row.segment(4 * f, f).array();  // ∂κ/∂u
+      auto da = dh.row(t).segment(f, f).array();
+      sk = array::sigmoid(k * g);
+      smk = array::sigmoid(-(k * g));
+      // ∂SiLU_κ/∂κ = z²σ(κz)σ(−κz), as (zσ(κz))·(zσ(−κz)) so z² never forms;
+      // ∂κ/∂u = κ·ln U·(1 − tanh²u) (stored);  ∂L/∂u = dA ⊙ U ⊙ ∂SiLU_κ/∂κ ⊙ ∂κ/∂u
+      du = da * up * (g * sk) * (g * smk) * dk;
+      // dG = dA ⊙ U ⊙ ∂SiLU_κ/∂z,  ∂SiLU_κ/∂z = σ(κz)(1 + κz·σ(−κz))
+      dh.row(t).segment(0, f).array() = da * up * sk * (T(1) + (k * g) * smk);
+      // dU = dA ⊙ SiLU_κ(G)
+      da = da * g * sk;
+      // ∂u/∂b = 1, ∂u/∂α = s = c·ℓ, ∂u/∂ℓ = α·c
+      bias_grad_.array() += du;
+      alpha_grad_.array() += (c * logit(t)) * du;
+      dlogit(t) = rho_c == T(0) ? T(0) : rho_c * (du * alpha).sum();
+    }
+    // ∂L/∂W_gu += dHᵀ·X (2f × d);  ∂L/∂X = dH·W_gu (n × d)
+    wg.gate_up.noalias() += dh.transpose() * x;
+    const_cast<Eigen::MatrixBase<DX>&>(dx).noalias() = dh * mlp_.w_gate_up();
+  }
+  ///@}
+
+  /// \name Regulariser R = w·(mean(b²) + mean(α²)) over this expert's f entries each
+  ///@{
+  T regularizer() const {
+    const T f = T(d_ffn());
+    return T(opt_.reg_weight) * (bias_.squaredNorm() / f + alpha_.squaredNorm() / f);
+  }
+  /// Adds scale·∂R/∂α = scale·2w·α/f (and likewise for b) into the gradients
+  /// and returns scale·R. For a whole MoE layer's R over all E×f entries, call
+  /// it on every expert with scale = 1/E and sum (see add_kappa_regularizer_grad).
+  T add_regularizer_grad(T scale = T(1)) {
+    const T g = scale * T(2 * opt_.reg_weight) / T(d_ffn());
+    alpha_grad_ += g * alpha_;
+    bias_grad_ += g * bias_;
+    return scale * regularizer();
+  }
+  ///@}
+
+  /// `w_gate.weight`, `w_up.weight` (f × d), `w_down.weight` (d × f) as in
+  /// SwiGLU, then `kappa_alpha`, `kappa_bias` (1 × f).
+  ParamList<T> params() {
+    ParamList<T> out = mlp_.params();
+    out.push_back(detail::make_param<T>("kappa_alpha", alpha_, alpha_grad_));
+    out.push_back(detail::make_param<T>("kappa_bias", bias_, bias_grad_));
+    return out;
+  }
+  void zero_grad() {
+    mlp_.zero_grad();
+    alpha_grad_.setZero();
+    bias_grad_.setZero();
+  }
+
+  /// The gate/up/down weights (a SwiGLU).
+  SwiGLU<T>& swiglu() { return mlp_; }
+  const SwiGLU<T>& swiglu() const { return mlp_; }
+  auto w_gate() { return mlp_.w_gate(); }
+  auto w_up() { return mlp_.w_up(); }
+  Matrix<T>& w_down() { return mlp_.w_down(); }
+  auto w_gate() const { return mlp_.w_gate(); }
+  auto w_up() const { return mlp_.w_up(); }
+  const Matrix<T>& w_down() const { return mlp_.w_down(); }
+  /// 1 × f: α and b of every gate unit, and their gradients.
+  RowVector<T>& kappa_alpha() { return alpha_; }
+  RowVector<T>& kappa_bias() { return bias_; }
+  const RowVector<T>& kappa_alpha() const { return alpha_; }
+  const RowVector<T>& kappa_bias() const { return bias_; }
+  const RowVector<T>& kappa_alpha_grad() const { return alpha_grad_; }
+  const RowVector<T>& kappa_bias_grad() const { return bias_grad_; }
+
+ private:
+  struct WeightGrads {
+    Eigen::Map<Matrix<T>> gate_up;  ///< 2f × d
+    Eigen::Map<Matrix<T>> down;     ///< d × f
+  };
+  /// SwiGLU exposes its gradient buffers through params() only. Its gate and
+  /// up weights (and gradients) are one 2f × d buffer, gate rows first
+  /// (swiglu.hpp), so the `w_gate.weight` view starts the whole buffer.
+  WeightGrads weight_grads() {
+    const ParamList<T> p = mlp_.params();
+    return {Eigen::Map<Matrix<T>>(p[0].grad_data, 2 * d_ffn(), d_model()), p[2].grad()};
+  }
+
+  /// One row's κ (into k) and ∂κ/∂u (into dk), both 1 × f, for logit ℓ.
+  template <class K, class DK>
+  void fill_kappa(T logit, K&& k, DK&& dk) const {
+    if (opt_.U == 1.0) {  // ln U = 0: κ ≡ 1 whatever α, b; skip the transcendentals
+      k.setOnes();
+      dk.setZero();
+      return;
+    }
+    const T ln_u = T(std::log(opt_.U)), k_hi = T(opt_.U), k_lo = T(1.0 / opt_.U);
+    const T s = T(opt_.c) * logit;
+    // τ = tanh(u), u = b + α·s  (held in dk until ∂κ/∂u replaces it)
+    dk = detail::tanh_array(bias_.array() + s * alpha_.array());
+    // κ = exp(ln U·τ); |τ| ≤ 1, and the clamp absorbs exp's last-ulp rounding so κ ∈ [1/U, U] exactly
+    k = (ln_u * dk).exp().min(k_hi).max(k_lo);
+    // ∂κ/∂u = κ·ln U·(1 − τ²)
+    dk = k * ln_u * (T(1) - dk.square());
+  }
+
+  SwiGLU<T> mlp_;
+  KappaOptions opt_;
+  RowVector<T> alpha_;       ///< 1 × f: α, init 0
+  RowVector<T> bias_;        ///< 1 × f: b, init 0
+  RowVector<T> alpha_grad_;  ///< 1 × f
+  RowVector<T> bias_grad_;   ///< 1 × f
+};
+
+/// Sets U on every routed expert of an MoE layer (`MoEFFN<T, KappaSwiGLU<T>>`).
+template <class MoE>
+void set_kappa_U(MoE& moe, double U) {
+  for (auto& e : moe.experts()) e.set_U(U);
+}
+
+/// The layer-wide regulariser w·(mean(b²) + mean(α²)), means over all E×f
+/// entries (the mean of the experts' regularizer()), with its gradient added
+/// into every expert's α and b. Add the returned value to the loss.
+template <class MoE>
+auto add_kappa_regularizer_grad(MoE& moe) {
+  using T = typename MoE::Scalar;
+  auto& experts = moe.experts();
+  const T scale = experts.empty() ? T(0) : T(1) / T(experts.size());
+  T total = T(0);
+  for (auto& e : experts) total += e.add_regularizer_grad(scale);
+  return total;
+}
+
+}  // namespace apex
