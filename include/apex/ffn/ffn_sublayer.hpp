@@ -1,0 +1,274 @@
+#pragma once
+/// \file ffn_sublayer.hpp
+/// The pre-norm residual FFN sublayer of an APEX-1 block, optionally guarded
+/// by the dynamic skip gate (reference §15, SPEC "Dynamic skip gate"):
+///
+///     y = x + m ⊙ FFN(RMSNorm(x)),   m_t = 1[g(x_t) ≥ τ]   (m ≡ 1 without a gate)
+///
+/// `FFN` is any layer with the library's contract — `SwiGLU<T>`,
+/// `MoEFFN<T, Expert>` (so also κ-SwiGLU MoE). Parameters are named
+/// `norm.weight`, `ffn.…` and `skip_gate.…`.
+///
+/// Two modes, same `y`:
+/// - **training** (with a cache) computes the FFN for every token: the
+///   straight-through estimator needs `F = FFN(RMSNorm(x))` of the skipped
+///   tokens too. Backward treats ∂m/∂g = 1, so
+///   `∂L/∂g_t = Σ_j ∂L/∂y_tj · F_tj`; the FFN and the norm receive the true
+///   gradient `m_t · ∂L/∂y_t` (nothing from skipped tokens).
+/// - **inference** computes the FFN only for kept tokens: it gathers their
+///   normalised rows, runs the FFN on that block (an MoE layer routes only
+///   them) and scatters `x + F` back; skipped rows are copied from `x`.
+///
+/// Both modes run the FFN on the same gathered block of kept rows (training
+/// runs the skipped rows as a second, cache-less block), so the two modes'
+/// `y` are bitwise equal for any deterministic FFN, and a forward with every
+/// token kept is bitwise the ungated sublayer. Without a cache there is no
+/// backward, so both modes then compute as inference does.
+///
+/// Load balancing: the FFN cache of the sublayer holds the kept tokens only,
+/// in both modes, so `observe(cache)` makes an MoE balancer count exactly the
+/// tokens that were routed through it.
+
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "errors.hpp"
+#include "param.hpp"
+#include "rms_norm.hpp"
+#include "skip_gate.hpp"
+#include "types.hpp"
+
+namespace apex {
+
+/// Whether a gated sublayer computes the FFN for skipped tokens (training,
+/// needed by the straight-through estimator) or not (inference).
+enum class SublayerMode { training, inference };
+
+namespace detail {
+namespace sublayer {
+
+template <class F, class = void>
+struct has_d_model : std::false_type {};
+template <class F>
+struct has_d_model<F, std::void_t<decltype(std::declval<const F&>().d_model())>> : std::true_type {};
+
+template <class F, class = void>
+struct has_observe : std::false_type {};
+template <class F>
+struct has_observe<F, std::void_t<decltype(std::declval<F&>().observe(std::declval<const typename F::Cache&>()))>>
+    : std::true_type {};
+
+/// out: rows.size() × d, out_i = m_{rows_i}.
+template <class T>
+Matrix<T> gather(const ConstMatrixRef<T>& m, const std::vector<Index>& rows) {
+  Matrix<T> out(Index(rows.size()), m.cols());
+  for (Index i = 0; i < out.rows(); ++i) out.row(i) = m.row(rows[std::size_t(i)]);
+  return out;
+}
+
+}  // namespace sublayer
+}  // namespace detail
+
+/// `y = x + m ⊙ FFN(RMSNorm(x))` with an optional skip gate; see the file comment.
+template <class T, class FFN>
+class FFNSublayer {
+ public:
+  using Scalar = T;
+  using FFNType = FFN;
+
+  /// Everything one forward leaves behind: the activations backward needs
+  /// (training), the keep decisions and the skip statistics (both modes).
+  struct Cache {
+    SublayerMode mode = SublayerMode::training;
+    Index tokens = 0;                   ///< N
+    std::vector<Index> kept;            ///< ascending indices of the tokens with m = 1
+    typename RMSNorm<T>::Cache norm;    ///< training: all N rows
+    typename SkipGate<T>::Cache gate;   ///< gated only: g for every token (x, z, s in training)
+    typename FFN::Cache ffn;            ///< the FFN on the kept rows only (valid iff ffn_ran)
+    bool ffn_ran = false;               ///< false when no token was kept
+    Matrix<T> f;                        ///< training, gated: N × d, F = FFN(RMSNorm(x)) of every token
+    T penalty = 0;                      ///< λ_skip · mean(g) to add to the loss (0 without a gate)
+
+    Index skipped() const { return tokens - Index(kept.size()); }
+    /// Skipped share of the batch, in [0, 1] (0 for an empty batch).
+    double skip_rate() const { return tokens > 0 ? double(skipped()) / double(tokens) : 0.0; }
+    /// m_t for every token.
+    std::vector<bool> keep_mask() const {
+      std::vector<bool> m(std::size_t(tokens), false);
+      for (Index t : kept) m[std::size_t(t)] = true;
+      return m;
+    }
+  };
+
+  /// The plain pre-norm residual sublayer `x + FFN(RMSNorm(x))`.
+  FFNSublayer(Index d_model, FFN ffn) : norm_(d_model), ffn_(std::move(ffn)) { check_ffn_width(); }
+  /// The gated sublayer; `gate.d_model()` must equal `d_model`.
+  FFNSublayer(Index d_model, FFN ffn, SkipGate<T> gate)
+      : norm_(d_model), ffn_(std::move(ffn)), gate_(std::move(gate)) {
+    check_ffn_width();
+    detail::require_config(gate_->d_model() == d_model, "FFNSublayer",
+                           "skip gate d_model " + std::to_string(gate_->d_model()) + " differs from d_model " +
+                               std::to_string(d_model));
+  }
+
+  Index d_model() const { return norm_.d_model(); }
+  bool gated() const { return gate_.has_value(); }
+  /// The mode `forward(x, cache)` uses; training by default.
+  SublayerMode mode() const { return mode_; }
+  void set_mode(SublayerMode mode) { mode_ = mode; }
+
+  /// x: N × d → y: N × d, in the layer's mode.
+  Matrix<T> forward(const ConstMatrixRef<T>& x, Cache* cache = nullptr) const { return forward(x, mode_, cache); }
+
+  /// x: N × d → y: N × d, in `mode`.
+  Matrix<T> forward(const ConstMatrixRef<T>& x, SublayerMode mode, Cache* cache) const {
+    detail::check_shape("FFNSublayer::forward", "x", x, detail::kAny, d_model());
+    const Index n = x.rows();
+    const bool train = cache != nullptr && mode == SublayerMode::training;
+
+    // Keep decisions. Ungated: every token.
+    std::vector<Index> kept, skipped;
+    Vector<T> g;  // N
+    if (gate_) {
+      g = gate_->forward(x, train ? &cache->gate : nullptr);
+      for (Index t = 0; t < n; ++t) (gate_->keep(g(t)) ? kept : skipped).push_back(t);
+    } else {
+      kept.resize(std::size_t(n));
+      for (Index t = 0; t < n; ++t) kept[std::size_t(t)] = t;
+    }
+    const bool all_kept = skipped.empty();
+    const Index n_kept = Index(kept.size());
+
+    typename FFN::Cache* ffn_cache = cache ? &cache->ffn : nullptr;
+    Matrix<T> y;  // N × d
+    Matrix<T> f;  // training, gated: N × d
+    if (n_kept == 0 && !train) {
+      y = x;  // every token skipped: no norm, no FFN
+    } else {
+      const Matrix<T> xn = norm_.forward(x, train ? &cache->norm : nullptr);  // N × d
+      if (all_kept) {
+        // The ungated computation exactly: one FFN call on all rows.
+        Matrix<T> fk = ffn_.forward(xn, ffn_cache);  // N × d
+        y = x + fk;
+        if (train && gate_) f = std::move(fk);
+      } else {
+        // FFN on the gathered kept rows: the same call in both modes.
+        Matrix<T> fk;  // n_kept × d
+        if (n_kept > 0) fk = ffn_.forward(detail::sublayer::gather<T>(xn, kept), ffn_cache);
+        y = x;
+        for (Index i = 0; i < n_kept; ++i) {
+          const Index t = kept[std::size_t(i)];
+          y.row(t) = x.row(t) + fk.row(i);
+        }
+        if (train) {
+          // Skipped rows: only F's value is needed (∂y/∂F = m = 0 there), so no cache.
+          const Matrix<T> fs = ffn_.forward(detail::sublayer::gather<T>(xn, skipped));  // n_skip × d
+          f.resize(n, d_model());
+          for (Index i = 0; i < n_kept; ++i) f.row(kept[std::size_t(i)]) = fk.row(i);
+          for (Index i = 0; i < Index(skipped.size()); ++i) f.row(skipped[std::size_t(i)]) = fs.row(i);
+        }
+      }
+    }
+
+    if (cache) {
+      cache->mode = train ? SublayerMode::training : SublayerMode::inference;
+      cache->tokens = n;
+      cache->kept = std::move(kept);
+      cache->ffn_ran = n_kept > 0;
+      cache->f = std::move(f);
+      if (gate_) {
+        if (!train) {
+          cache->gate = {};
+          cache->gate.g = std::move(g);  // training: the gate cache holds g already
+        }
+        cache->penalty = gate_->penalty_value(cache->gate.g);
+      } else {
+        cache->penalty = T(0);
+      }
+      if (!train) cache->norm = {};
+    }
+    return y;
+  }
+
+  /// dy: N × d → dx: N × d; adds into every parameter gradient, including the
+  /// straight-through gradient of the gate and the penalty's. Needs a cache
+  /// filled by a training-mode forward (ValueError otherwise).
+  Matrix<T> backward(const ConstMatrixRef<T>& dy, const Cache& cache) {
+    if (cache.mode != SublayerMode::training)
+      throw ValueError(
+          "FFNSublayer::backward: argument 'cache' was filled by an inference-mode forward, expected a "
+          "training-mode one (inference does not compute the FFN of skipped tokens)");
+    detail::check_shape("FFNSublayer::backward", "dy", dy, cache.tokens, d_model());
+    const Index n = cache.tokens;
+    const Index n_kept = Index(cache.kept.size());
+
+    // y = x + m ⊙ F(RMSNorm(x)):  ∂L/∂F_t = m_t · ∂L/∂y_t, the residual passes dy.
+    Matrix<T> dx = dy;  // N × d
+    if (n_kept > 0) {
+      Matrix<T> dxn;  // N × d: ∂L/∂RMSNorm(x)
+      if (n_kept == n) {
+        dxn = ffn_.backward(dy, cache.ffn);
+      } else {
+        const Matrix<T> dxk = ffn_.backward(detail::sublayer::gather<T>(dy, cache.kept), cache.ffn);  // n_kept × d
+        dxn = Matrix<T>::Zero(n, d_model());
+        for (Index i = 0; i < n_kept; ++i) dxn.row(cache.kept[std::size_t(i)]) = dxk.row(i);
+      }
+      dx += norm_.backward(dxn, cache.norm);
+    }
+    if (gate_) {
+      // STE, ∂m/∂g = 1:  ∂L/∂g_t = Σ_j ∂L/∂y_tj · F_tj  (the gate adds λ_skip/N itself)
+      const Vector<T> dg = (dy.array() * cache.f.array()).rowwise().sum().matrix();  // N
+      dx += gate_->backward(dg, cache.gate);
+    }
+    return dx;
+  }
+
+  /// Adds the tokens the FFN routed in the forward that filled `cache` — the
+  /// kept tokens only, in either mode — to the FFN's load-balancer counts.
+  /// Exists when `FFN` has `observe(const FFN::Cache&)` (MoEFFN).
+  template <class F = FFN, std::enable_if_t<detail::sublayer::has_observe<F>::value, int> = 0>
+  void observe(const Cache& cache) {
+    if (cache.ffn_ran) ffn_.observe(cache.ffn);
+  }
+
+  /// `norm.weight`, `ffn.…`, then (gated) `skip_gate.w1.weight`, ….
+  ParamList<T> params() {
+    ParamList<T> out;
+    detail::append_prefixed(out, "norm.", norm_.params());
+    detail::append_prefixed(out, "ffn.", ffn_.params());
+    if (gate_) detail::append_prefixed(out, "skip_gate.", gate_->params());
+    return out;
+  }
+  void zero_grad() {
+    norm_.zero_grad();
+    ffn_.zero_grad();
+    if (gate_) gate_->zero_grad();
+  }
+
+  RMSNorm<T>& norm() { return norm_; }
+  const RMSNorm<T>& norm() const { return norm_; }
+  FFN& ffn() { return ffn_; }
+  const FFN& ffn() const { return ffn_; }
+  /// The gate, or nullptr for the ungated sublayer.
+  SkipGate<T>* skip_gate() { return gate_ ? &*gate_ : nullptr; }
+  const SkipGate<T>* skip_gate() const { return gate_ ? &*gate_ : nullptr; }
+
+ private:
+  void check_ffn_width() const {
+    if constexpr (detail::sublayer::has_d_model<FFN>::value) {
+      detail::require_config(ffn_.d_model() == d_model(), "FFNSublayer",
+                             "FFN d_model " + std::to_string(ffn_.d_model()) + " differs from d_model " +
+                                 std::to_string(d_model()));
+    }
+  }
+
+  RMSNorm<T> norm_;
+  FFN ffn_;
+  std::optional<SkipGate<T>> gate_;
+  SublayerMode mode_ = SublayerMode::training;
+};
+
+}  // namespace apex
