@@ -1,0 +1,66 @@
+# PyTorch interop of checkpoints, both directions, live (the committed
+# fixtures in tests/data/ already cover PyTorch → apex-ffn without torch).
+# Included from tests/CMakeLists.txt after apex_ffn_tests is defined.
+#
+#   checkpoint.interop.apex_export      apex_ffn_tests "[export]" saves layers, inputs and outputs
+#   checkpoint.interop.torch_loads_apex tools/torch_reference.py check-dir: PyTorch loads them, ≤ 1e-10
+#   checkpoint.interop.torch_fixtures   tools/torch_reference.py fixtures: fresh PyTorch checkpoints
+#   checkpoint.interop.apex_loads_torch apex_ffn_tests "[import]" on them, ≤ 1e-10
+#
+# Registered only when test_checkpoint.cpp is part of the build and a Python
+# interpreter can `import torch` at configure time (Debian: python3-torch).
+# APEX_FFN_TORCH_PYTHON names the interpreter; empty = search python3 on the
+# PATH, then /usr/bin/python3.
+
+if(NOT "${CMAKE_CURRENT_SOURCE_DIR}/test_checkpoint.cpp" IN_LIST APEX_FFN_TEST_SOURCES)
+  return()
+endif()
+
+set(APEX_FFN_TORCH_PYTHON "" CACHE FILEPATH "Python with torch for the checkpoint interop tests (empty: search)")
+if(NOT APEX_FFN_TORCH_PYTHON AND NOT DEFINED CACHE{APEX_FFN_TORCH_PYTHON_FOUND})
+  find_program(_apex_path_python NAMES python3 NO_CACHE)
+  set(_apex_found "")
+  foreach(_py IN ITEMS "${_apex_path_python}" /usr/bin/python3)
+    if(_py AND EXISTS "${_py}" AND NOT _apex_found)
+      execute_process(COMMAND "${_py}" -c "import torch" RESULT_VARIABLE _rc OUTPUT_QUIET ERROR_QUIET TIMEOUT 120)
+      if(_rc EQUAL 0)
+        set(_apex_found "${_py}")
+      endif()
+    endif()
+  endforeach()
+  set(APEX_FFN_TORCH_PYTHON_FOUND "${_apex_found}" CACHE INTERNAL "Python that imports torch (searched once)")
+endif()
+set(_apex_torch_python "${APEX_FFN_TORCH_PYTHON}")
+if(NOT _apex_torch_python)
+  set(_apex_torch_python "${APEX_FFN_TORCH_PYTHON_FOUND}")
+endif()
+if(NOT _apex_torch_python)
+  message(STATUS "apex-ffn: no Python with torch; checkpoint interop tests not registered")
+  return()
+endif()
+message(STATUS "apex-ffn: checkpoint interop tests use ${_apex_torch_python}")
+
+set(_apex_interop_dir "${CMAKE_CURRENT_BINARY_DIR}/interop")
+set(_apex_torch_ref "${PROJECT_SOURCE_DIR}/tools/torch_reference.py")
+
+add_test(NAME checkpoint.interop.apex_export
+  COMMAND apex_ffn_tests "[export]" --warn NoTests)
+set_tests_properties(checkpoint.interop.apex_export PROPERTIES
+  ENVIRONMENT "APEX_FFN_INTEROP_DIR=${_apex_interop_dir}/from_apex"
+  FIXTURES_SETUP apex_ffn_from_apex LABELS interop)
+
+add_test(NAME checkpoint.interop.torch_loads_apex
+  COMMAND "${_apex_torch_python}" "${_apex_torch_ref}" check-dir "${_apex_interop_dir}/from_apex" --tol 1e-10)
+set_tests_properties(checkpoint.interop.torch_loads_apex PROPERTIES
+  FIXTURES_REQUIRED apex_ffn_from_apex LABELS interop)
+
+add_test(NAME checkpoint.interop.torch_fixtures
+  COMMAND "${_apex_torch_python}" "${_apex_torch_ref}" fixtures "${_apex_interop_dir}/from_torch" --seed-base 1000)
+set_tests_properties(checkpoint.interop.torch_fixtures PROPERTIES
+  FIXTURES_SETUP apex_ffn_from_torch LABELS interop)
+
+add_test(NAME checkpoint.interop.apex_loads_torch
+  COMMAND apex_ffn_tests "[import]" --warn NoTests)
+set_tests_properties(checkpoint.interop.apex_loads_torch PROPERTIES
+  ENVIRONMENT "APEX_FFN_TORCH_DIR=${_apex_interop_dir}/from_torch"
+  FIXTURES_REQUIRED apex_ffn_from_torch LABELS interop)

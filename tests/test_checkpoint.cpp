@@ -1,0 +1,886 @@
+// Checkpoints: the safetensors format byte for byte, dtype conversion (BF16
+// rounding included), strict name/shape/dtype matching, atomic saves under
+// injected failures, malformed files (every class the reader guards against,
+// every truncation, random corruption, the fuzz corpus and its regression
+// inputs), and PyTorch interop in both directions.
+#include <apex/ffn/checkpoint.hpp>
+#include <apex/ffn/moe.hpp>
+#include <apex/ffn/rms_norm.hpp>
+#include <apex/ffn/swiglu.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <csignal>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "fuzz/fuzz_loader.hpp"
+
+using namespace apex;
+namespace fs = std::filesystem;
+namespace st = apex::safetensors;
+using Catch::Matchers::Contains;
+using Bytes = std::vector<std::uint8_t>;
+
+namespace {
+
+const fs::path kTests = fs::path(__FILE__).parent_path();
+
+/// A fresh folder, removed with everything in it at scope exit.
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    static int n = 0;
+    path = fs::temp_directory_path() / ("apex_ckpt_" + std::to_string(::getpid()) + "_" + std::to_string(n++));
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::permissions(path, fs::perms::owner_all, fs::perm_options::add, ec);
+    fs::remove_all(path, ec);
+  }
+  std::string operator/(const std::string& name) const { return (path / name).string(); }
+  std::size_t entries() const { return std::size_t(std::distance(fs::directory_iterator(path), fs::directory_iterator())); }
+};
+
+Bytes read_bytes(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return Bytes(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+void write_bytes(const fs::path& p, const Bytes& b) {
+  std::ofstream f(p, std::ios::binary);
+  f.write(reinterpret_cast<const char*>(b.data()), std::streamsize(b.size()));
+}
+
+/// A file from a header text and a data buffer (no padding added).
+Bytes make_file(const std::string& header, const Bytes& data = {}) {
+  Bytes out(8);
+  st::detail::store_le(out.data(), header.size(), 8);
+  out.insert(out.end(), header.begin(), header.end());
+  out.insert(out.end(), data.begin(), data.end());
+  return out;
+}
+
+Bytes serialise(const ParamList<double>& params, const SaveOptions& o = {}) {
+  st::VectorSink sink;
+  write_checkpoint(sink, params, o);
+  return Bytes(sink.bytes.begin(), sink.bytes.end());
+}
+
+st::Reader open_memory(const Bytes& b) { return st::Reader::from_memory(b.data(), b.size()); }
+
+/// Copies of every parameter value, to prove a rejected load changed nothing.
+template <class T>
+std::vector<Matrix<T>> snapshot(const ParamList<T>& ps) {
+  std::vector<Matrix<T>> out;
+  for (const auto& p : ps) out.push_back(p.value());
+  return out;
+}
+template <class T>
+bool unchanged(const ParamList<T>& ps, const std::vector<Matrix<T>>& before) {
+  for (std::size_t i = 0; i < ps.size(); ++i)
+    if (!(ps[i].value().array() == before[i].array()).all()) return false;
+  return true;
+}
+
+double rel_error(const Matrix<double>& a, const Matrix<double>& b) {
+  const double scale = b.norm();
+  return (a - b).norm() / (scale > 0 ? scale : 1.0);
+}
+
+}  // namespace
+
+// ─────────────────────────────── round trips ──────────────────────────────────
+
+TEMPLATE_TEST_CASE("A checkpoint round-trips a SwiGLU exactly in its own dtype", "[checkpoint]", float, double) {
+  TempDir dir;
+  SwiGLU<TestType> a(5, 7, 1), b(5, 7, 2);
+  REQUIRE(a.w_down() != b.w_down());
+  save_checkpoint(dir / "ffn.safetensors", a.params());
+  const LoadResult r = load_checkpoint(dir / "ffn.safetensors", b.params());
+  CHECK(r.loaded == std::vector<std::string>{"w_gate.weight", "w_up.weight", "w_down.weight"});
+  CHECK(r.missing.empty());
+  CHECK(r.unexpected.empty());
+  CHECK(a.w_gate_up() == b.w_gate_up());
+  CHECK(a.w_down() == b.w_down());
+  const st::Reader file(dir / "ffn.safetensors");
+  for (const auto& t : file.tensors()) CHECK(t.dtype == st::dtype_of<TestType>());
+}
+
+TEST_CASE("The file layout follows the safetensors format", "[checkpoint][format]") {
+  SwiGLU<double> ffn(3, 2, 4);
+  SaveOptions o;
+  o.metadata = {{"format", "pt"}, {"step", "12"}};
+  const Bytes b = serialise(ffn.params(), o);
+  const std::uint64_t n = st::detail::load_le(b.data(), 8);
+  INFO("header length " << n);
+  REQUIRE(8 + n <= b.size());
+  CHECK((8 + n) % 8 == 0);  // data buffer 8-byte aligned
+  const std::string header(b.begin() + 8, b.begin() + 8 + std::ptrdiff_t(n));
+  CHECK(header.front() == '{');
+  const auto close = header.find_last_of('}');
+  CHECK(header.find_first_not_of(' ', close + 1) == std::string::npos);  // padded with spaces only
+  const auto j = nlohmann::json::parse(header);
+  CHECK(j["__metadata__"] == nlohmann::json({{"format", "pt"}, {"step", "12"}}));
+  CHECK(j.size() == 4);
+  // Offsets are relative to the data start, little-endian doubles, in params() order.
+  std::uint64_t expect_begin = 0;
+  for (const auto& p : ffn.params()) {
+    const auto& e = j[p.name];
+    CHECK(e["dtype"] == "F64");
+    CHECK(e["shape"] == nlohmann::json({p.rows, p.cols}));
+    const std::uint64_t begin = e["data_offsets"][0], end = e["data_offsets"][1];
+    CHECK(begin == expect_begin);
+    CHECK(end - begin == std::uint64_t(p.size()) * 8);
+    for (Index i = 0; i < p.size(); ++i) {
+      const std::uint64_t bits = st::detail::load_le(b.data() + 8 + n + begin + 8 * std::uint64_t(i), 8);
+      CHECK(st::detail::bits_to_double(bits) == p.value_data[i]);
+    }
+    expect_begin = end;
+  }
+  CHECK(8 + n + expect_begin == b.size());
+}
+
+TEST_CASE("BF16 saves round to nearest with ties to even", "[checkpoint][bf16]") {
+  using st::detail::double_to_bf16;
+  using st::detail::float_to_bf16;
+  const double ulp8 = std::ldexp(1.0, -8);
+  SECTION("ties and near-ties from float") {
+    CHECK(float_to_bf16(1.0f) == 0x3F80);
+    CHECK(float_to_bf16(float(1 + ulp8)) == 0x3F80);                            // tie, down to even
+    CHECK(float_to_bf16(float(1 + 3 * ulp8)) == 0x3F82);                        // tie, up to even
+    CHECK(float_to_bf16(float(1 + ulp8 + std::ldexp(1.0, -23))) == 0x3F81);   // just above the tie
+    CHECK(float_to_bf16(float(1 + ulp8 - std::ldexp(1.0, -23))) == 0x3F80);   // just below
+    CHECK(float_to_bf16(-0.0f) == 0x8000);
+    CHECK(float_to_bf16(std::numeric_limits<float>::infinity()) == 0x7F80);
+    CHECK(float_to_bf16(-std::numeric_limits<float>::infinity()) == 0xFF80);
+    CHECK(float_to_bf16(std::numeric_limits<float>::max()) == 0x7F80);  // beyond bf16's largest: infinity
+    CHECK(float_to_bf16(st::detail::bf16_to_float(0x7F7F)) == 0x7F7F);  // bf16's largest stays
+    const std::uint16_t nan = float_to_bf16(std::numeric_limits<float>::quiet_NaN());
+    CHECK((nan & 0x7F80) == 0x7F80);
+    CHECK((nan & 0x007F) != 0);
+    // A NaN whose payload sits only in the low 16 bits must not become infinity.
+    CHECK((float_to_bf16(st::detail::bits_to_float(0x7F800001u)) & 0x007F) != 0);
+  }
+  SECTION("doubles are rounded once") {
+    // Double → float → bf16 would round twice: 1 + 2⁻⁸ + 2⁻³⁰ becomes the
+    // float 1 + 2⁻⁸, a bf16 tie that goes down to 1. Rounded once it is above
+    // the tie and goes up.
+    const double d = 1 + ulp8 + std::ldexp(1.0, -30);
+    CHECK(float_to_bf16(float(d)) == 0x3F80);  // the double-rounding answer
+    CHECK(double_to_bf16(d) == 0x3F81);
+    CHECK(double_to_bf16(-d) == 0xBF81);
+    CHECK(double_to_bf16(1 + ulp8) == 0x3F80);
+    CHECK(double_to_bf16(1e300) == 0x7F80);
+    CHECK(double_to_bf16(-1e300) == 0xFF80);
+    CHECK(double_to_bf16(1e-300) == 0x0000);
+    CHECK(double_to_bf16(-1e-300) == 0x8000);
+    CHECK((double_to_bf16(std::nan("")) & 0x7FFF) > 0x7F80);
+  }
+  SECTION("random doubles land on the nearest bf16 and ties go to even") {
+    std::mt19937_64 gen(7);
+    std::uniform_real_distribution<double> mant(-2.0, 2.0);
+    std::uniform_int_distribution<int> expo(-120, 120);
+    for (int i = 0; i < 20000; ++i) {
+      double d = std::ldexp(mant(gen), expo(gen));
+      if (i % 4 == 0) {  // exact ties: a bf16 value plus half its spacing
+        const double c = st::detail::bf16_to_float(double_to_bf16(d));
+        const double half = std::ldexp(1.0, std::ilogb(c) - 8);
+        d = c + half;
+      }
+      const std::uint16_t b = double_to_bf16(d);
+      const double c = st::detail::bf16_to_float(b);
+      const double up = st::detail::bf16_to_float(std::uint16_t(b + 1));
+      const double down = st::detail::bf16_to_float(std::uint16_t(b - 1));
+      INFO("d = " << d << ", bf16 = " << b);
+      REQUIRE(std::fabs(d - c) <= std::fabs(d - up));
+      REQUIRE(std::fabs(d - c) <= std::fabs(d - down));
+      if (std::fabs(d - c) == std::fabs(d - up) || std::fabs(d - c) == std::fabs(d - down)) REQUIRE((b & 1) == 0);
+    }
+  }
+  SECTION("save_checkpoint writes those bits and loading decodes them") {
+    SwiGLU<double> a(4, 3, 9), b(4, 3, 10);
+    SaveOptions o;
+    o.dtype = st::DType::BF16;
+    const Bytes bytes = serialise(a.params(), o);
+    const auto file = open_memory(bytes);
+    const auto& t = file.at("w_down.weight");
+    CHECK(t.dtype == st::DType::BF16);
+    CHECK(t.nbytes() == 2 * 4 * 3);
+    for (Index i = 0; i < 12; ++i) {
+      const auto raw = std::uint16_t(
+          st::detail::load_le(bytes.data() + file.header().data_offset() + t.begin + 2 * std::uint64_t(i), 2));
+      CHECK(raw == double_to_bf16(a.w_down().data()[i]));
+    }
+    load_checkpoint(file, b.params());
+    for (Index i = 0; i < 12; ++i)
+      CHECK(b.w_down().data()[i] == double(st::detail::bf16_to_float(double_to_bf16(a.w_down().data()[i]))));
+  }
+}
+
+TEMPLATE_TEST_CASE("F32 F64 and BF16 tensors load into either scalar type", "[checkpoint]", float, double) {
+  SwiGLU<double> src(3, 2, 5);
+  for (st::DType d : {st::DType::F32, st::DType::F64, st::DType::BF16}) {
+    INFO("on disk " << st::dtype_name(d));
+    SaveOptions o;
+    o.dtype = d;
+    const Bytes bytes = serialise(src.params(), o);
+    SwiGLU<TestType> dst(3, 2, 6);
+    load_checkpoint(open_memory(bytes), dst.params());
+    // Weights are below 1 in magnitude: BF16 keeps 8 significant bits, F32 24;
+    // F64 into double is exact.
+    const bool exact = d == st::DType::F64 && std::is_same_v<TestType, double>;
+    const double tol = d == st::DType::BF16 ? 1.0 / 256 : exact ? 0.0 : 1e-7;
+    CHECK((dst.w_down().template cast<double>() - src.w_down()).cwiseAbs().maxCoeff() <= tol);
+    CHECK((dst.w_gate_up().template cast<double>() - src.w_gate_up()).cwiseAbs().maxCoeff() <= tol);
+  }
+}
+
+// ──────────────────────────── matching a layer ──────────────────────────────
+
+TEST_CASE("Strict loading names missing and unexpected tensors", "[checkpoint][strict]") {
+  SwiGLU<double> a(4, 3, 1), b(4, 3, 2);
+  ParamList<double> renamed = a.params();
+  renamed[1].name = "w_value.weight";  // the file will lack w_up.weight and have w_value.weight
+  const Bytes bytes = serialise(renamed);
+  const auto before = snapshot(b.params());
+
+  SECTION("strict by default") {
+    try {
+      load_checkpoint(open_memory(bytes), b.params());
+      FAIL("no exception");
+    } catch (const FormatError& e) {
+      CHECK_THAT(e.what(), Contains("missing 'w_up.weight'"));
+      CHECK_THAT(e.what(), Contains("unexpected 'w_value.weight'"));
+    }
+    CHECK(unchanged(b.params(), before));
+  }
+  SECTION("extras allowed, missing still rejected") {
+    LoadOptions o;
+    o.allow_unexpected = true;
+    CHECK_THROWS_AS(load_checkpoint(open_memory(bytes), b.params(), o), FormatError);
+    CHECK(unchanged(b.params(), before));
+  }
+  SECTION("both allowed") {
+    LoadOptions o;
+    o.allow_unexpected = o.allow_missing = true;
+    const LoadResult r = load_checkpoint(open_memory(bytes), b.params(), o);
+    CHECK(r.missing == std::vector<std::string>{"w_up.weight"});
+    CHECK(r.unexpected == std::vector<std::string>{"w_value.weight"});
+    CHECK(r.loaded == std::vector<std::string>{"w_gate.weight", "w_down.weight"});
+    CHECK(b.w_gate() == a.w_gate());
+    CHECK(b.w_up() == before[1]);  // left alone
+  }
+  SECTION("a file with extras loads with allow_unexpected") {
+    ParamList<double> more = a.params();
+    RowVector<double> extra = RowVector<double>::LinSpaced(4, 0, 3);
+    more.push_back({"expert_bias", extra.data(), nullptr, 1, 4});
+    const Bytes with_extra = serialise(more);
+    CHECK_THROWS_AS(load_checkpoint(open_memory(with_extra), b.params()), FormatError);
+    LoadOptions o;
+    o.allow_unexpected = true;
+    const LoadResult r = load_checkpoint(open_memory(with_extra), b.params(), o);
+    CHECK(r.unexpected == std::vector<std::string>{"expert_bias"});
+    CHECK(b.w_down() == a.w_down());
+  }
+}
+
+TEST_CASE("Shape mismatches raise ShapeError naming the tensor", "[checkpoint][strict]") {
+  SwiGLU<double> a(4, 6, 1), b(4, 5, 2);
+  const Bytes bytes = serialise(a.params());
+  const auto before = snapshot(b.params());
+  try {
+    load_checkpoint(open_memory(bytes), b.params());
+    FAIL("no exception");
+  } catch (const ShapeError& e) {
+    CHECK_THAT(e.what(), Contains("'w_gate.weight' is [6, 4] in the file, the parameter [5, 4]"));
+    CHECK_THAT(e.what(), Contains("'w_down.weight' is [4, 6] in the file, the parameter [4, 5]"));
+  }
+  CHECK(unchanged(b.params(), before));
+}
+
+TEST_CASE("Integer tensors are not loaded into parameters", "[checkpoint][strict]") {
+  const Bytes b = make_file(R"({"weight":{"dtype":"I32","shape":[3],"data_offsets":[0,12]}})", Bytes(12, 1));
+  RMSNorm<double> norm(3);
+  const auto before = snapshot(norm.params());
+  CHECK_THROWS_WITH(load_checkpoint(open_memory(b), norm.params()), Contains("'weight (I32)'"));
+  CHECK(unchanged(norm.params(), before));
+}
+
+TEST_CASE("One-dimensional tensors load into 1 x n parameters", "[checkpoint][shape]") {
+  RMSNorm<double> a(4), b(4);
+  a.gain() << 1, 2, 3, 4;
+  SECTION("saved 1-D with a shape override") {
+    SaveOptions o;
+    o.shapes = {{"weight", {4}}};
+    const Bytes bytes = serialise(a.params(), o);
+    CHECK(open_memory(bytes).at("weight").shape == std::vector<std::uint64_t>{4});
+    load_checkpoint(open_memory(bytes), b.params());
+    CHECK(b.gain() == a.gain());
+  }
+  SECTION("saved as [1, 4] by default") {
+    const Bytes bytes = serialise(a.params());
+    CHECK(open_memory(bytes).at("weight").shape == std::vector<std::uint64_t>{1, 4});
+    load_checkpoint(open_memory(bytes), b.params());
+    CHECK(b.gain() == a.gain());
+  }
+  SECTION("a column [4, 1] is a different shape") {
+    SaveOptions o;
+    o.shapes = {{"weight", {4, 1}}};
+    CHECK_THROWS_AS(load_checkpoint(open_memory(serialise(a.params(), o)), b.params()), ShapeError);
+  }
+  SECTION("overrides are checked") {
+    SaveOptions o;
+    o.shapes = {{"weight", {5}}};
+    CHECK_THROWS_AS(serialise(a.params(), o), ShapeError);
+    o.shapes = {{"gain", {4}}};
+    CHECK_THROWS_WITH(serialise(a.params(), o), Contains("'gain', which is not a parameter"));
+  }
+  SECTION("Reader::matrix views rank 0 1 and 2") {
+    SaveOptions o;
+    o.shapes = {{"weight", {4}}};
+    const Bytes bytes = serialise(a.params(), o);
+    const Matrix<double> m = open_memory(bytes).matrix<double>("weight");
+    CHECK(m.rows() == 1);
+    CHECK(m == a.gain());
+  }
+}
+
+TEST_CASE("Metadata round-trips", "[checkpoint]") {
+  TempDir dir;
+  SwiGLU<float> ffn(2, 2, 3);
+  SaveOptions o;
+  o.metadata = {{"format", "pt"}, {"apex.config", R"({"d_model": 2})"}, {"note", "ünïcödé"}};
+  save_checkpoint(dir / "m.safetensors", ffn.params(), o);
+  CHECK(load_checkpoint(dir / "m.safetensors", ffn.params()).metadata == o.metadata);
+  CHECK(st::Reader(dir / "m.safetensors").metadata() == o.metadata);
+}
+
+TEST_CASE("Bad names are rejected before anything is written", "[checkpoint]") {
+  TempDir dir;
+  SwiGLU<double> ffn(2, 2, 3);
+  ParamList<double> ps = ffn.params();
+  SECTION("duplicate") {
+    ps[1].name = ps[0].name;
+    CHECK_THROWS_AS(save_checkpoint(dir / "x.safetensors", ps), ValueError);
+    CHECK_THROWS_AS(load_checkpoint(open_memory(serialise(ffn.params())), ps), ValueError);
+  }
+  SECTION("reserved") {
+    ps[0].name = "__metadata__";
+    CHECK_THROWS_AS(save_checkpoint(dir / "x.safetensors", ps), ValueError);
+  }
+  SECTION("not UTF-8") {
+    ps[0].name = "w\xff";
+    CHECK_THROWS_AS(save_checkpoint(dir / "x.safetensors", ps), ValueError);
+  }
+  SECTION("unwritable dtype") {
+    SaveOptions o;
+    o.dtype = st::DType::I64;
+    CHECK_THROWS_AS(save_checkpoint(dir / "x.safetensors", ps, o), ValueError);
+  }
+  CHECK(dir.entries() == 0);
+}
+
+// ─────────────────────────────── atomic saves ─────────────────────────────────
+
+TEST_CASE("Saving replaces the previous checkpoint atomically", "[checkpoint][atomic]") {
+  TempDir dir;
+  const std::string path = dir / "ckpt.safetensors";
+  SwiGLU<double> a(4, 3, 1), b(4, 3, 2), c(4, 3, 3);
+  save_checkpoint(path, a.params());
+  save_checkpoint(path, b.params());
+  load_checkpoint(path, c.params());
+  CHECK(c.w_down() == b.w_down());
+  CHECK(dir.entries() == 1);
+  // A bare file name saves into the working directory's folder ".".
+  const auto cwd = fs::current_path();
+  fs::current_path(dir.path);
+  save_checkpoint("bare.safetensors", a.params());
+  fs::current_path(cwd);
+  CHECK(fs::exists(dir / "bare.safetensors"));
+}
+
+TEST_CASE("A failed save keeps the previous checkpoint and leaves no temporary file", "[checkpoint][atomic]") {
+  TempDir dir;
+  const std::string path = dir / "ckpt.safetensors";
+  SwiGLU<double> old_layer(4, 3, 1);
+  save_checkpoint(path, old_layer.params());
+  const Bytes old_bytes = read_bytes(path);
+
+  SECTION("the writer throws midway") {
+    struct Boom : std::runtime_error {
+      using std::runtime_error::runtime_error;
+    };
+    CHECK_THROWS_AS(st::write_file_atomic(path,
+                                          [](st::ByteSink& out) {
+                                            const Bytes half(100, 0xAB);
+                                            out.write(half.data(), half.size());
+                                            throw Boom("simulated failure");
+                                          }),
+                    Boom);
+  }
+  SECTION("the file system refuses the data (file size limit)") {
+    // RLIMIT_FSIZE makes write() fail with EFBIG, as a full disk fails with
+    // ENOSPC — even for root. SIGXFSZ would kill the process: ignore it.
+    SwiGLU<double> big(64, 128, 2);  // ~200 KB of F64
+    struct rlimit saved {};
+    REQUIRE(::getrlimit(RLIMIT_FSIZE, &saved) == 0);
+    auto* old_handler = std::signal(SIGXFSZ, SIG_IGN);
+    struct rlimit small = saved;
+    small.rlim_cur = 16 * 1024;
+    REQUIRE(::setrlimit(RLIMIT_FSIZE, &small) == 0);
+    bool threw = false;
+    std::string what;
+    try {
+      save_checkpoint(path, big.params());
+    } catch (const FormatError& e) {
+      threw = true;
+      what = e.what();
+    }
+    ::setrlimit(RLIMIT_FSIZE, &saved);
+    std::signal(SIGXFSZ, old_handler);
+    CHECK(threw);
+    CHECK_THAT(what, Contains("cannot write"));
+  }
+  SECTION("the rename fails (the target became a folder)") {
+    const std::string folder = dir / "taken";
+    fs::create_directories(fs::path(folder) / "inside");
+    CHECK_THROWS_AS(save_checkpoint(folder, old_layer.params()), FormatError);
+    CHECK(fs::is_directory(folder));
+    fs::remove_all(folder);
+  }
+  CHECK(read_bytes(path) == old_bytes);
+  CHECK(dir.entries() == 1);
+}
+
+TEST_CASE("Saving into an unwritable or missing folder raises FormatError", "[checkpoint][atomic]") {
+  SwiGLU<double> ffn(2, 2, 1);
+  CHECK_THROWS_WITH(save_checkpoint("/nonexistent-apex-folder/x.safetensors", ffn.params()),
+                    Contains("cannot create a temporary file"));
+  // /proc/self exists and takes no new files, whoever we are (root included).
+  CHECK_THROWS_AS(save_checkpoint("/proc/self/x.safetensors", ffn.params()), FormatError);
+  CHECK_THROWS_AS(save_checkpoint("", ffn.params()), FormatError);
+  if (::geteuid() != 0) {  // permission bits do not stop root
+    TempDir dir;
+    fs::permissions(dir.path, fs::perms::owner_read | fs::perms::owner_exec);
+    CHECK_THROWS_AS(save_checkpoint(dir / "x.safetensors", ffn.params()), FormatError);
+    fs::permissions(dir.path, fs::perms::owner_all);
+    CHECK(dir.entries() == 0);
+  }
+}
+
+// ───────────────────────────────── malformed files ────────────────────────────
+
+namespace {
+
+struct Bad {
+  const char* what;
+  Bytes bytes;
+  const char* message;  // a piece of the expected FormatError message
+};
+
+std::string nested(int depth) { return std::string(std::size_t(depth), '[') + std::string(std::size_t(depth), ']'); }
+
+std::vector<Bad> malformed_files() {
+  const std::string ok_entry = R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]})";
+  const Bytes eight(8, 0);
+  Bytes huge_len(16, ' ');
+  st::detail::store_le(huge_len.data(), std::uint64_t(1) << 63, 8);
+  Bytes over_cap(16, ' ');
+  st::detail::store_le(over_cap.data(), 200'000'000, 8);
+  Bytes beyond(16, ' ');
+  st::detail::store_le(beyond.data(), 9, 8);
+  return {
+      {"empty file", {}, "fewer than the 8-byte header length"},
+      {"7 bytes", Bytes(7, 0), "fewer than the 8-byte header length"},
+      {"header length 2^63", huge_len, "more than the limit"},
+      {"header length over the 100 MB cap", over_cap, "more than the limit"},
+      {"header length beyond the file", beyond, "has only 8 bytes after the length"},
+      {"zero-length header", make_file(""), "does not start with '{'"},
+      {"header not starting with {", make_file(" {}"), "does not start with '{'"},
+      {"not JSON", make_file("{nope}"), "not valid JSON"},
+      {"trailing garbage", make_file("{}x"), "not valid JSON"},
+      {"truncated JSON", make_file(R"({"a":{"dtype":"F32")"), "not valid JSON"},
+      {"non-UTF-8 name", make_file("{\"\xff\xfe\":{}}"), "not valid JSON"},
+      {"overlong UTF-8", make_file("{\"\xc0\xaf\":{}}"), "not valid JSON"},
+      {"lone surrogate", make_file(R"({"\ud800":{}})"), "not valid JSON"},
+      {"value without a key", make_file("{" + nested(1) + "}"), "not valid JSON"},
+      {"deep nesting in metadata", make_file(R"({"__metadata__":)" + nested(100000) + "}"), "array where"},
+      {"deep nesting of objects", make_file(R"({"a":{"shape":{"c":{}}}})"), "deeper than the format allows"},
+      {"duplicate tensor", make_file("{" + ok_entry + "," + ok_entry + "}", eight), "repeats the key 'a'"},
+      {"duplicate field", make_file(R"({"a":{"dtype":"F32","dtype":"F64","shape":[2],"data_offsets":[0,8]}})", eight),
+       "repeats the key 'dtype'"},
+      {"unknown field", make_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":1}})", eight),
+       "unknown field 'x'"},
+      {"missing dtype", make_file(R"({"a":{"shape":[2],"data_offsets":[0,8]}})", eight), "has no 'dtype'"},
+      {"missing shape", make_file(R"({"a":{"dtype":"F32","data_offsets":[0,8]}})", eight), "has no 'shape'"},
+      {"missing offsets", make_file(R"({"a":{"dtype":"F32","shape":[2]}})", eight), "has no 'data_offsets'"},
+      {"tensor not an object", make_file(R"({"a":3})"), "not a JSON object"},
+      {"unknown dtype", make_file(R"({"a":{"dtype":"F31","shape":[2],"data_offsets":[0,8]}})", eight), "unknown or unsupported dtype"},
+      {"lower-case dtype", make_file(R"({"a":{"dtype":"f32","shape":[2],"data_offsets":[0,8]}})", eight), "unknown or unsupported dtype"},
+      {"sub-byte dtype", make_file(R"({"a":{"dtype":"F4","shape":[16],"data_offsets":[0,8]}})", eight), "unknown or unsupported dtype"},
+      {"dtype not a string", make_file(R"({"a":{"dtype":4,"shape":[2],"data_offsets":[0,8]}})", eight), "unknown or unsupported dtype"},
+      {"negative dimension", make_file(R"({"a":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", eight), "non-negative integer"},
+      {"fractional dimension", make_file(R"({"a":{"dtype":"F32","shape":[2.0],"data_offsets":[0,8]}})", eight), "non-negative integer"},
+      {"dimension as a string", make_file(R"({"a":{"dtype":"F32","shape":["2"],"data_offsets":[0,8]}})", eight), "non-negative integer"},
+      {"dimension beyond 2^64", make_file(R"({"a":{"dtype":"F32","shape":[18446744073709551616],"data_offsets":[0,8]}})", eight),
+       "non-negative integer"},
+      {"dimension beyond 2^63", make_file(R"({"a":{"dtype":"U8","shape":[9223372036854775808],"data_offsets":[0,8]}})", eight),
+       "beyond 2^63 - 1"},
+      {"element count overflows", make_file(R"({"a":{"dtype":"F32","shape":[4294967296,4294967296,2],"data_offsets":[0,8]}})", eight),
+       "element count overflows"},
+      {"byte size overflows", make_file(R"({"a":{"dtype":"F64","shape":[4611686018427387904],"data_offsets":[0,8]}})", eight),
+       "byte size overflows"},
+      {"huge declared size", make_file(R"({"a":{"dtype":"F64","shape":[1000000000000],"data_offsets":[0,8000000000000]}})", eight),
+       "ends at byte 8000000000000"},
+      {"shape not an array", make_file(R"({"a":{"dtype":"F32","shape":2,"data_offsets":[0,8]}})", eight), "not an array"},
+      {"200-digit dimension", make_file(R"({"a":{"dtype":"F32","shape":[)" + std::string(200, '1') + R"(],"data_offsets":[0,8]}})", eight),
+       "non-negative integer"},
+      {"rank above 64", make_file(R"({"a":{"dtype":"U8","shape":[)" + [] {
+                                   std::string s = "1";
+                                   for (int i = 0; i < 70; ++i) s += ",1";
+                                   return s;
+                                 }() + R"(],"data_offsets":[0,1]}})", Bytes(1, 0)),
+       "array longer than 64"},
+      {"three offsets", make_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8,8]}})", eight), "[begin, end]"},
+      {"end before begin", make_file(R"({"a":{"dtype":"F32","shape":[0],"data_offsets":[8,0]}})", eight), "end < begin"},
+      {"size disagrees with shape", make_file(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", eight), "needs 12"},
+      {"offset past the data", make_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", eight), "belong to no tensor"},
+      {"end past the data", make_file(R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", eight), "ends at byte 16"},
+      {"overlapping tensors",
+       make_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", eight),
+       "overlaps"},
+      {"gap between tensors",
+       make_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[2],"data_offsets":[6,8]}})", eight),
+       "belong to no tensor"},
+      {"data not fully covered", make_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", eight),
+       "cover 4 bytes of a 8-byte"},
+      {"metadata not an object", make_file(R"({"__metadata__":"x"})"), "'__metadata__' is not a JSON object"},
+      {"metadata value not a string", make_file(R"({"__metadata__":{"k":1}})"), "is not a string"},
+      {"metadata value an object", make_file(R"({"__metadata__":{"k":{}}})"), "deeper than the format allows"},
+      {"comments", make_file(R"({/*c*/})"), "not valid JSON"},
+  };
+}
+
+}  // namespace
+
+TEST_CASE("Malformed files raise FormatError", "[checkpoint][malformed]") {
+  for (const Bad& bad : malformed_files()) {
+    INFO(bad.what);
+    try {
+      open_memory(bad.bytes);
+      FAIL_CHECK("accepted");
+    } catch (const FormatError& e) {
+      CHECK_THAT(e.what(), Contains(bad.message));
+    }
+    // The same through the file reader.
+    TempDir dir;
+    write_bytes(dir.path / "bad.safetensors", bad.bytes);
+    SwiGLU<double> ffn(2, 2, 1);
+    CHECK_THROWS_AS(load_checkpoint(dir / "bad.safetensors", ffn.params()), FormatError);
+  }
+}
+
+TEST_CASE("Edge cases the format allows are accepted", "[checkpoint][malformed]") {
+  // Scalars, empty tensors, zero dimensions, unused dtypes, metadata alone.
+  const Bytes b = make_file(
+      R"({"__metadata__":{},"s":{"dtype":"F64","shape":[],"data_offsets":[0,8]},)"
+      R"("e":{"dtype":"F32","shape":[0,5],"data_offsets":[8,8]},"i":{"dtype":"I64","shape":[1],"data_offsets":[8,16]}})"
+      "   ",
+      Bytes(16, 0));
+  const auto file = open_memory(b);
+  CHECK(file.tensors().size() == 3);
+  CHECK(file.matrix<double>("s").size() == 1);
+  CHECK(file.at("e").numel() == 0);
+  CHECK_THROWS_AS(file.matrix<double>("i"), FormatError);  // not a float type
+  CHECK_THROWS_AS(file.at("nope"), FormatError);
+  CHECK(open_memory(make_file("{}")).tensors().empty());
+}
+
+TEST_CASE("The header length is checked against the cap before any allocation", "[checkpoint][malformed]") {
+  SwiGLU<double> ffn(8, 8, 1);
+  const Bytes good = serialise(ffn.params());
+  const std::uint64_t n = st::detail::load_le(good.data(), 8);
+  st::Limits tight;
+  tight.max_header_bytes = n - 1;
+  CHECK_THROWS_WITH(st::Reader::from_memory(good.data(), good.size(), tight), Contains("more than the limit"));
+  tight.max_header_bytes = n;
+  CHECK_NOTHROW(st::Reader::from_memory(good.data(), good.size(), tight));
+}
+
+TEST_CASE("Every truncation of a valid file is rejected", "[checkpoint][malformed]") {
+  SwiGLU<double> ffn(3, 2, 1);
+  SaveOptions o;
+  o.metadata = {{"k", "v"}};
+  const Bytes good = serialise(ffn.params(), o);
+  REQUIRE_NOTHROW(open_memory(good));
+  for (std::size_t len = 0; len < good.size(); ++len) {
+    INFO("length " << len);
+    CHECK_THROWS_AS(st::Reader::from_memory(good.data(), len), FormatError);
+  }
+  // A file that shrinks after it was opened is caught when the data are read.
+  TempDir dir;
+  const std::string path = dir / "shrinks.safetensors";
+  write_bytes(path, good);
+  const st::Reader file(path);
+  fs::resize_file(path, good.size() - 4);
+  SwiGLU<double> other(3, 2, 2);
+  CHECK_THROWS_WITH(load_checkpoint(file, other.params()), Contains("ended early"));
+}
+
+TEST_CASE("Random corruptions only ever raise library errors", "[checkpoint][malformed]") {
+  SwiGLU<double> ffn(3, 2, 1);
+  SaveOptions o;
+  o.metadata = {{"format", "pt"}};
+  o.dtype = st::DType::BF16;
+  const Bytes good = serialise(ffn.params(), o);
+  std::mt19937_64 gen(2024);
+  int accepted = 0, rejected = 0;
+  for (int i = 0; i < 3000; ++i) {
+    Bytes b = good;
+    const int edits = 1 + int(gen() % 4);
+    for (int e = 0; e < edits; ++e) {
+      const std::size_t at = gen() % b.size();
+      switch (gen() % 4) {
+        case 0: b[at] = std::uint8_t(gen()); break;                                  // overwrite
+        case 1: b[at] ^= std::uint8_t(1u << (gen() % 8)); break;                      // bit flip
+        case 2: b.insert(b.begin() + std::ptrdiff_t(at), std::uint8_t(gen())); break;  // insert
+        default: b.erase(b.begin() + std::ptrdiff_t(at)); break;                     // delete
+      }
+    }
+    try {
+      fuzz::exercise(b.data(), b.size());
+      ++accepted;
+    } catch (const Error&) {
+      ++rejected;
+    }  // anything else propagates and fails the test
+  }
+  INFO(accepted << " accepted, " << rejected << " rejected");
+  CHECK(accepted > 0);  // data-only flips stay valid files
+  CHECK(rejected > 0);
+}
+
+TEST_CASE("The fuzz corpus and regression inputs replay safely", "[checkpoint][fuzz]") {
+  std::size_t files = 0;
+  for (const char* sub : {"fuzz/corpus", "fuzz/regressions"}) {
+    const fs::path d = kTests / sub;
+    REQUIRE(fs::is_directory(d));
+    for (const auto& entry : fs::directory_iterator(d)) {
+      if (!entry.is_regular_file() || entry.path().filename().string().front() == '.') continue;
+      INFO(entry.path().string());
+      const Bytes b = read_bytes(entry.path());
+      try {
+        fuzz::exercise(b.data(), b.size());
+      } catch (const Error&) {
+      }
+      ++files;
+    }
+  }
+  CHECK(files >= 10);
+}
+
+// ──────────────────────────────── PyTorch interop ─────────────────────────────
+
+namespace {
+
+struct IO {
+  Matrix<double> x, y;
+};
+IO read_io(const std::string& path) {
+  const st::Reader f(path);
+  return {f.matrix<double>("x"), f.matrix<double>("y")};
+}
+
+/// The directory of PyTorch-written fixtures: the committed ones, plus a
+/// freshly generated set when CTest's interop fixture provides one.
+std::vector<fs::path> torch_dirs() {
+  std::vector<fs::path> dirs{kTests / "data"};
+  if (const char* d = std::getenv("APEX_FFN_TORCH_DIR")) dirs.emplace_back(d);
+  return dirs;
+}
+
+}  // namespace
+
+TEST_CASE("A SwiGLU checkpoint written by PyTorch reproduces PyTorch's output", "[checkpoint][interop][import]") {
+  for (const fs::path& dir : torch_dirs()) {
+    const std::string weights = (dir / "swiglu_f64.safetensors").string();
+    INFO(weights);
+    REQUIRE(fs::exists(weights));
+    const st::Reader file(weights);
+    const auto config = nlohmann::json::parse(file.metadata().at("apex.config"));
+    REQUIRE(config["layer"] == "SwiGLU");
+    SwiGLU<double> ffn(config["d_model"].get<Index>(), config["d_ffn"].get<Index>(), std::uint64_t(0));
+    load_checkpoint(file, ffn.params());
+    const IO io = read_io((dir / "swiglu_f64_io.safetensors").string());
+    const double err = rel_error(ffn.forward(io.x), io.y);
+    INFO("relative error " << err);
+    CHECK(err <= 1e-10);
+  }
+}
+
+TEST_CASE("A SwiGLU checkpoint saved here loads into PyTorch", "[checkpoint][interop][export]") {
+  // With APEX_FFN_INTEROP_DIR set (CTest's interop fixture) the files stay
+  // there for tools/torch_reference.py check; otherwise they are verified
+  // here and removed.
+  TempDir tmp;
+  const char* env = std::getenv("APEX_FFN_INTEROP_DIR");
+  const fs::path dir = env ? fs::path(env) : tmp.path;
+  fs::create_directories(dir);
+  SwiGLU<double> ffn(6, 10, 77);
+  const Matrix<double> x = Matrix<double>::Random(5, 6);
+  const Matrix<double> y = ffn.forward(x);
+  SaveOptions o;
+  o.metadata = {{"format", "pt"}, {"apex.config", R"({"layer": "SwiGLU", "d_model": 6, "d_ffn": 10})"}};
+  save_checkpoint((dir / "apex_swiglu_f64.safetensors").string(), ffn.params(), o);
+  st::save<double>((dir / "apex_swiglu_f64_io.safetensors").string(),
+                   {{"x", {5, 6}, x.data()}, {"y", {5, 6}, y.data()}}, st::DType::F64, {{"format", "pt"}});
+  SwiGLU<double> back(6, 10, 1);
+  load_checkpoint((dir / "apex_swiglu_f64.safetensors").string(), back.params());
+  CHECK(rel_error(back.forward(read_io((dir / "apex_swiglu_f64_io.safetensors").string()).x), y) == 0.0);
+}
+
+namespace {
+
+/// The MoE's parameters plus its balancing bias, as PyTorch's state_dict
+/// holds them (`expert_bias` is a buffer there). `bias` is the staging copy:
+/// after a load, hand it to the balancer.
+template <class T>
+ParamList<T> moe_state(MoEFFN<T>& moe, RowVector<T>& bias) {
+  bias = moe.balancer().bias();
+  ParamList<T> state = moe.params();
+  state.push_back({"expert_bias", bias.data(), nullptr, 1, bias.cols()});
+  return state;
+}
+
+MoEConfig moe_config(const nlohmann::json& c) {
+  REQUIRE(c["layer"] == "MoEFFN");
+  MoEConfig cfg;
+  cfg.d_model = c["d_model"];
+  cfg.d_ffn = c["d_ffn"];
+  cfg.n_experts = c["n_experts"];
+  cfg.n_active = c["n_active"];
+  cfg.n_shared = c["n_shared"];
+  cfg.weights_from_unbiased = c["weights_from_unbiased"];
+  return cfg;
+}
+
+nlohmann::json config_json(const MoEConfig& c) {
+  return {{"layer", "MoEFFN"},       {"d_model", c.d_model},     {"d_ffn", c.d_ffn},
+          {"n_experts", c.n_experts}, {"n_active", c.n_active},   {"n_shared", c.n_shared},
+          {"weights_from_unbiased", c.weights_from_unbiased}};
+}
+
+/// Smallest gap between the K-th and (K+1)-th routing score over tokens:
+/// far from 0, rounding differences between implementations cannot change
+/// which experts are selected.
+double routing_margin(MoEFFN<double>& moe, const Matrix<double>& x) {
+  const Matrix<double> scores =
+      (x * moe.router().weight().transpose()).rowwise() + moe.balancer().bias();  // N × E
+  const Index k = moe.config().n_active;
+  if (k == scores.cols()) return 1.0;
+  double margin = 1e300;
+  for (Index t = 0; t < scores.rows(); ++t) {
+    std::vector<double> s(scores.row(t).data(), scores.row(t).data() + scores.cols());
+    std::sort(s.rbegin(), s.rend());
+    margin = std::min(margin, s[std::size_t(k - 1)] - s[std::size_t(k)]);
+  }
+  return margin;
+}
+
+}  // namespace
+
+TEST_CASE("MoE checkpoints written by PyTorch reproduce PyTorch's output", "[checkpoint][interop][import][moe]") {
+  for (const fs::path& dir : torch_dirs()) {
+    for (const char* name : {"moe_f64", "moe_f32", "moe_bf16", "moe_unbiased_f64"}) {
+      const std::string weights = (dir / (std::string(name) + ".safetensors")).string();
+      INFO(weights);
+      REQUIRE(fs::exists(weights));
+      const st::Reader file(weights);
+      const MoEConfig cfg = moe_config(nlohmann::json::parse(file.metadata().at("apex.config")));
+      const IO io = read_io((dir / (std::string(name) + "_io.safetensors")).string());
+
+      MoEFFN<double> moe(cfg, std::uint64_t(0));
+      // The balancing bias is state, not a parameter: a strict load of
+      // params() alone names it as unexpected.
+      CHECK_THROWS_WITH(load_checkpoint(file, moe.params()), Contains("unexpected 'expert_bias'"));
+      RowVector<double> bias;
+      const ParamList<double> state = moe_state(moe, bias);
+      load_checkpoint(file, state);
+      moe.balancer().set_bias(bias);
+      CHECK(bias.cwiseAbs().maxCoeff() > 0);
+      const double err = rel_error(moe.forward(io.x), io.y);
+      INFO("double: relative error " << err);
+      CHECK(err <= 1e-10);
+
+      // The same file into a float layer.
+      MoEFFN<float> moe32(cfg, std::uint64_t(0));
+      RowVector<float> bias32;
+      load_checkpoint(file, moe_state(moe32, bias32));
+      moe32.balancer().set_bias(bias32);
+      const Matrix<float> x32 = io.x.cast<float>();
+      const double err32 = rel_error(moe32.forward(x32).cast<double>(), io.y);
+      INFO("float: relative error " << err32);
+      CHECK(err32 <= 1e-5);
+    }
+  }
+}
+
+TEST_CASE("MoE checkpoints saved here load into PyTorch", "[checkpoint][interop][export][moe]") {
+  TempDir tmp;
+  const char* env = std::getenv("APEX_FFN_INTEROP_DIR");
+  const fs::path dir = env ? fs::path(env) : tmp.path;
+  fs::create_directories(dir);
+
+  MoEConfig cfg;
+  cfg.d_model = 8;
+  cfg.d_ffn = 12;
+  cfg.n_experts = 5;
+  cfg.n_active = 2;
+  cfg.n_shared = 1;
+  MoEFFN<double> moe(cfg, std::uint64_t(42));
+  RowVector<double> b(5);
+  b << 0.1, -0.05, 0.0, 0.02, -0.2;
+  moe.balancer().set_bias(b);
+  Rng rng(43);
+  Matrix<double> x(7, 8);
+  fill_uniform(x, rng, 1.5);
+  REQUIRE(routing_margin(moe, x) > 1e-6);
+
+  for (st::DType dtype : {st::DType::F64, st::DType::BF16}) {
+    const std::string stem = std::string("apex_moe_") + (dtype == st::DType::F64 ? "f64" : "bf16");
+    INFO(stem);
+    RowVector<double> bias;
+    SaveOptions o;
+    o.dtype = dtype;
+    o.metadata = {{"format", "pt"}, {"apex.config", config_json(cfg).dump()}};
+    o.shapes = {{"expert_bias", {std::uint64_t(cfg.n_experts)}}};  // a 1-D buffer in PyTorch
+    save_checkpoint((dir / (stem + ".safetensors")).string(), moe_state(moe, bias), o);
+
+    // The output PyTorch must reproduce is that of the weights as stored
+    // (BF16 rounds them), so it is computed from a reloaded layer.
+    MoEFFN<double> stored(cfg, std::uint64_t(1));
+    RowVector<double> stored_bias;
+    const LoadResult r = load_checkpoint((dir / (stem + ".safetensors")).string(), moe_state(stored, stored_bias));
+    CHECK(r.loaded.size() == 1 + 3 * std::size_t(cfg.n_experts + cfg.n_shared) + 1);
+    stored.balancer().set_bias(stored_bias);
+    REQUIRE(routing_margin(stored, x) > 1e-6);
+    const Matrix<double> y = stored.forward(x);
+    if (dtype == st::DType::F64) CHECK(rel_error(y, moe.forward(x)) == 0.0);
+    if (dtype == st::DType::BF16) CHECK(rel_error(y, moe.forward(x)) < 1e-2);
+    st::save<double>((dir / (stem + "_io.safetensors")).string(), {{"x", {7, 8}, x.data()}, {"y", {7, 8}, y.data()}},
+                     st::DType::F64, {{"format", "pt"}});
+  }
+}
