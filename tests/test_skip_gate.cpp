@@ -4,6 +4,8 @@
 // differences, the compute penalty, and a small training run in which the
 // gate learns which tokens need the FFN.
 #include <apex/ffn/ffn_sublayer.hpp>
+#include <apex/ffn/kappa_swiglu.hpp>
+#include <apex/ffn/moe.hpp>
 #include <apex/ffn/skip_gate.hpp>
 #include <apex/ffn/swiglu.hpp>
 
@@ -363,6 +365,16 @@ TEST_CASE("inference computes the FFN only for kept rows", "[skip_gate][sublayer
 
 namespace {
 
+/// The experts every token chose, for an MoE cache; nothing for a dense FFN.
+template <class C>
+auto routing_key(const C& c, int) -> decltype(c.routing.experts, std::vector<Index>()) {
+  return std::vector<Index>(c.routing.experts.data(), c.routing.experts.data() + c.routing.experts.size());
+}
+template <class C>
+std::vector<Index> routing_key(const C&, long) {
+  return {};
+}
+
 /// Gradient checks of a gated sublayer at a point where every gate is at
 /// least `margin` (in logit) from τ, so no decision flips under ±ε.
 template <class Layer>
@@ -381,9 +393,21 @@ void check_sublayer_gradients(Layer& layer, Matrix<double> x, const Matrix<doubl
   // The STE's surrogate: y = x + (m₀ + g − g₀)·F, with m₀ and g₀ frozen at
   // the point. Its gradient is what backward computes, for every parameter
   // and the input; its value at the point is the layer's.
+  using FFNCache = typename Layer::FFNType::Cache;
+  std::vector<Index> routing0;
+  {
+    FFNCache fc;
+    layer.ffn().forward(layer.norm().forward(x), &fc);
+    routing0 = routing_key(fc, 0);
+  }
+  Index flips = 0;  // keep decisions or top-K choices that changed under ±ε
   auto surrogate = [&] {
-    const Matrix<double> f = layer.ffn().forward(layer.norm().forward(x));
+    FFNCache fc;
+    const Matrix<double> f = layer.ffn().forward(layer.norm().forward(x), &fc);
+    if (routing_key(fc, 0) != routing0) ++flips;
     const Vector<double> g = gate.forward(x);
+    for (Index t = 0; t < n; ++t)
+      if (gate.keep(g(t)) != m0[std::size_t(t)]) ++flips;
     Matrix<double> ys = x;
     for (Index t = 0; t < n; ++t) ys.row(t) += ((m0[std::size_t(t)] ? 1.0 : 0.0) + g(t) - g0(t)) * f.row(t);
     return dot_all(ys, r) + gate.penalty_value(g);
@@ -395,7 +419,6 @@ void check_sublayer_gradients(Layer& layer, Matrix<double> x, const Matrix<doubl
   // The real layer (hard mask) for everything the STE does not touch: its
   // finite differences must match backward for the norm and FFN weights, and
   // for the input once the gate's path is taken out of dx.
-  Index flips = 0;
   auto real = [&] {
     Cache c;
     const Matrix<double> yr = layer.forward(x, SublayerMode::training, &c);
@@ -599,4 +622,202 @@ TEST_CASE("the gate learns to keep tokens the FFN helps and with the penalty to 
   CHECK(without.hard_kept >= 0.9);
   // The penalty pulls every gate towards τ: it trades margin for compute.
   CHECK(with.hard_gate < without.hard_gate);
+}
+
+// ---------------------------------------------------------------------------
+// The sublayer with an MoE layer (SwiGLU and κ-SwiGLU experts)
+
+namespace {
+
+MoEConfig moe_config(Index d, Index f, Index experts, Index k, Index shared) {
+  MoEConfig c;
+  c.d_model = d;
+  c.d_ffn = f;
+  c.n_experts = experts;
+  c.n_active = k;
+  c.n_shared = shared;
+  return c;
+}
+
+template <class T, class Expert = SwiGLU<T>>
+using MoESublayer = FFNSublayer<T, MoEFFN<T, Expert>>;
+
+template <class T, class Expert = SwiGLU<T>>
+MoESublayer<T, Expert> make_moe_sublayer(const MoEConfig& cfg, Index h, std::uint64_t seed) {
+  return MoESublayer<T, Expert>(cfg.d_model, MoEFFN<T, Expert>(cfg, seed), SkipGate<T>(gate_config(cfg.d_model, h), seed + 1));
+}
+
+/// Smallest gap between the K-th and (K+1)-th biased router score of
+/// RMSNorm(x) over all tokens (what decides the top-K choice in the sublayer).
+template <class Layer>
+double topk_margin(const Layer& layer, const Matrix<double>& x) {
+  const auto& moe = layer.ffn();
+  const Index k = moe.config().n_active;
+  if (k == moe.config().n_experts) return 1e9;
+  Routing<double> r;
+  moe.router().route(layer.norm().forward(x), moe.balancer().bias(), false, r);
+  double margin = 1e9;
+  for (Index t = 0; t < x.rows(); ++t) {
+    Eigen::Array<double, 1, Eigen::Dynamic> s = r.logits.row(t).array() + moe.balancer().bias().array();
+    std::sort(s.data(), s.data() + s.size(), std::greater<double>());
+    margin = std::min(margin, s(k - 1) - s(k));
+  }
+  return margin;
+}
+
+/// Per-expert assignment counts of the tokens `rows` of x, routed directly.
+template <class Layer>
+std::vector<Index> expert_counts(const Layer& layer, const Matrix<double>& x, const std::vector<Index>& rows) {
+  const auto& moe = layer.ffn();
+  Routing<double> r;
+  moe.router().route(layer.norm().forward(x), moe.balancer().bias(), moe.config().weights_from_unbiased, r);
+  std::vector<Index> counts(std::size_t(moe.config().n_experts), 0);
+  for (Index t : rows)
+    for (Index k = 0; k < moe.config().n_active; ++k) ++counts[std::size_t(r.experts(t, k))];
+  return counts;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("MoE sublayer modes give bitwise equal outputs", "[skip_gate][sublayer][moe]", float, double) {
+  using T = TestType;
+  const MoEConfig cfg = moe_config(16, 12, 6, 2, 1);
+  for (Index n : {1, 7, 40, 300}) {
+    for (double share : {0.0, 0.3, 0.6, 1.0}) {
+      INFO("N = " << n << ", skip share " << share);
+      auto layer = make_moe_sublayer<T>(cfg, 8, 81);
+      auto kappa = make_moe_sublayer<T, KappaSwiGLU<T>>(cfg, 8, 81);
+      for (auto& e : kappa.ffn().experts()) {
+        e.kappa_alpha() = random_matrix(1, cfg.d_ffn, 82, 1.0).cast<T>();
+        e.kappa_bias() = random_matrix(1, cfg.d_ffn, 83, 1.0).cast<T>();
+      }
+      const Matrix<T> x = random_matrix(n, cfg.d_model, 84 + n, 1.5).cast<T>();
+      set_skip_share(*layer.skip_gate(), x, share);
+      set_skip_share(*kappa.skip_gate(), x, share);
+
+      typename MoESublayer<T>::Cache tc, ic;
+      const Matrix<T> yt = layer.forward(x, SublayerMode::training, &tc);
+      CHECK(bitwise_equal(yt, layer.forward(x, SublayerMode::inference, &ic)));
+      CHECK(bitwise_equal(yt, layer.forward(x, SublayerMode::inference, nullptr)));
+      CHECK(tc.skipped() == Index(std::lround(share * double(n))));
+      CHECK(ic.kept == tc.kept);
+
+      typename MoESublayer<T, KappaSwiGLU<T>>::Cache ktc;
+      const Matrix<T> kt = kappa.forward(x, SublayerMode::training, &ktc);
+      CHECK(bitwise_equal(kt, kappa.forward(x, SublayerMode::inference, nullptr)));
+      if (tc.skipped() < n) CHECK_FALSE(bitwise_equal(kt, yt));  // κ ≠ 1 changes the kept rows
+    }
+  }
+}
+
+TEST_CASE("MoE sublayer with every token kept equals the plain MoE sublayer bitwise", "[skip_gate][sublayer][moe]") {
+  const MoEConfig cfg = moe_config(12, 10, 5, 2, 1);
+  auto gated = make_moe_sublayer<double>(cfg, 6, 91);
+  MoESublayer<double> plain(cfg.d_model, MoEFFN<double>(cfg, 91));
+  const Matrix<double> x = random_matrix(33, cfg.d_model, 92, 1.5);
+  const Matrix<double> dy = random_matrix(33, cfg.d_model, 93);
+  set_skip_share(*gated.skip_gate(), x, 0.0);
+  MoESublayer<double>::Cache gc, pc;
+  CHECK(bitwise_equal(gated.forward(x, SublayerMode::training, &gc), plain.forward(x, SublayerMode::training, &pc)));
+  gated.backward(dy, gc);
+  plain.backward(dy, pc);
+  const auto gp = gated.params(), pp = plain.params();
+  REQUIRE(gp.size() == pp.size() + 4);
+  for (std::size_t i = 0; i < pp.size(); ++i) {
+    INFO(pp[i].name);
+    CHECK(gp[i].name == pp[i].name);
+    CHECK(bitwise_equal(gp[i].grad(), pp[i].grad()));
+  }
+  CHECK(gp[1].name == "ffn.router.weight");
+}
+
+TEST_CASE("MoE sublayer gradients match finite differences", "[skip_gate][sublayer][moe][gradcheck]") {
+  struct Case {
+    const char* what;
+    Index n;
+    double share;
+    bool kappa;
+  };
+  const MoEConfig cfg = moe_config(6, 5, 4, 2, 1);
+  for (const Case c : {Case{"SwiGLU experts N = 9", 9, 0.4, false}, Case{"SwiGLU experts N = 1 kept", 1, 0.0, false},
+                       Case{"SwiGLU experts all skipped", 5, 1.0, false},
+                       Case{"kappa-SwiGLU experts N = 9", 9, 0.4, true}}) {
+    INFO(c.what);
+    auto run = [&](auto& layer) {
+      layer.norm().gain() = random_matrix(1, cfg.d_model, 101) + RowVector<double>::Ones(cfg.d_model);
+      layer.ffn().balancer().set_bias(random_matrix(1, cfg.n_experts, 102, 0.3));
+      layer.skip_gate()->w2() *= 4.0;
+      layer.skip_gate()->set_penalty_weight(0.05);
+      // An input whose top-K choices and keep decisions both have a clear margin.
+      Matrix<double> x;
+      double margin = 0;
+      for (std::uint64_t seed = 200;; ++seed) {
+        x = random_matrix(c.n, cfg.d_model, seed, 1.5);
+        if (topk_margin(layer, x) <= 1e-2) continue;
+        margin = set_skip_share(*layer.skip_gate(), x, c.share);
+        if (margin > 1e-3) break;
+      }
+      const Matrix<double> r = random_matrix(c.n, cfg.d_model, 103);
+      check_sublayer_gradients(layer, x, r);
+      for (const auto& p : layer.params()) {
+        INFO(p.name);
+        if (p.name.find("experts.") != std::string::npos || p.name == "ffn.router.weight")
+          CHECK((c.share == 1.0 ? p.grad().isZero(0) : true));  // all skipped: nothing reaches the MoE
+      }
+    };
+    if (c.kappa) {
+      auto layer = make_moe_sublayer<double, KappaSwiGLU<double>>(cfg, 4, 104);
+      for (auto& e : layer.ffn().experts()) {
+        KappaOptions o = e.options();
+        o.rho = 1.0;  // the full ∂L/∂ℓ through κ, so finite differences can check it
+        e.set_options(o);
+        e.kappa_alpha() = random_matrix(1, cfg.d_ffn, 105, 1.0);
+        e.kappa_bias() = random_matrix(1, cfg.d_ffn, 106, 1.0);
+      }
+      run(layer);
+    } else {
+      auto layer = make_moe_sublayer<double>(cfg, 4, 104);
+      run(layer);
+    }
+  }
+}
+
+TEST_CASE("the MoE balancer counts only kept tokens in both modes", "[skip_gate][sublayer][moe][balancer]") {
+  const MoEConfig cfg = moe_config(10, 8, 5, 2, 1);
+  auto layer = make_moe_sublayer<double>(cfg, 6, 111);
+  const Index n = 50;
+  const Matrix<double> x = random_matrix(n, cfg.d_model, 112, 1.5);
+  set_skip_share(*layer.skip_gate(), x, 0.4);
+
+  for (SublayerMode mode : {SublayerMode::training, SublayerMode::inference}) {
+    INFO((mode == SublayerMode::training ? "training" : "inference"));
+    MoESublayer<double>::Cache cache;
+    layer.forward(x, mode, &cache);
+    REQUIRE(cache.skipped() == 20);
+    layer.observe(cache);
+    const LoadReport rep = layer.ffn().balancer().update();
+    CHECK(rep.tokens == 30);
+    CHECK(rep.counts == expert_counts(layer, x, cache.kept));
+    std::vector<Index> all(static_cast<std::size_t>(n));
+    for (Index t = 0; t < n; ++t) all[std::size_t(t)] = t;
+    CHECK(rep.counts != expert_counts(layer, x, all));  // counting every token would differ
+  }
+
+  // Every token skipped: nothing was routed, nothing is counted.
+  set_skip_share(*layer.skip_gate(), x, 1.0);
+  for (SublayerMode mode : {SublayerMode::training, SublayerMode::inference}) {
+    MoESublayer<double>::Cache cache;
+    layer.forward(x, mode, &cache);
+    layer.observe(cache);
+    CHECK(layer.ffn().balancer().report().tokens == 0);
+  }
+
+  // The ungated sublayer counts every token.
+  MoESublayer<double> plain(cfg.d_model, MoEFFN<double>(cfg, 111));
+  MoESublayer<double>::Cache pc;
+  plain.forward(x, &pc);
+  plain.observe(pc);
+  CHECK(plain.ffn().balancer().report().tokens == n);
+  static_assert(!detail::sublayer::has_observe<SwiGLU<double>>::value, "dense FFNs have no balancer");
+  static_assert(detail::sublayer::has_observe<MoEFFN<double>>::value, "MoE layers have one");
 }
