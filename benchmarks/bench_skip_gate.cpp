@@ -19,6 +19,14 @@
 //   model_ratio  the FLOP model: (gate + (1 − p)·FFN) / FFN, matrix products only
 //   skip_rate    measured share of skipped tokens
 //
+// Allocator: every forward allocates its temporaries (megabytes here). With
+// glibc's defaults, large blocks come from fresh mmap'd or re-grown heap
+// pages, and their page faults cost up to ~40 % of a forward on a loaded
+// host — a cost that jumps with glibc's dynamic mmap threshold rather than
+// scaling with the rows computed. main() therefore keeps freed memory in the
+// heap (M_MMAP_THRESHOLD / M_TRIM_THRESHOLD), so the figures measure the
+// arithmetic; pass --keep_malloc_defaults to measure with the defaults.
+//
 //     bench_skip_gate --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
 //
 // reports the median over repetitions of every counter.
@@ -28,9 +36,14 @@
 #include <apex/ffn/swiglu.hpp>
 
 #include <time.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <string>
 #include <vector>
 
 #include "bench_common.hpp"
@@ -184,6 +197,25 @@ BENCHMARK(MoESublayer)->Apply(Rates);
 
 int main(int argc, char** argv) {
   Eigen::setNbThreads(1);
+  bool keep_malloc_defaults = false;
+  int kept_args = 1;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--keep_malloc_defaults")
+      keep_malloc_defaults = true;
+    else
+      argv[kept_args++] = argv[i];
+  }
+  argc = kept_args;
+#ifdef __GLIBC__
+  if (!keep_malloc_defaults) {
+    // 32 MiB is the largest mmap threshold glibc accepts on 64-bit hosts;
+    // every temporary here is smaller.
+    if (mallopt(M_MMAP_THRESHOLD, 32 << 20) != 1 || mallopt(M_TRIM_THRESHOLD, 1 << 30) != 1)
+      std::fprintf(stderr, "bench_skip_gate: mallopt failed; running with the allocator's defaults\n");
+  }
+#else
+  (void)keep_malloc_defaults;
+#endif
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();
