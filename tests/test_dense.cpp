@@ -129,7 +129,7 @@ TEST_CASE("gradients accumulate with += and zero_grad clears them", "[swiglu][rm
   CHECK((norm.gain_grad() - 2 * g1).norm() <= 1e-12 * g1.norm());
 }
 
-TEST_CASE("float agrees with double", "[swiglu][rmsnorm]") {
+TEST_CASE("SwiGLU and RMSNorm in float agree with double", "[swiglu][rmsnorm]") {
   SwiGLU<double> fd(32, 48, 9);
   SwiGLU<float> ff(32, 48, 9);
   RMSNorm<double> nd(32);
