@@ -17,7 +17,12 @@
 ///
 /// The weights are a SwiGLU (same init order, names and layout: one 2f × d
 /// gate-and-up buffer), so `KappaSwiGLU(d, f, seed)` has the weights of
-/// `SwiGLU(d, f, seed)`, and a trained SwiGLU can be converted.
+/// `SwiGLU(d, f, seed)`, and a trained SwiGLU can be converted. The workspace
+/// is SwiGLU's too (`[G | U | A]`, 3f per row): κ costs no memory traffic.
+/// Forward forms κ a row at a time in a row buffer; backward recomputes it
+/// from ℓ, α, b (a tanh and an exp per entry) rather than reading two more
+/// stored n × f arrays, whose writes would cost the inference forward more
+/// than the recomputation costs backward.
 
 #include <cmath>
 #include <cstdint>
@@ -91,7 +96,7 @@ class KappaSwiGLU {
   struct Cache {
     Matrix<T> x;      ///< N × d: the input
     Vector<T> logit;  ///< N: the router logit ℓ of each row
-    Matrix<T> work;   ///< N × 5f: [G | U | A | K | K'] (see work_cols)
+    Matrix<T> work;   ///< N × 3f: [G | U | A] (see work_cols)
   };
 
   /// What backward returns: the input gradients.
@@ -130,9 +135,9 @@ class KappaSwiGLU {
     opt_ = options;
   }
   double U() const { return opt_.U; }
-  /// The sharpness ceiling, changeable between steps (see kappa_ramp). A
-  /// backward uses the κ and ∂κ/∂u its forward stored, so changing U between
-  /// a forward and its backward is harmless. ConfigError unless U ≥ 1 and finite.
+  /// The sharpness ceiling, changeable between steps (see kappa_ramp). Like
+  /// the weights, U, c, α and b must not change between a forward and its
+  /// backward: backward recomputes κ from them. ConfigError unless U ≥ 1 and finite.
   void set_U(double U) {
     KappaOptions o = opt_;
     o.U = U;
@@ -140,11 +145,9 @@ class KappaSwiGLU {
   }
   ///@}
 
-  /// Width of the per-row workspace: 5f, `[G | U | A | K | K']` with
-  /// G = x·W_gateᵀ, U = x·W_upᵀ, A = SiLU_κ(G) ⊙ U, K = κ, K' = ∂κ/∂u.
-  /// Keeping K' makes backward independent of the current U and saves it a
-  /// tanh and an exp per entry.
-  Index work_cols() const { return 5 * d_ffn(); }
+  /// Width of the per-row workspace: 3f, `[G | U | A]` with G = x·W_gateᵀ,
+  /// U = x·W_upᵀ, A = SiLU_κ(G) ⊙ U — SwiGLU's layout.
+  Index work_cols() const { return 3 * d_ffn(); }
 
   /// x: N × d, logit: N (this expert's raw router logit per row) → N × d.
   /// ShapeError on wrong shapes, ValueError on a non-finite logit.
@@ -176,8 +179,9 @@ class KappaSwiGLU {
   /// κ for every row and gate unit (N × f) given the rows' router logits:
   /// κ depends on ℓ only, not on x. For monitoring and tests.
   Matrix<T> kappa(const ConstVectorRef<T>& logit) const {
-    Matrix<T> k(logit.size(), d_ffn()), dk(logit.size(), d_ffn());
-    for (Index t = 0; t < logit.size(); ++t) fill_kappa(logit(t), k.row(t).array(), dk.row(t).array());
+    Matrix<T> k(logit.size(), d_ffn());
+    Eigen::Array<T, 1, Eigen::Dynamic> dk(d_ffn());
+    for (Index t = 0; t < logit.size(); ++t) fill_kappa(logit(t), k.row(t).array(), dk);
     return k;
   }
 
@@ -185,7 +189,7 @@ class KappaSwiGLU {
   /// The caller owns every buffer; shapes are not re-checked here.
   ///@{
 
-  /// x: n × d, logit: n, work: n × 5f (filled), y: n × d (written).
+  /// x: n × d, logit: n, work: n × 3f (filled), y: n × d (written).
   template <class Work, class Y>
   void forward_block(const ConstMatrixRef<T>& x, const ConstVectorRef<T>& logit, const Eigen::MatrixBase<Work>& work_,
                      const Eigen::MatrixBase<Y>& y) const {
@@ -193,15 +197,22 @@ class KappaSwiGLU {
     const Index n = x.rows(), f = d_ffn();
     eigen_assert(logit.size() == n && work.cols() == work_cols());
     detail::linear_nt(x, mlp_.w_gate_up(), work.leftCols(2 * f), false);  // [G | U] = x·W_guᵀ
-    // One row at a time: its G, U, A, K, K' (5f values) stay in L1 between
-    // the passes, where whole-matrix passes would stream them through memory.
-    for (Index t = 0; t < n; ++t) {
-      auto row = work.row(t);
-      const auto g = row.segment(0, f).array();
-      auto k = row.segment(3 * f, f).array();
-      fill_kappa(logit(t), k, row.segment(4 * f, f).array());
-      // A = SiLU_κ(G) ⊙ U = G·σ(κG) ⊙ U
-      row.segment(2 * f, f).array() = g * array::sigmoid(k * g) * row.segment(f, f).array();
+    const auto gate = work.leftCols(f).array();                           // n × f
+    const auto up = work.middleCols(f, f).array();                        // n × f
+    auto a = work.middleCols(2 * f, f).array();                           // n × f
+    if (opt_.U == 1.0) {
+      a = gate * array::sigmoid(gate) * up;  // κ ≡ 1: SiLU
+    } else {
+      // A = SiLU_κ(G) ⊙ U = G·σ(κG) ⊙ U, a row at a time (s_t is per row);
+      // κ lives in a row buffer that stays in L1. Three short passes (τ, κ,
+      // A) run faster than one fused expression, whose tanh, two exps and
+      // division in one loop body spill registers.
+      Eigen::Array<T, 1, Eigen::Dynamic> tau(f), k(f);  // 1 × f each
+      for (Index t = 0; t < n; ++t) {
+        kappa_row(logit(t), tau, k);
+        const auto g = gate.row(t);
+        a.row(t) = g * array::sigmoid(k * g) * up.row(t);
+      }
     }
     detail::linear_nt(work.middleCols(2 * f, f), mlp_.w_down(), y, false);
   }
@@ -222,18 +233,18 @@ class KappaSwiGLU {
     dh.rightCols(f).noalias() = dy * mlp_.w_down();
     const T c = T(opt_.c), rho_c = T(opt_.rho * opt_.c);
     const auto alpha = alpha_.array();
-    Eigen::Array<T, 1, Eigen::Dynamic> sk(f), smk(f), du(f);  // one row each: σ(κG), σ(−κG), ∂L/∂u
+    // One row each, reused: κ, ∂κ/∂u, σ(κG), σ(−κG), ∂L/∂u.
+    Eigen::Array<T, 1, Eigen::Dynamic> k(f), dk(f), sk(f), smk(f), du(f);
     for (Index t = 0; t < n; ++t) {
       const auto row = work.row(t);
       const auto g = row.segment(0, f).array();
       const auto up = row.segment(f, f).array();
-      const auto k = row.segment(3 * f, f).array();
-      const auto dk = row.segment(4 * f, f).array();  // ∂κ/∂u
       auto da = dh.row(t).segment(f, f).array();
+      fill_kappa(logit(t), k, dk);
       sk = array::sigmoid(k * g);
       smk = array::sigmoid(-(k * g));
       // ∂SiLU_κ/∂κ = z²σ(κz)σ(−κz), as (zσ(κz))·(zσ(−κz)) so z² never forms;
-      // ∂κ/∂u = κ·ln U·(1 − tanh²u) (stored);  ∂L/∂u = dA ⊙ U ⊙ ∂SiLU_κ/∂κ ⊙ ∂κ/∂u
+      // ∂L/∂u = dA ⊙ U ⊙ ∂SiLU_κ/∂κ ⊙ ∂κ/∂u
       du = da * up * (g * sk) * (g * smk) * dk;
       // dG = dA ⊙ U ⊙ ∂SiLU_κ/∂z,  ∂SiLU_κ/∂z = σ(κz)(1 + κz·σ(−κz))
       dh.row(t).segment(0, f).array() = da * up * sk * (T(1) + (k * g) * smk);
@@ -311,22 +322,27 @@ class KappaSwiGLU {
     return {Eigen::Map<Matrix<T>>(p[0].grad_data, 2 * d_ffn(), d_model()), p[2].grad()};
   }
 
+  /// One row's τ = tanh(u), u = b + α·s, s = c·ℓ, and κ = exp(ln U·τ)
+  /// (1 × f each) for U > 1. |τ| ≤ 1; the clamp absorbs exp's last-bit
+  /// rounding so κ ∈ [1/U, U] exactly.
+  template <class Tau, class K>
+  void kappa_row(T logit, Tau&& tau, K&& k) const {
+    const T ln_u = T(std::log(opt_.U)), s = T(opt_.c) * logit;
+    tau = detail::tanh_array(bias_.array() + s * alpha_.array());
+    k = (ln_u * tau).exp().min(T(opt_.U)).max(T(1.0 / opt_.U));
+  }
+
   /// One row's κ (into k) and ∂κ/∂u (into dk), both 1 × f, for logit ℓ.
   template <class K, class DK>
   void fill_kappa(T logit, K&& k, DK&& dk) const {
-    if (opt_.U == 1.0) {  // ln U = 0: κ ≡ 1 whatever α, b; skip the transcendentals
+    if (opt_.U == 1.0) {  // ln U = 0: κ ≡ 1 whatever α, b
       k.setOnes();
       dk.setZero();
       return;
     }
-    const T ln_u = T(std::log(opt_.U)), k_hi = T(opt_.U), k_lo = T(1.0 / opt_.U);
-    const T s = T(opt_.c) * logit;
-    // τ = tanh(u), u = b + α·s  (held in dk until ∂κ/∂u replaces it)
-    dk = detail::tanh_array(bias_.array() + s * alpha_.array());
-    // κ = exp(ln U·τ); |τ| ≤ 1, and the clamp absorbs exp's last-ulp rounding so κ ∈ [1/U, U] exactly
-    k = (ln_u * dk).exp().min(k_hi).max(k_lo);
-    // ∂κ/∂u = κ·ln U·(1 − τ²)
-    dk = k * ln_u * (T(1) - dk.square());
+    kappa_row(logit, dk, k);  // dk holds τ until ∂κ/∂u replaces it
+    // ∂κ/∂u = κ·ln U·(1 − tanh²u)
+    dk = k * T(std::log(opt_.U)) * (T(1) - dk.square());
   }
 
   SwiGLU<T> mlp_;
