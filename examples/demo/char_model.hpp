@@ -1,0 +1,328 @@
+#pragma once
+/// \file char_model.hpp
+/// The demo's character-level language model, assembled from apex-ffn layers:
+///
+///     ids (N × c) ─ ContextEmbedding ─ x₀ (N × d)
+///       x_{l+1} = x_l + m_l ⊙ FFN_l(RMSNorm(x_l))        l = 0 … L−1 (FFNSublayer, skip gate)
+///                 FFN_l = SwiGLU                          on even l
+///                 FFN_l = MoE of κ-SwiGLU experts         on odd l  (ModelPreset::is_moe_layer)
+///       h = RMSNorm(x_L)
+///       main logits = h·W_headᵀ          (N × V, token t+1)
+///       head logits = MultiTokenHeads(h)  (N × 4V, tokens t+2 … t+5)
+///
+/// Widths, depth, experts and the skip gate's hidden width come from a
+/// `ModelPreset` (`tiny` by default: d = 64, 6 layers, f = 128, 4 experts,
+/// K = 2, 1 shared expert, gate hidden 16). There is no attention: the trunk
+/// sees a fixed window of the last `c` characters, which is enough to show
+/// every FFN feature of the library training end to end.
+
+#include <apex/ffn/cross_entropy.hpp>
+#include <apex/ffn/ffn_sublayer.hpp>
+#include <apex/ffn/kappa_swiglu.hpp>
+#include <apex/ffn/moe.hpp>
+#include <apex/ffn/moe_config.hpp>
+#include <apex/ffn/multi_token_heads.hpp>
+#include <apex/ffn/rms_norm.hpp>
+#include <apex/ffn/skip_gate.hpp>
+#include <apex/ffn/swiglu.hpp>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "context_embedding.hpp"
+#include "text_data.hpp"
+
+namespace apex::demo {
+
+/// Shape and feature switches of CharModel.
+struct CharModelConfig {
+  Index vocab = 0;                            ///< V
+  Index context = 16;                         ///< c: characters the model sees
+  Index embed = 16;                           ///< k: embedding width per character
+  ModelPreset preset = ModelPreset::tiny();   ///< trunk widths, depth, experts
+  Index mtp_heads = 4;                        ///< extra heads (tokens t+2 … t+1+N)
+  double mtp_lambda = 0.1;                    ///< λ of L = L_main + λ·Σ_k L_k
+  bool skip_gates = true;                     ///< a skip gate on every sublayer
+  double skip_threshold = 0.15;               ///< τ
+  double skip_penalty = 0.0;                  ///< λ_skip of the compute penalty λ_skip·mean(g)
+  double balancer_alpha = 1e-3;               ///< bias step of every MoE layer's balancer
+  KappaOptions kappa;                         ///< κ-SwiGLU options (U is then set by the trainer's ramp)
+
+  void validate() const {
+    detail::require_config(vocab > 0, "CharModelConfig", "vocab must be positive, got " + std::to_string(vocab));
+    detail::require_config(context > 0, "CharModelConfig", "context must be positive");
+    detail::require_config(embed > 0, "CharModelConfig", "embed must be positive");
+    detail::require_config(preset.n_layers > 0, "CharModelConfig", "the preset needs at least one layer");
+    preset.moe().validate("CharModelConfig.preset");
+    kappa.validate("CharModelConfig.kappa");
+  }
+};
+
+/// Loss of a batch, summed over its sequences before averaging.
+struct BatchLoss {
+  double total = 0;                    ///< L = L_main + λ·Σ_k L_k (mean over chunks)
+  CrossEntropyStats main;              ///< main head: mean CE (nats) and accuracy
+  std::vector<CrossEntropyStats> heads;  ///< head i predicts token t+2+i
+};
+
+template <class T>
+class CharModel {
+ public:
+  using Scalar = T;
+  using Dense = FFNSublayer<T, SwiGLU<T>>;
+  using MoE = MoEFFN<T, KappaSwiGLU<T>>;
+  using Sparse = FFNSublayer<T, MoE>;
+
+  /// Activations of one forward pass, owned by the caller.
+  struct Cache {
+    typename ContextEmbedding<T>::Cache embed;
+    std::vector<typename Dense::Cache> dense;    ///< one per dense sublayer, in layer order
+    std::vector<typename Sparse::Cache> sparse;  ///< one per MoE sublayer, in layer order
+    typename RMSNorm<T>::Cache norm;
+    typename MultiTokenHeads<T>::Cache mtp;
+    Matrix<T> h;  ///< N × d: the final normalised hidden states
+  };
+
+  /// Logits of one forward pass.
+  struct Output {
+    Matrix<T> logits;       ///< N × V: the main head (token t+1)
+    Matrix<T> head_logits;  ///< N × N_heads·V: the multi-token heads
+  };
+
+  CharModel(const CharModelConfig& cfg, std::uint64_t seed) : cfg_((cfg.validate(), cfg)), rng_(seed),
+      embed_(cfg.vocab, cfg.context, cfg.embed, cfg.preset.d_model, rng_), norm_(cfg.preset.d_model),
+      mtp_(cfg.preset.d_model, cfg.vocab, mtp_options(cfg), rng_) {
+    const ModelPreset& p = cfg.preset;
+    for (Index l = 0; l < p.n_layers; ++l) {
+      const bool moe = ModelPreset::is_moe_layer(l);
+      SkipGateConfig gc;
+      gc.d_model = p.d_model;
+      gc.hidden = p.skip_hidden;
+      gc.threshold = cfg.skip_threshold;
+      gc.penalty = cfg.skip_penalty;
+      if (moe) {
+        MoEConfig mc = p.moe();
+        mc.balancer_alpha = cfg.balancer_alpha;
+        MoE ffn(mc, rng_);
+        for (auto& e : ffn.experts()) e.set_options(cfg.kappa);
+        order_.push_back({true, Index(sparse_.size())});
+        if (cfg.skip_gates)
+          sparse_.emplace_back(p.d_model, std::move(ffn), SkipGate<T>(gc, rng_));
+        else
+          sparse_.emplace_back(p.d_model, std::move(ffn));
+      } else {
+        SwiGLU<T> ffn(p.d_model, p.d_ffn, rng_);
+        order_.push_back({false, Index(dense_.size())});
+        if (cfg.skip_gates)
+          dense_.emplace_back(p.d_model, std::move(ffn), SkipGate<T>(gc, rng_));
+        else
+          dense_.emplace_back(p.d_model, std::move(ffn));
+      }
+    }
+    head_.resize(cfg.vocab, p.d_model);
+    init_linear(head_, rng_);
+    head_grad_ = Matrix<T>::Zero(cfg.vocab, p.d_model);
+  }
+
+  const CharModelConfig& config() const { return cfg_; }
+  Index vocab() const { return cfg_.vocab; }
+  Index context() const { return cfg_.context; }
+  Index n_layers() const { return Index(order_.size()); }
+  bool is_moe(Index layer) const { return order_[std::size_t(layer)].first; }
+
+  /// Training mode computes every sublayer's FFN for skipped tokens too (the
+  /// straight-through estimator needs it); inference mode skips that work.
+  void set_mode(SublayerMode mode) { mode_ = mode; }
+  SublayerMode mode() const { return mode_; }
+
+  /// ids: N × c → logits. With a cache (and training mode) backward can follow.
+  Output forward(const ContextIds& ids, Cache* cache = nullptr) const {
+    Output out;
+    Matrix<T> x = embed_.forward(ids, cache ? &cache->embed : nullptr);  // N × d
+    if (cache) {
+      cache->dense.resize(dense_.size());
+      cache->sparse.resize(sparse_.size());
+    }
+    for (const auto& [moe, i] : order_) {
+      if (moe)
+        x = sparse_[std::size_t(i)].forward(x, mode_, cache ? &cache->sparse[std::size_t(i)] : nullptr);
+      else
+        x = dense_[std::size_t(i)].forward(x, mode_, cache ? &cache->dense[std::size_t(i)] : nullptr);
+    }
+    Matrix<T> h = norm_.forward(x, cache ? &cache->norm : nullptr);  // N × d
+    out.logits.resize(h.rows(), vocab());
+    detail::linear_nt(h, head_, out.logits, false);  // N × V
+    out.head_logits = mtp_.forward(h, cache ? &cache->mtp : nullptr);
+    if (cache) cache->h = std::move(h);
+    return out;
+  }
+
+  /// The multi-token loss of `out` on `batch`: each chunk is one sequence
+  /// (its heads' targets run `lookahead` tokens past it), and the batch loss
+  /// is the mean over chunks. With `dlogits`/`dheads`, writes ∂L/∂logits.
+  BatchLoss loss(const Output& out, const Batch& batch, Matrix<T>* dlogits = nullptr, Matrix<T>* dheads = nullptr) const {
+    const Index L = batch.chunk_len, chunks = batch.chunks();
+    BatchLoss r;
+    r.heads.resize(std::size_t(mtp_.num_heads()));
+    if (dlogits) dlogits->resize(out.logits.rows(), out.logits.cols());
+    if (dheads) dheads->resize(out.head_logits.rows(), out.head_logits.cols());
+    Matrix<T> dm, dh;
+    double main_sum = 0;
+    std::vector<double> head_sum(r.heads.size(), 0.0);
+    for (Index b = 0; b < chunks; ++b) {
+      const MultiTokenLoss l = mtp_.loss(out.logits.middleRows(b * L, L), out.head_logits.middleRows(b * L, L),
+                                         batch.labels[std::size_t(b)], dlogits ? &dm : nullptr, dheads ? &dh : nullptr);
+      // multi_token_loss averages within one sequence; the batch averages the
+      // sequences, so each chunk's gradient is scaled by 1/chunks.
+      const T s = T(1.0 / double(chunks));
+      if (dlogits) dlogits->middleRows(b * L, L) = s * dm;
+      if (dheads) dheads->middleRows(b * L, L) = s * dh;
+      r.total += l.total / double(chunks);
+      main_sum += l.main.loss * double(l.main.count);
+      r.main.count += l.main.count;
+      r.main.correct += l.main.correct;
+      for (std::size_t i = 0; i < r.heads.size(); ++i) {
+        head_sum[i] += l.heads[i].loss * double(l.heads[i].count);
+        r.heads[i].count += l.heads[i].count;
+        r.heads[i].correct += l.heads[i].correct;
+      }
+    }
+    r.main.loss = r.main.count > 0 ? main_sum / double(r.main.count) : 0.0;
+    for (std::size_t i = 0; i < r.heads.size(); ++i)
+      r.heads[i].loss = r.heads[i].count > 0 ? head_sum[i] / double(r.heads[i].count) : 0.0;
+    return r;
+  }
+
+  /// Backward from ∂L/∂logits and ∂L/∂head_logits; adds into every gradient.
+  void backward(const ConstMatrixRef<T>& dlogits, const ConstMatrixRef<T>& dheads, const Cache& cache) {
+    // ∂L/∂W_head += dZᵀ·h (V × d);  ∂L/∂h = dZ·W_head + heads' share
+    head_grad_.noalias() += dlogits.transpose() * cache.h;
+    Matrix<T> dh = mtp_.backward(dheads, cache.mtp);  // N × d
+    dh.noalias() += dlogits * head_;
+    Matrix<T> dx = norm_.backward(dh, cache.norm);
+    for (auto it = order_.rbegin(); it != order_.rend(); ++it) {
+      const auto [moe, i] = *it;
+      if (moe)
+        dx = sparse_[std::size_t(i)].backward(dx, cache.sparse[std::size_t(i)]);
+      else
+        dx = dense_[std::size_t(i)].backward(dx, cache.dense[std::size_t(i)]);
+    }
+    embed_.backward(dx, cache.embed);
+  }
+
+  /// \name Feature controls
+  ///@{
+  /// Sets κ-SwiGLU's sharpness ceiling U on every routed expert.
+  void set_kappa_U(double U) {
+    for (auto& s : sparse_) apex::set_kappa_U(s.ffn(), U);
+  }
+  /// Adds the κ regulariser's gradient of every MoE layer and returns its value (summed over layers).
+  double add_kappa_regularizer_grad() {
+    double r = 0;
+    for (auto& s : sparse_) r += double(apex::add_kappa_regularizer_grad(s.ffn()));
+    return r;
+  }
+  /// The skip gates' compute penalty of a forward pass (summed over layers).
+  double skip_penalty(const Cache& cache) const {
+    double p = 0;
+    for (const auto& c : cache.dense) p += double(c.penalty);
+    for (const auto& c : cache.sparse) p += double(c.penalty);
+    return p;
+  }
+  /// Skipped share of the tokens, per layer, of a forward pass.
+  std::vector<double> skip_rates(const Cache& cache) const {
+    std::vector<double> r;
+    for (const auto& [moe, i] : order_)
+      r.push_back(moe ? cache.sparse[std::size_t(i)].skip_rate() : cache.dense[std::size_t(i)].skip_rate());
+    return r;
+  }
+  /// Adds the routing of a forward pass to every MoE balancer's counts.
+  void observe(const Cache& cache) {
+    for (std::size_t i = 0; i < sparse_.size(); ++i) sparse_[i].observe(cache.sparse[i]);
+  }
+  /// Updates every MoE balancer's bias (if `apply`) and returns each layer's
+  /// load over the window observed since the last call.
+  std::vector<LoadReport> update_balancers(bool apply = true) {
+    std::vector<LoadReport> r;
+    for (auto& s : sparse_) {
+      auto& b = s.ffn().balancer();
+      if (apply) {
+        r.push_back(b.update());
+      } else {
+        r.push_back(b.report());
+        const double a = b.alpha();
+        b.set_alpha(0);  // update() with α = 0 clears the window and leaves the bias
+        b.update();
+        b.set_alpha(a);
+      }
+    }
+    return r;
+  }
+  /// Forces every skip gate open (τ = 0: g ≥ 0 always holds) or restores τ.
+  void set_gates_open(bool open) {
+    const T tau = open ? T(0) : T(cfg_.skip_threshold);
+    for (auto& s : dense_)
+      if (auto* g = s.skip_gate()) g->set_threshold(tau);
+    for (auto& s : sparse_)
+      if (auto* g = s.skip_gate()) g->set_threshold(tau);
+  }
+  /// Threads for the MoE dispatch (0: OpenMP's default).
+  void set_threads(int threads) {
+    for (auto& s : sparse_) s.ffn().set_threads(threads);
+  }
+  ///@}
+
+  std::vector<Sparse>& moe_layers() { return sparse_; }
+  const std::vector<Sparse>& moe_layers() const { return sparse_; }
+  std::vector<Dense>& dense_layers() { return dense_; }
+  const MultiTokenHeads<T>& mtp() const { return mtp_; }
+
+  /// Every parameter, named as a PyTorch state_dict: `embed.…`,
+  /// `layers.{l}.norm.weight`, `layers.{l}.ffn.…`, `layers.{l}.skip_gate.…`,
+  /// `norm.weight`, `head.weight`, `mtp.heads.{i}.weight`.
+  ParamList<T> params() {
+    ParamList<T> out;
+    detail::append_prefixed(out, "embed.", embed_.params());
+    for (std::size_t l = 0; l < order_.size(); ++l) {
+      const auto [moe, i] = order_[l];
+      detail::append_prefixed(out, "layers." + std::to_string(l) + ".",
+                              moe ? sparse_[std::size_t(i)].params() : dense_[std::size_t(i)].params());
+    }
+    detail::append_prefixed(out, "norm.", norm_.params());
+    out.push_back(detail::make_param<T>("head.weight", head_, head_grad_));
+    detail::append_prefixed(out, "mtp.", mtp_.params());
+    return out;
+  }
+  void zero_grad() {
+    embed_.zero_grad();
+    for (auto& s : dense_) s.zero_grad();
+    for (auto& s : sparse_) s.zero_grad();
+    norm_.zero_grad();
+    head_grad_.setZero();
+    mtp_.zero_grad();
+  }
+
+ private:
+  static MultiTokenOptions mtp_options(const CharModelConfig& cfg) {
+    MultiTokenOptions o;
+    o.num_heads = cfg.mtp_heads;
+    o.lambda = cfg.mtp_lambda;
+    return o;
+  }
+
+  CharModelConfig cfg_;
+  Rng rng_;  ///< draws the initial weights, in construction order
+  ContextEmbedding<T> embed_;
+  std::vector<Dense> dense_;
+  std::vector<Sparse> sparse_;
+  std::vector<std::pair<bool, Index>> order_;  ///< per layer: (is MoE, index into dense_/sparse_)
+  RMSNorm<T> norm_;
+  Matrix<T> head_;       ///< V × d
+  Matrix<T> head_grad_;  ///< V × d
+  MultiTokenHeads<T> mtp_;
+  SublayerMode mode_ = SublayerMode::training;
+};
+
+}  // namespace apex::demo

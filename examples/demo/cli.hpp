@@ -1,0 +1,126 @@
+#pragma once
+/// \file cli.hpp
+/// The demo's command line: `--name value` or `--name=value`; an unknown
+/// flag, a missing or malformed value is an error the caller reports with
+/// exit code 2.
+
+#include <cerrno>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+namespace apex::demo {
+
+#ifndef APEX_DEMO_DEFAULT_DATA
+#define APEX_DEMO_DEFAULT_DATA "data/kjv_pentateuch.txt"
+#endif
+
+struct DemoOptions {
+  long steps = 3000;                       ///< training steps of the main run
+  long contrast_steps = 400;               ///< steps of the run without load balancing (0: skip it)
+  std::uint64_t seed = 1;                  ///< weights, batches, sampling
+  int threads = 1;                         ///< threads of the MoE dispatch
+  std::string out = "demo-output";         ///< folder for report.md, log.csv and the plots
+  std::string checkpoint;                  ///< save the trained model here (safetensors) when set
+  std::string data = APEX_DEMO_DEFAULT_DATA;  ///< training text
+};
+
+struct ParsedArgs {
+  DemoOptions options;
+  bool help = false;
+  std::string error;  ///< non-empty: what was wrong
+};
+
+inline std::string usage(const std::string& prog) {
+  const DemoOptions d;
+  return "Usage: " + prog + " [options]\n"
+         "Trains a small character-level language model built from apex-ffn layers (dense SwiGLU,\n"
+         "kappa-SwiGLU mixture of experts, skip gates, multi-token heads) and writes a report.\n\n"
+         "Options:\n"
+         "  --steps N           training steps (default " + std::to_string(d.steps) + ")\n"
+         "  --contrast-steps N  steps of the comparison run without load balancing, 0 to skip\n"
+         "                      (default " + std::to_string(d.contrast_steps) + ", at most --steps)\n"
+         "  --seed S            random seed for weights, batches and sampling (default " + std::to_string(d.seed) + ")\n"
+         "  --threads T         threads for the mixture-of-experts dispatch (default " + std::to_string(d.threads) + ")\n"
+         "  --out DIR           output folder for report.md, log.csv and plots (default " + d.out + ")\n"
+         "  --checkpoint PATH   save the trained model to PATH (safetensors, written atomically)\n"
+         "  --data PATH         training text (default " + d.data + ")\n"
+         "  --help              show this help\n";
+}
+
+namespace cli_detail {
+
+inline bool parse_long(const std::string& s, long lo, long hi, long& out) {
+  if (s.empty()) return false;
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(s.c_str(), &end, 10);
+  if (errno != 0 || *end != '\0' || v < lo || v > hi) return false;
+  out = long(v);
+  return true;
+}
+
+}  // namespace cli_detail
+
+inline ParsedArgs parse_args(int argc, const char* const* argv) {
+  ParsedArgs r;
+  DemoOptions& o = r.options;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i], value;
+    bool has_value = false;
+    if (const auto eq = arg.find('='); arg.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value = arg.substr(eq + 1);
+      arg = arg.substr(0, eq);
+      has_value = true;
+    }
+    if (arg == "--help" || arg == "-h") {
+      r.help = true;
+      continue;
+    }
+    const bool known = arg == "--steps" || arg == "--contrast-steps" || arg == "--seed" || arg == "--threads" ||
+                       arg == "--out" || arg == "--checkpoint" || arg == "--data";
+    if (!known) {
+      r.error = "unknown option '" + arg + "'";
+      return r;
+    }
+    if (!has_value) {
+      if (i + 1 >= argc) {
+        r.error = "option '" + arg + "' needs a value";
+        return r;
+      }
+      value = argv[++i];
+    }
+    long n = 0;
+    auto number = [&](long lo, long hi) {
+      if (cli_detail::parse_long(value, lo, hi, n)) return true;
+      r.error = "option '" + arg + "' expects an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                "], got '" + value + "'";
+      return false;
+    };
+    if (arg == "--steps") {
+      if (!number(1, 10'000'000)) return r;
+      o.steps = n;
+    } else if (arg == "--contrast-steps") {
+      if (!number(0, 10'000'000)) return r;
+      o.contrast_steps = n;
+    } else if (arg == "--seed") {
+      if (!number(0, 2'000'000'000'000'000'000L)) return r;
+      o.seed = std::uint64_t(n);
+    } else if (arg == "--threads") {
+      if (!number(1, 256)) return r;
+      o.threads = int(n);
+    } else if (value.empty()) {
+      r.error = "option '" + arg + "' needs a non-empty value";
+      return r;
+    } else if (arg == "--out") {
+      o.out = value;
+    } else if (arg == "--checkpoint") {
+      o.checkpoint = value;
+    } else {
+      o.data = value;
+    }
+  }
+  return r;
+}
+
+}  // namespace apex::demo

@@ -1,0 +1,350 @@
+// The demo's own parts (examples/demo): the context-embedding layer's
+// gradients, the whole model's backward against finite differences, AdamW
+// and clipping, a short training run that must lower the loss, speculative
+// decoding against plain decoding, the PNG encoder and the command line.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "adamw.hpp"
+#include "char_model.hpp"
+#include "cli.hpp"
+#include "context_embedding.hpp"
+#include "decode.hpp"
+#include "evaluate.hpp"
+#include "gradcheck.hpp"
+#include "plot.hpp"
+#include "text_data.hpp"
+#include "trainer.hpp"
+
+using namespace apex;
+using namespace apex::demo;
+using apex::test::check_params;
+using apex::test::check_values;
+using apex::test::dot_all;
+using apex::test::random_matrix;
+using Catch::Matchers::WithinAbs;
+using Catch::Matchers::WithinRel;
+
+namespace {
+
+const char* kText =
+    "In the beginning God created the heaven and the earth.\n"
+    "And the earth was without form, and void; and darkness was upon the face of the deep.\n"
+    "And the Spirit of God moved upon the face of the waters.\n"
+    "And God said, Let there be light: and there was light.\n"
+    "And God saw the light, that it was good: and God divided the light from the darkness.\n"
+    "And God called the light Day, and the darkness he called Night.\n"
+    "And the evening and the morning were the first day.\n";
+
+/// A model small enough for finite differences and Debug builds.
+CharModelConfig small_config(Index vocab, bool gates) {
+  CharModelConfig c;
+  c.vocab = vocab;
+  c.context = 3;
+  c.embed = 2;
+  c.preset = ModelPreset{"test", 8, 2, 12, 4, 2, 1, 4};
+  c.mtp_heads = 2;
+  c.skip_gates = gates;
+  return c;
+}
+
+ContextIds random_ids(Index rows, Index cols, Index vocab, std::uint64_t seed) {
+  Rng rng(seed);
+  ContextIds ids(rows, cols);
+  for (Index i = 0; i < ids.size(); ++i) ids.data()[i] = Index(rng.index(std::uint64_t(vocab)));
+  return ids;
+}
+
+}  // namespace
+
+TEST_CASE("ContextEmbedding concatenates the window's embeddings and projects them", "[demo][embedding]") {
+  ContextEmbedding<double> emb(5, 3, 2, 4, 7);
+  ContextIds ids(1, 3);
+  ids << 4, 0, 4;
+  const Matrix<double> y = emb.forward(ids);
+  auto p = emb.params();
+  const auto table = p[0].value(), w = p[1].value(), b = p[2].value();
+  RowVector<double> e(6);
+  e << table.row(4), table.row(0), table.row(4);
+  const RowVector<double> want = e * w.transpose() + b;
+  for (Index j = 0; j < 4; ++j) CHECK_THAT(y(0, j), WithinAbs(want(j), 1e-14));
+}
+
+TEST_CASE("ContextEmbedding gradients match finite differences", "[demo][embedding][gradcheck]") {
+  ContextEmbedding<double> emb(6, 4, 3, 5, 11);
+  // Repeated ids: a table row read twice must get both contributions.
+  ContextIds ids = random_ids(7, 4, 6, 3);
+  ids(0, 0) = ids(0, 3) = 2;
+  const Matrix<double> r = random_matrix(7, 5, 4);
+  ContextEmbedding<double>::Cache cache;
+  emb.zero_grad();
+  emb.backward(r, (emb.forward(ids, &cache), cache));
+  const auto results = check_params(emb.params(), [&] { return dot_all(emb.forward(ids), r); });
+  REQUIRE(results.size() == 3);
+  APEX_CHECK_GRADS(results, 1e-6);
+  for (const auto& g : results) CHECK(g.analytic_norm > 0);
+}
+
+TEST_CASE("ContextEmbedding rejects bad ids and shapes", "[demo][embedding]") {
+  ContextEmbedding<float> emb(6, 4, 3, 5, 1);
+  ContextIds ids = random_ids(2, 4, 6, 1);
+  ids(1, 2) = 6;
+  CHECK_THROWS_AS(emb.forward(ids), ValueError);
+  CHECK_THROWS_AS(emb.forward(random_ids(2, 3, 6, 1)), ShapeError);
+  CHECK_THROWS_AS(ContextEmbedding<float>(6, 0, 3, 5, 1), ConfigError);
+}
+
+TEST_CASE("The whole demo model's backward matches finite differences", "[demo][model][gradcheck]") {
+  const Corpus corpus = Corpus::from_text(kText);
+  CharModelConfig cfg = small_config(corpus.vocab.size(), false);
+  cfg.kappa.rho = 1.0;  // the true gradient through κ (ρ < 1 scales it on purpose)
+  CharModel<double> model(cfg, 5);
+  model.set_kappa_U(2.0);
+  // Non-zero κ parameters, so their gradients and the path into the router are exercised.
+  Rng rng(9);
+  for (auto& p : model.params())
+    if (p.name.find("kappa") != std::string::npos) {
+      auto v = p.value();
+      fill_uniform(v, rng, 0.5);
+    }
+  const Batch batch = make_batch(corpus.train, {10, 100}, 6, cfg.context, cfg.mtp_heads, 0);
+
+  CharModel<double>::Cache cache;
+  Matrix<double> dl, dh;
+  model.zero_grad();
+  const auto out = model.forward(batch.context, &cache);
+  model.loss(out, batch, &dl, &dh);
+  model.backward(dl, dh, cache);
+  const double reg = model.add_kappa_regularizer_grad();
+  CHECK(reg > 0);
+  const auto loss = [&] {
+    double r = 0;
+    for (auto& layer : model.moe_layers())
+      for (const auto& e : layer.ffn().experts()) r += double(e.regularizer()) / double(layer.ffn().experts().size());
+    return model.loss(model.forward(batch.context), batch).total + r;
+  };
+  // Every tensor, its first 12 entries (all of the smaller ones): the whole
+  // model at every entry would take longer than the rest of the suite.
+  std::vector<apex::test::GradCheck> results;
+  for (const auto& p : model.params()) {
+    const Matrix<double> analytic = p.grad();
+    results.push_back(check_values(p.name, p.value_data, analytic.data(), std::min<Index>(p.size(), 12), loss));
+  }
+  REQUIRE(results.size() == model.params().size());
+  APEX_CHECK_GRADS(results, 1e-6);
+}
+
+TEST_CASE("Batches hold context windows and look-ahead labels", "[demo][data]") {
+  const std::vector<Index> text = {1, 2, 3, 4, 5, 6, 7};
+  const Batch b = make_batch(text, {1, 4}, 2, 3, 2, 0);
+  REQUIRE(b.rows() == 4);
+  REQUIRE(b.chunks() == 2);
+  // Row 0 is position 1: context (pad, pad, 1), target 2.
+  CHECK(b.context(0, 0) == 0);
+  CHECK(b.context(0, 2) == 1);
+  CHECK(b.labels[0](0) == 2);
+  // Row 3 is position 5: context (3, 4, 5); labels run past the text into the ignore index.
+  CHECK(b.context(3, 0) == 3);
+  CHECK(b.context(3, 2) == 5);
+  CHECK(b.labels[1].size() == 4);
+  CHECK(b.labels[1](2) == 7);
+  CHECK(b.labels[1](3) == kIgnoreIndex);
+}
+
+TEST_CASE("AdamW's first step moves every weight by lr against its gradient", "[demo][adamw]") {
+  Matrix<double> w = Matrix<double>::Constant(2, 3, 1.0), gw(2, 3);
+  RowVector<double> gain = RowVector<double>::Ones(3), ggain(3);
+  gw << 0.5, -2.0, 1e-3, -1e-3, 4.0, -0.25;
+  ggain << 1.0, -1.0, 0.0;
+  ParamList<double> params = {detail::make_param<double>("fc.weight", w, gw),
+                              detail::make_param<double>("norm.weight", gain, ggain)};
+  AdamWOptions o;
+  o.weight_decay = 0.1;
+  AdamW<double> opt(params, o);
+  CHECK(opt.decays(0));
+  CHECK_FALSE(opt.decays(1));
+  const double lr = 0.01;
+  opt.step(lr);
+  // Bias correction makes m̂/√v̂ = g/|g| on step 1, whatever |g|; decay multiplies by 1 − lr·λ first.
+  for (Index i = 0; i < w.size(); ++i) {
+    const double g = gw.data()[i];
+    CHECK_THAT(w.data()[i], WithinAbs(1.0 * (1 - lr * 0.1) - lr * g / (std::abs(g) + 1e-8), 1e-9));
+  }
+  CHECK_THAT(gain(0), WithinAbs(1.0 - lr, 1e-9));
+  CHECK_THAT(gain(1), WithinAbs(1.0 + lr, 1e-9));
+  CHECK(gain(2) == 1.0);  // no gradient, no decay: unchanged
+}
+
+TEST_CASE("AdamW minimises a quadratic and clipping bounds the global norm", "[demo][adamw]") {
+  Matrix<double> x = Matrix<double>::Zero(1, 4), g(1, 4);
+  const Matrix<double> c = (Matrix<double>(1, 4) << 3, -1, 0.5, 2).finished();
+  ParamList<double> params = {detail::make_param<double>("x.weight", x, g)};
+  AdamWOptions o;
+  o.weight_decay = 0;
+  AdamW<double> opt(params, o);
+  for (int s = 0; s < 600; ++s) {
+    g = x - c;  // ∇ ½‖x − c‖²
+    opt.step(warmup_cosine(s, 600, 10, 0.1, 0.01));
+  }
+  CHECK((x - c).norm() < 1e-2);
+  CHECK(opt.steps() == 600);
+
+  g << 3, 4, 0, 0;
+  CHECK_THAT(clip_grad_norm(params, 1.0), WithinRel(5.0, 1e-12));
+  CHECK_THAT(g.norm(), WithinRel(1.0, 1e-6));
+  CHECK_THAT(clip_grad_norm(params, 10.0), WithinRel(1.0, 1e-6));  // under the bound: unchanged
+  CHECK_THAT(g.norm(), WithinRel(1.0, 1e-6));
+  CHECK(name_ends_with("layers.1.ffn.experts.0.kappa_bias", "bias"));
+  CHECK_FALSE(decays_by_default("layers.0.norm.weight"));
+  CHECK_FALSE(decays_by_default("embed.proj.bias"));
+  CHECK(decays_by_default("layers.1.ffn.router.weight"));
+}
+
+TEST_CASE("A few training steps lower the demo model's loss", "[demo][train]") {
+  const Corpus corpus = Corpus::from_text(kText, 0.2);
+  CharModelConfig cfg = small_config(corpus.vocab.size(), true);
+  cfg.preset = ModelPreset{"test", 16, 4, 32, 4, 2, 1, 8};
+  cfg.context = 6;
+  cfg.embed = 4;
+  cfg.skip_penalty = 0.01;
+  cfg.balancer_alpha = 1e-2;
+  CharModel<float> model(cfg, 1);
+  TrainOptions t;
+  t.steps = 60;
+  t.chunks = 4;
+  t.chunk_len = 16;
+  t.lr = 1e-2;
+  t.warmup = 5;
+  Trainer<float> trainer(model, corpus.train, t, corpus.vocab.id('\n'));
+  const Index pad = corpus.vocab.id('\n');
+  const double before = evaluate(model, corpus.val, 0, 64, pad, 32, 2).loss;
+  std::vector<double> losses;
+  for (long s = 0; s < t.steps; ++s) {
+    const StepStats st = trainer.step();
+    REQUIRE(std::isfinite(st.loss));
+    REQUIRE(std::isfinite(st.grad_norm));
+    CHECK(st.U >= 1.0);
+    CHECK(st.U <= 4.0);
+    REQUIRE(st.load.size() == 2);
+    for (const auto& r : st.load) CHECK(r.tokens > 0);
+    losses.push_back(st.main_loss);
+  }
+  const double first = (losses[0] + losses[1] + losses[2]) / 3;
+  const double last = (losses[57] + losses[58] + losses[59]) / 3;
+  INFO("train loss " << first << " -> " << last);
+  CHECK(last < 0.8 * first);
+  const double after = evaluate(model, corpus.val, 0, 64, pad, 32, 2).loss;
+  INFO("validation loss " << before << " -> " << after);
+  CHECK(after < before);
+  for (const auto& p : model.params()) REQUIRE(p.value().allFinite());
+  // The balancers moved their biases.
+  CHECK(model.moe_layers()[0].ffn().balancer().bias().cwiseAbs().maxCoeff() > 0);
+}
+
+TEST_CASE("Greedy speculative decoding reproduces greedy decoding", "[demo][speculative]") {
+  const Corpus corpus = Corpus::from_text(kText);
+  CharModel<double> model(small_config(corpus.vocab.size(), true), 3);
+  model.set_mode(SublayerMode::inference);
+  const Index pad = corpus.vocab.id('\n');
+  Rng rng(1);
+  const auto prompt = corpus.vocab.encode("And God");
+  const SpeculativeRun spec = speculative_generate(model, prompt, 24, 0.0, rng, pad);
+  REQUIRE(Index(spec.tokens.size()) >= 24);
+  CHECK(generate(model, prompt, Index(spec.tokens.size()), 0.0, rng, pad) == spec.tokens);
+  CHECK(spec.stats.emitted == Index(spec.tokens.size()));
+  CHECK(spec.stats.drafted == 2 * spec.stats.steps);
+  const SpeculativeRun sampled = speculative_generate(model, prompt, 24, 1.0, rng, pad);
+  CHECK(Index(sampled.tokens.size()) >= 24);
+  for (Index t : sampled.tokens) CHECK((t >= 0 && t < corpus.vocab.size()));
+}
+
+TEST_CASE("The bigram baseline is normalised and fits its text", "[demo][data]") {
+  const Corpus corpus = Corpus::from_text(kText);
+  const BigramBaseline bigram(corpus.train, corpus.vocab.size());
+  for (Index a : {0, 5}) {
+    double total = 0;
+    for (Index b = 0; b < corpus.vocab.size(); ++b) total += std::exp(-bigram.nll(a, b));
+    CHECK_THAT(total, WithinAbs(1.0, 1e-12));
+  }
+  CHECK(bigram.mean_nll(corpus.train, 0, Index(corpus.train.size())) < std::log(double(corpus.vocab.size())));
+}
+
+TEST_CASE("PNG files carry valid chunks and the image's pixels", "[demo][plot]") {
+  Image img(70, 3);
+  img.set(0, 0, {255, 0, 0});
+  img.set(69, 2, {1, 2, 3});
+  draw_text(img, 1, 0, "ab", {0, 0, 0}, 1);
+  const std::vector<std::uint8_t> f = png::encode(img);
+  REQUIRE(f.size() > 8);
+  CHECK(f[1] == 'P');
+  // Walk the chunks, checking each CRC, and collect the zlib stream.
+  std::vector<std::uint8_t> z;
+  std::size_t i = 8;
+  std::vector<std::string> types;
+  auto be32 = [&](std::size_t at) {
+    return std::uint32_t(f[at]) << 24 | std::uint32_t(f[at + 1]) << 16 | std::uint32_t(f[at + 2]) << 8 | f[at + 3];
+  };
+  while (i + 12 <= f.size()) {
+    const std::uint32_t n = be32(i);
+    types.emplace_back(f.begin() + std::ptrdiff_t(i + 4), f.begin() + std::ptrdiff_t(i + 8));
+    CHECK(png::crc32(&f[i + 4], n + 4) == be32(i + 8 + n));
+    if (types.back() == "IDAT") z.insert(z.end(), f.begin() + std::ptrdiff_t(i + 8), f.begin() + std::ptrdiff_t(i + 8 + n));
+    i += 12 + n;
+  }
+  CHECK(types == std::vector<std::string>{"IHDR", "IDAT", "IEND"});
+  CHECK(png::crc32(reinterpret_cast<const std::uint8_t*>("123456789"), 9) == 0xCBF43926u);  // the CRC-32 check value
+#ifndef APEX_DEMO_HAVE_ZLIB
+  // Stored blocks: undo them and the Sub filter, and compare every pixel.
+  std::vector<std::uint8_t> raw;
+  std::size_t at = 2;
+  for (bool last = false; !last;) {
+    last = z[at] & 1;
+    const std::size_t len = z[at + 1] | std::size_t(z[at + 2]) << 8;
+    raw.insert(raw.end(), z.begin() + std::ptrdiff_t(at + 5), z.begin() + std::ptrdiff_t(at + 5 + len));
+    at += 5 + len;
+  }
+  CHECK(png::adler32(raw.data(), raw.size()) == (std::uint32_t(z[at]) << 24 | std::uint32_t(z[at + 1]) << 16 |
+                                                  std::uint32_t(z[at + 2]) << 8 | z[at + 3]));
+  REQUIRE(raw.size() == 3 * (1 + 70 * 3));
+  for (int y = 0; y < 3; ++y) {
+    const std::uint8_t* row = &raw[std::size_t(y) * (1 + 70 * 3)];
+    CHECK(row[0] == 1);
+    std::vector<std::uint8_t> px(70 * 3);
+    for (int k = 0; k < 70 * 3; ++k) px[std::size_t(k)] = std::uint8_t(row[1 + k] + (k >= 3 ? px[std::size_t(k - 3)] : 0));
+    for (int x = 0; x < 70; ++x) {
+      const Rgb c = img.get(x, y);
+      CHECK((px[std::size_t(3 * x)] == c.r && px[std::size_t(3 * x + 1)] == c.g && px[std::size_t(3 * x + 2)] == c.b));
+    }
+  }
+#endif
+  CHECK(img.get(0, 0).r == 255);
+  CHECK(img.get(69, 2).b == 3);
+}
+
+TEST_CASE("The command line parses values and rejects bad flags", "[demo][cli]") {
+  {
+    const char* argv[] = {"demo", "--steps", "12", "--seed=7", "--threads", "2", "--out", "x", "--checkpoint=m.st"};
+    const ParsedArgs a = parse_args(9, argv);
+    REQUIRE(a.error.empty());
+    CHECK(a.options.steps == 12);
+    CHECK(a.options.seed == 7);
+    CHECK(a.options.threads == 2);
+    CHECK(a.options.out == "x");
+    CHECK(a.options.checkpoint == "m.st");
+  }
+  const std::vector<std::vector<const char*>> bad = {
+      {"demo", "--steps"}, {"demo", "--steps", "0"}, {"demo", "--steps", "3x"}, {"demo", "--frobnicate"},
+      {"demo", "--threads=-1"}, {"demo", "--out="}, {"demo", "steps"}};
+  for (const auto& argv : bad) {
+    INFO(argv.back());
+    CHECK_FALSE(parse_args(int(argv.size()), argv.data()).error.empty());
+  }
+  const char* help[] = {"demo", "--help"};
+  CHECK(parse_args(2, help).help);
+  CHECK(usage("demo").find("--checkpoint") != std::string::npos);
+}
