@@ -57,6 +57,7 @@ class MoEFFN {
     Matrix<T> work;                     ///< NK × expert.work_cols()
     Matrix<T> y_sorted;                 ///< NK × d: Expert_{e}(x) per sorted row, unweighted
     std::vector<Matrix<T>> shared_work; ///< per shared expert: N × work_cols()
+    std::vector<Matrix<T>> shared_y;    ///< per shared expert: N × d, its output
   };
 
   MoEFFN(const MoEConfig& config, Rng& rng)
@@ -85,8 +86,10 @@ class MoEFFN {
   /// non-finite router logits.
   Matrix<T> forward(const ConstMatrixRef<T>& x, Cache* cache = nullptr) const {
     detail::check_shape("MoEFFN::forward", "x", x, detail::kAny, d_model());
-    Cache local;
-    Cache& c = cache ? *cache : local;
+    // Without a cache the buffers still come from a Cache: one per thread,
+    // reused across calls, so a forward does not map and fault in tens of MB
+    // of fresh pages every time (glibc serves blocks > 32 MB with mmap).
+    Cache& c = cache ? *cache : thread_scratch();
     const Index n = x.rows(), d = d_model(), k_count = config_.n_active;
     const int threads = resolve_threads(threads_);
 
@@ -102,8 +105,10 @@ class MoEFFN {
     // Tasks: (expert, tile) for routed experts, then (shared expert, tile).
     const std::vector<Task> tasks = forward_tasks(plan, n);
     c.shared_work.resize(shared_.size());
+    c.shared_y.resize(shared_.size());
     for (auto& w : c.shared_work) w.resize(n, shared_work_cols());
-    std::vector<Matrix<T>> shared_y(shared_.size(), Matrix<T>(n, d));
+    for (auto& ys : c.shared_y) ys.resize(n, d);
+    auto& shared_y = c.shared_y;
     detail::parallel_for(Index(tasks.size()), threads, [&](Index i) {
       const Task& task = tasks[i];
       const Index b = task.begin, m = task.rows;
@@ -283,6 +288,11 @@ class MoEFFN {
     } else {
       c.logit_sorted.resize(0);
     }
+  }
+
+  static Cache& thread_scratch() {
+    thread_local Cache scratch;
+    return scratch;
   }
 
   static ConstVectorRef<T> no_logit(Index) {
