@@ -70,7 +70,10 @@ class SwiGLU {
       cache->work.resize(x.rows(), work_cols());
       forward_block(x, no_logit(), cache->work, y);
     } else {
-      Matrix<T> work(x.rows(), work_cols());
+      // Per-thread workspace reused across calls: a fresh N × 3f buffer over
+      // glibc's mmap ceiling would be mapped and faulted in every time.
+      thread_local Matrix<T> work;
+      work.resize(x.rows(), work_cols());
       forward_block(x, no_logit(), work, y);
     }
     return y;
