@@ -16,7 +16,7 @@ namespace apex::demo {
 #endif
 
 struct DemoOptions {
-  long steps = 3000;                       ///< training steps of the main run
+  long steps = 5000;                       ///< training steps of the main run
   long contrast_steps = 400;               ///< steps of the run without load balancing (0: skip it)
   std::uint64_t seed = 1;                  ///< weights, batches, sampling
   int threads = 1;                         ///< threads of the MoE dispatch

@@ -321,7 +321,7 @@ int run(const DemoOptions& opt) {
   // ---- Plots --------------------------------------------------------------
   {
     Series train{"train (moving avg 50)", log.step, moving_average(log.bpc, 50), palette(0)};
-    Series val{"validation", log.val_step, log.val_bpc, palette(1), 3};
+    Series val{"validation (first 8k chars)", log.val_step, log.val_bpc, palette(1), 3};
     Series base{"bigram baseline", {log.step.front(), log.step.back()}, {bigram_nll / kLn2, bigram_nll / kLn2},
                 palette(7)};
     ChartOptions co;
