@@ -18,7 +18,7 @@
 /// The weights are a SwiGLU (same init order, names and layout: one 2f × d
 /// gate-and-up buffer), so `KappaSwiGLU(d, f, seed)` has the weights of
 /// `SwiGLU(d, f, seed)`, and a trained SwiGLU can be converted. The workspace
-/// is SwiGLU's too (`[G | U | A]`, 3f per row): κ costs no memory traffic.
+/// is SwiGLU's too (`[G | U | A]`, 3f per row): κ adds none.
 /// Forward forms κ a row at a time in a row buffer; backward recomputes it
 /// from ℓ, α, b (a tanh and an exp per entry) rather than reading two more
 /// stored n × f arrays, whose writes would cost the inference forward more
