@@ -3,7 +3,10 @@
 add_library(apex_ffn_dev_options INTERFACE)
 target_compile_options(apex_ffn_dev_options INTERFACE -Wall -Wextra -Wpedantic
   $<$<BOOL:${APEX_FFN_WERROR}>:-Werror>
-  $<$<BOOL:${APEX_FFN_NATIVE}>:-march=native>)
+  $<$<BOOL:${APEX_FFN_NATIVE}>:-march=native>
+  # GCC 12 reports false '-Wmaybe-uninitialized' inside its AVX-512 intrinsic
+  # headers when Eigen's packet code is inlined (GCC bug 105593).
+  $<$<AND:$<BOOL:${APEX_FFN_NATIVE}>,$<CXX_COMPILER_ID:GNU>>:-Wno-maybe-uninitialized>)
 
 # OpenMP threads the MoE dispatch; the library works without it.
 find_package(OpenMP COMPONENTS CXX)
