@@ -30,12 +30,12 @@ struct LoadReport {
 template <class T>
 class LoadBalancer {
  public:
+  /// Throws ConfigError unless 1 ≤ n_active ≤ n_experts and α is finite and ≥ 0.
   LoadBalancer(Index n_experts, Index n_active, double alpha = 1e-3)
-      : n_active_(n_active), alpha_(alpha), bias_(RowVector<T>::Zero(n_experts)), counts_(n_experts, 0) {
-    detail::require_config(n_experts >= 1, "LoadBalancer", "n_experts must be >= 1");
-    detail::require_config(n_active >= 1 && n_active <= n_experts, "LoadBalancer", "need 1 <= n_active <= n_experts");
-    detail::require_config(alpha >= 0 && alpha < 1e300, "LoadBalancer", "alpha must be finite and >= 0");
-  }
+      : n_active_(validated(n_experts, n_active, alpha)),  // first member: nothing is sized before the checks
+        alpha_(alpha),
+        bias_(RowVector<T>::Zero(n_experts)),
+        counts_(std::size_t(n_experts), 0) {}
 
   Index n_experts() const { return bias_.cols(); }
   Index n_active() const { return n_active_; }
@@ -53,14 +53,29 @@ class LoadBalancer {
     bias_ = bias.cwiseMax(T(-1)).cwiseMin(T(1));
   }
 
-  /// Adds one micro-batch: `n_tokens` tokens whose K choices gave `counts`
-  /// (length E, summing to n_tokens·K).
+  /// Adds one micro-batch: `n_tokens` ≥ 0 tokens whose K choices gave
+  /// `counts` (length E, each in [0, n_tokens] — a token picks K distinct
+  /// experts — summing to n_tokens·K). Throws ShapeError (length) or
+  /// ValueError and then counts nothing.
   void observe(const std::vector<Index>& counts, Index n_tokens) {
+    constexpr const char* where = "LoadBalancer::observe";
     if (Index(counts.size()) != n_experts())
-      throw ShapeError("LoadBalancer::observe: argument 'counts' has length " + std::to_string(counts.size()) +
+      throw ShapeError(std::string(where) + ": argument 'counts' has length " + std::to_string(counts.size()) +
                        ", expected " + std::to_string(n_experts()));
+    if (n_tokens < 0)
+      throw ValueError(std::string(where) + ": argument 'n_tokens' is " + std::to_string(n_tokens) +
+                       ", expected a value >= 0");
+    // A negative count or one above n_tokens could still sum to N·K and would
+    // turn an expert's load negative or above 1/K.
     Index total = 0;
-    for (Index c : counts) total += c;
+    for (std::size_t e = 0; e < counts.size(); ++e) {
+      const Index c = counts[e];
+      if (c < 0 || c > n_tokens)
+        throw ValueError(std::string(where) + ": argument 'counts' has " + std::to_string(c) + " for expert " +
+                         std::to_string(e) + ", expected a value in [0, n_tokens = " + std::to_string(n_tokens) +
+                         "]");
+      total += c;
+    }
     if (total != n_tokens * n_active_)
       throw ValueError("LoadBalancer::observe: counts sum to " + std::to_string(total) + ", expected N*K = " +
                        std::to_string(n_tokens * n_active_));
@@ -108,6 +123,16 @@ class LoadBalancer {
   }
 
  private:
+  /// Checks the constructor's arguments; returns n_active.
+  static Index validated(Index n_experts, Index n_active, double alpha) {
+    detail::require_config(n_experts >= 1, "LoadBalancer", "n_experts must be >= 1, got " + std::to_string(n_experts));
+    detail::require_config(n_active >= 1 && n_active <= n_experts, "LoadBalancer",
+                           "need 1 <= n_active <= n_experts = " + std::to_string(n_experts) + ", got n_active " +
+                               std::to_string(n_active));
+    detail::require_config(alpha >= 0 && alpha < 1e300, "LoadBalancer", "alpha must be finite and >= 0");
+    return n_active;
+  }
+
   Index n_active_;
   double alpha_;
   RowVector<T> bias_;           ///< 1 × E
