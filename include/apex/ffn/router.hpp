@@ -49,10 +49,15 @@ class Router {
   Index n_experts() const { return weight_.rows(); }
   Index n_active() const { return k_; }
 
-  /// Routes x (N × d) with balancing bias (1 × E). Throws ValueError if a
-  /// logit is not finite: the top-K choice of a NaN is undefined.
+  /// Routes x (N × d) with balancing bias (1 × E). Throws ShapeError if x
+  /// or the bias has the wrong shape, ValueError if the bias or a logit is not
+  /// finite: the top-K choice of a NaN is undefined.
   void route(const ConstMatrixRef<T>& x, const RowVector<T>& bias, bool weights_from_unbiased,
              Routing<T>& out) const {
+    constexpr const char* where = "Router::route";
+    detail::check_shape(where, "x", x, detail::kAny, d_model());
+    detail::check_shape(where, "bias", bias, 1, n_experts());
+    detail::check_finite(where, "bias", bias);  // E values: a NaN bias would give NaN weights
     const Index n = x.rows(), e_count = n_experts();
     out.logits.resize(n, e_count);
     detail::linear_nt(x, weight_, out.logits, false);
@@ -89,7 +94,17 @@ class Router {
   /// Adds the softmax backward into d_logits (N × E):
   ///     ∂L/∂s_k = g_k (∂L/∂g_k − Σ_j g_j ∂L/∂g_j),  scattered to column e_k.
   /// ∂r/∂ℓ = 1 whichever scores the softmax read, so this is ∂L/∂ℓ.
+  /// `routing` must come from this router's `route` (its logits N × E and
+  /// weights N × K are checked), `d_weights` is N × K. Throws ShapeError.
   void softmax_backward(const Routing<T>& routing, const ConstMatrixRef<T>& d_weights, Matrix<T>& d_logits) const {
+    constexpr const char* where = "Router::softmax_backward";
+    const Index n = routing.weights.rows();
+    // A routing of another router (other E or K) would scatter out of bounds.
+    detail::check_shape(where, "routing.weights", routing.weights, detail::kAny, k_);
+    detail::check_shape(where, "routing.experts", routing.experts, n, k_);
+    detail::check_shape(where, "routing.logits", routing.logits, n, n_experts());
+    detail::check_shape(where, "d_weights", d_weights, n, k_);
+    detail::check_shape(where, "d_logits", d_logits, n, n_experts());
     for (Index t = 0; t < routing.weights.rows(); ++t) {
       const auto g = routing.weights.row(t).array();
       const auto dg = d_weights.row(t).array();
@@ -98,8 +113,11 @@ class Router {
     }
   }
 
-  /// Given ∂L/∂ℓ (N × E): adds ∂L/∂W_router = (∂L/∂ℓ)ᵀ·X and returns ∂L/∂X = (∂L/∂ℓ)·W_router.
+  /// Given x (N × d) and ∂L/∂ℓ (N × E): adds ∂L/∂W_router = (∂L/∂ℓ)ᵀ·X and
+  /// returns ∂L/∂X = (∂L/∂ℓ)·W_router. Throws ShapeError.
   Matrix<T> backward(const ConstMatrixRef<T>& x, const ConstMatrixRef<T>& d_logits) {
+    detail::check_shape("Router::backward", "x", x, detail::kAny, d_model());
+    detail::check_shape("Router::backward", "d_logits", d_logits, x.rows(), n_experts());
     weight_grad_.noalias() += d_logits.transpose() * x;  // E × d
     Matrix<T> dx(x.rows(), d_model());
     dx.noalias() = d_logits * weight_;  // N × d
