@@ -3,6 +3,7 @@
 /// RMSNorm: y = x / sqrt(mean(x²) + ε) · γ, per token (row).
 
 #include <cmath>
+#include <sstream>
 #include <string>
 
 #include "errors.hpp"
@@ -23,9 +24,16 @@ class RMSNorm {
     Vector<T> r;      ///< N: 1 / sqrt(mean(x²) + ε)
   };
 
+  /// Throws ConfigError unless d_model > 0 and ε is finite and > 0. ε = 0
+  /// is rejected because an all-zero row would give r = 1/√0 = ∞ and
+  /// x̂ = 0·∞ = NaN; any ε > 0 (even a subnormal one) keeps r finite.
   explicit RMSNorm(Index d_model, T eps = T(1e-6)) : eps_(eps) {
     detail::require_config(d_model > 0, "RMSNorm", "d_model must be positive, got " + std::to_string(d_model));
-    detail::require_config(eps >= T(0) && std::isfinite(double(eps)), "RMSNorm", "eps must be finite and >= 0");
+    if (!(eps > T(0) && std::isfinite(double(eps)))) {
+      std::ostringstream got;  // %g: to_string would print a small eps as 0.000000
+      got << double(eps);
+      detail::require_config(false, "RMSNorm", "eps must be finite and > 0, got " + got.str());
+    }
     gain_ = RowVector<T>::Ones(d_model);
     gain_grad_ = RowVector<T>::Zero(d_model);
   }
@@ -47,8 +55,12 @@ class RMSNorm {
     return y;
   }
 
-  /// dy: N × d → dx: N × d; adds into dγ.
+  /// dy: N × d → dx: N × d; adds into dγ. Throws ShapeError if the cache
+  /// was not filled by a forward of this width (checked first: an unfilled
+  /// cache and an empty dy would otherwise pass) or dy is not N × d.
   Matrix<T> backward(const ConstMatrixRef<T>& dy, const Cache& cache) {
+    detail::check_shape("RMSNorm::backward", "cache.x_hat", cache.x_hat, detail::kAny, d_model());
+    detail::check_shape("RMSNorm::backward", "cache.r", cache.r, cache.x_hat.rows(), 1);
     detail::check_shape("RMSNorm::backward", "dy", dy, cache.x_hat.rows(), d_model());
     // dγ_j += Σ_t dy_tj · x̂_tj
     gain_grad_.noalias() += (dy.array() * cache.x_hat.array()).colwise().sum().matrix();
