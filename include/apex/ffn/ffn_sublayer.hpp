@@ -195,15 +195,24 @@ class FFNSublayer {
 
   /// dy: N × d → dx: N × d; adds into every parameter gradient, including the
   /// straight-through gradient of the gate and the penalty's. Needs a cache
-  /// filled by a training-mode forward (ValueError otherwise).
+  /// filled by a training-mode forward (ValueError otherwise) of a sublayer
+  /// of this width: its own fields are checked (ShapeError naming the cache
+  /// field) before dy, since an unfilled cache and an empty dy would pass the
+  /// dy check; the norm, FFN and gate backwards check their parts.
   Matrix<T> backward(const ConstMatrixRef<T>& dy, const Cache& cache) {
+    constexpr const char* where = "FFNSublayer::backward";
     if (cache.mode != SublayerMode::training)
       throw ValueError(
           "FFNSublayer::backward: argument 'cache' was filled by an inference-mode forward, expected a "
           "training-mode one (inference does not compute the FFN of skipped tokens)");
-    detail::check_shape("FFNSublayer::backward", "dy", dy, cache.tokens, d_model());
     const Index n = cache.tokens;
     const Index n_kept = Index(cache.kept.size());
+    for (Index t : cache.kept)  // kept indices address rows of dy and dx
+      if (t < 0 || t >= n)
+        throw ValueError(std::string(where) + ": argument 'cache.kept' holds token " + std::to_string(t) +
+                         ", expected a value in [0, " + std::to_string(n) + ")");
+    if (gate_) detail::check_shape(where, "cache.f", cache.f, n, d_model());
+    detail::check_shape(where, "dy", dy, n, d_model());
 
     // y = x + m ⊙ F(RMSNorm(x)):  ∂L/∂F_t = m_t · ∂L/∂y_t, the residual passes dy.
     Matrix<T> dx = dy;  // N × d

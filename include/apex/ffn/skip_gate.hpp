@@ -155,9 +155,17 @@ class SkipGate {
 
   /// dg: N (∂L/∂g of the upstream loss) → dx: N × d. Adds into the parameter
   /// gradients the gradient of the upstream loss plus the compute penalty.
+  /// Throws ShapeError if the cache was not filled by a forward of a gate of
+  /// this shape (checked first: an unfilled cache and an empty dg would
+  /// otherwise pass) or dg does not have the cache's N entries.
   Matrix<T> backward(const ConstVectorRef<T>& dg, const Cache& cache) {
+    constexpr const char* where = "SkipGate::backward";
     const Index n = cache.x.rows();
-    detail::check_shape("SkipGate::backward", "dg", dg.rows(), dg.cols(), n, 1);
+    detail::check_shape(where, "cache.x", cache.x, detail::kAny, d_);
+    detail::check_shape(where, "cache.z", cache.z, n, h_);
+    detail::check_shape(where, "cache.s", cache.s, n, 1);
+    detail::check_shape(where, "cache.g", cache.g, n, 1);
+    detail::check_shape(where, "dg", dg.rows(), dg.cols(), n, 1);
     // ∂(λ·mean g)/∂g_t = λ/N;  ds = ∂L/∂g · σ′(s),  σ′(s) = σ(s)·σ(−s)
     Vector<T> ds = dg;  // N
     if (n > 0) ds.array() += penalty_ / T(n);
