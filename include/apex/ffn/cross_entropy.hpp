@@ -42,12 +42,27 @@ struct CrossEntropyStats {
 };
 
 /// Options of `cross_entropy`.
+///
+/// `ignore_index` may be any value, as in PyTorch's
+/// `F.cross_entropy(ignore_index=…)`, including a real token id in [0, V)
+/// such as a padding id: rows whose target equals it contribute neither loss
+/// nor gradient and are not counted in the mean's denominator. The id stays a
+/// class of the softmax — its column is part of every other row's
+/// normalisation and receives their gradient. (`multi_token_loss` instead
+/// rejects an ignore index inside [0, V); see MultiTokenOptions.)
 struct CrossEntropyOptions {
-  Index ignore_index = kIgnoreIndex;  ///< rows with this target are skipped
+  Index ignore_index = kIgnoreIndex;  ///< rows with this target are skipped (any value, see above)
   double grad_scale = 1.0;            ///< the gradient written is that of `grad_scale · loss`
 };
 
 namespace detail {
+
+/// Throws ShapeError unless a logits or probability argument has at least
+/// one column (a vocabulary of ≥ 1 token).
+inline void check_vocab(const char* where, const char* arg, Index cols) {
+  if (cols < 1)
+    throw ShapeError(std::string(where) + ": argument '" + arg + "' has 0 columns, expected a vocabulary of >= 1");
+}
 
 /// Throws ValueError unless `id` is a token in [0, vocab) or the ignore index.
 inline void check_token(const char* where, const char* arg, Index pos, Index id, Index vocab, Index ignore_index) {

@@ -44,7 +44,13 @@ struct MultiTokenOptions {
   Index num_heads = 4;                ///< N ≥ 0 extra heads (0: the loss is L_main alone)
   double lambda = 0.1;                ///< λ ≥ 0, weight of the heads' losses
   bool average_heads = false;         ///< false: λ·Σ_k L_k (reference); true: λ·(1/N)·Σ_k L_k (APEX-1 code)
-  Index ignore_index = kIgnoreIndex;  ///< label meaning "no target"; must lie outside [0, V)
+  /// Label meaning "no target"; must lie outside [0, V) (ConfigError).
+  /// Stricter than `cross_entropy`, which accepts any value: the labels here
+  /// are the token stream itself, each read by the main head and by N heads
+  /// at other offsets, and the loss also uses the ignore index for positions
+  /// whose target lies past the labels. A real token id there would silently
+  /// drop that token from all N + 1 terms; mark padding with −100 instead.
+  Index ignore_index = kIgnoreIndex;
 };
 
 /// Value and parts of the multi-token loss.
@@ -84,8 +90,9 @@ inline void check_mtp_options(const char* where, const MultiTokenOptions& opt, I
 /// receive ∂L/∂main_logits and ∂L/∂head_logits. Pass `dheads` to
 /// MultiTokenHeads::backward, and `dmain` to the main head's backward.
 /// Either may be the matrix its logits argument refers to (the gradient then
-/// overwrites the logits). Throws ShapeError, ValueError (label out of
-/// range, non-finite logits) or ConfigError (options).
+/// overwrites the logits). Throws ShapeError (including `main_logits`
+/// without columns), ValueError (label out of range, non-finite logits) or
+/// ConfigError (options).
 template <class D1, class D2>
 MultiTokenLoss multi_token_loss(const Eigen::MatrixBase<D1>& main_logits, const Eigen::MatrixBase<D2>& head_logits,
                                 const ConstTokenRef& labels, const MultiTokenOptions& opt,
@@ -97,7 +104,7 @@ MultiTokenLoss multi_token_loss(const Eigen::MatrixBase<D1>& main_logits, const 
   const ConstMatrixRef<T> zm(main_logits);  // n × V
   const ConstMatrixRef<T> zh(head_logits);  // n × N·V
   const Index n = zm.rows(), vocab = zm.cols(), heads = opt.num_heads, m = labels.rows();
-  detail::require_config(vocab > 0, where, "main_logits must have at least one column (the vocabulary)");
+  detail::check_vocab(where, "main_logits", vocab);
   detail::check_mtp_options(where, opt, vocab);
   detail::check_shape(where, "head_logits", zh, n, heads * vocab);
   if (m < n) detail::check_shape(where, "labels", m, 1, n, 1);  // fewer labels than positions
@@ -237,6 +244,11 @@ class MultiTokenHeads {
     // A row-major 1 × N·V row is exactly a row-major N × V matrix.
     return {y.data() + t * y.cols(), opt_.num_heads, v_};
   }
+  /// The view would dangle once the temporary dies at the end of the
+  /// statement, so a temporary (or an expression converted to one) does not
+  /// compile: keep the forward output in a named matrix.
+  void draft_logits(Matrix<T>&&, Index) const = delete;
+  void draft_logits(const Matrix<T>&&, Index) const = delete;
 
   /// `heads.<i>.weight` (V × d each), in head order.
   ParamList<T> params() {

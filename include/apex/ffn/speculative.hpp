@@ -136,11 +136,6 @@ inline void check_draft(const char* where, const std::vector<Index>& draft, Inde
                        ")");
 }
 
-inline void check_vocab(const char* where, const char* arg, Index cols) {
-  if (cols < 1)
-    throw ShapeError(std::string(where) + ": argument '" + arg + "' has 0 columns, expected a vocabulary of >= 1");
-}
-
 }  // namespace detail
 
 /// Greedy draft: `tokens[i] = argmax` of row i of `head_logits` (N × V, e.g.
@@ -163,6 +158,9 @@ template <class Derived>
 SpeculativeDraft<typename Derived::Scalar> draft_sample(const Eigen::MatrixBase<Derived>& head_logits, Rng& rng) {
   constexpr const char* where = "draft_sample";
   detail::check_vocab(where, "head_logits", head_logits.cols());
+  // Checked here, not only inside softmax_rows, so the message names this
+  // function and its argument.
+  detail::check_finite(where, "head_logits", head_logits);
   SpeculativeDraft<typename Derived::Scalar> out;
   out.probs = softmax_rows(head_logits);  // N × V
   const Index vocab = out.probs.cols();
