@@ -9,8 +9,11 @@
 /// from it bitwise reproducible. `row_of` is the inverse map: the sorted row
 /// of pair (t, k) is row_of[t·K + k].
 
+#include <string>
+#include <type_traits>
 #include <vector>
 
+#include "errors.hpp"
 #include "router.hpp"
 #include "types.hpp"
 
@@ -32,15 +35,27 @@ struct DispatchPlan {
     return c;
   }
 
-  /// Builds the plan from N × K expert ids in [0, n_experts).
+  /// Builds the plan from N × K expert ids in [0, n_experts). Throws
+  /// ValueError for a negative n_experts or an id outside that range, and
+  /// then leaves the plan empty.
   void build(const IndexMatrix& experts, Index n_experts_) {
+    if (n_experts_ < 0) fail("n_experts is " + std::to_string(n_experts_) + ", expected a value >= 0");
     n_tokens = experts.rows();
     n_active = experts.cols();
     n_experts = n_experts_;
     // 1. histogram  2. exclusive prefix sum  3. stable scatter + inverse map
-    offset.assign(n_experts + 1, 0);
+    offset.assign(std::size_t(n_experts) + 1, 0);
+    // One unsigned compare per id covers both < 0 and ≥ E: an id outside the
+    // range would write past `offset` here and past the sorted rows below.
+    const auto limit = static_cast<std::make_unsigned_t<Index>>(n_experts);
     for (Index t = 0; t < n_tokens; ++t)
-      for (Index k = 0; k < n_active; ++k) ++offset[experts(t, k) + 1];
+      for (Index k = 0; k < n_active; ++k) {
+        const Index e = experts(t, k);
+        if (static_cast<std::make_unsigned_t<Index>>(e) >= limit)
+          fail("argument 'experts' has expert id " + std::to_string(e) + " at (" + std::to_string(t) + ", " +
+               std::to_string(k) + "), expected a value in [0, " + std::to_string(n_experts) + ")");
+        ++offset[std::size_t(e) + 1];
+      }
     for (Index e = 0; e < n_experts; ++e) offset[e + 1] += offset[e];
     token.resize(rows());
     slot.resize(rows());
@@ -53,6 +68,13 @@ struct DispatchPlan {
         slot[r] = k;
         row_of[t * n_active + k] = r;
       }
+  }
+
+ private:
+  /// Empties the plan and throws ValueError naming build.
+  [[noreturn]] void fail(const std::string& what) {
+    *this = DispatchPlan{};
+    throw ValueError("DispatchPlan::build: " + what);
   }
 };
 

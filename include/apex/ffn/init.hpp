@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <random>
 
+#include "errors.hpp"
 #include "types.hpp"
 
 namespace apex {
@@ -33,8 +34,12 @@ class Rng {
     return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
   }
 
-  /// Uniform integer in [0, n).
-  std::uint64_t index(std::uint64_t n) { return std::uint64_t(uniform() * double(n)) % n; }
+  /// Uniform integer in [0, n). Throws ValueError for n = 0 (an empty range;
+  /// the modulo would divide by zero).
+  std::uint64_t index(std::uint64_t n) {
+    if (n == 0) throw ValueError("Rng::index: argument 'n' is 0, expected a range of >= 1 values");
+    return std::uint64_t(uniform() * double(n)) % n;
+  }
 
   std::mt19937_64& engine() { return engine_; }
 
