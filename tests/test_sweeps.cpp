@@ -8,10 +8,11 @@
 // the NaN in the affected rows only and leave every other row bitwise
 // unchanged.
 //
-// The [!mayfail] tests at the end document defects of the headers: each
-// names the header, the input and the fix. Calls that crash today run in a
-// forked child process, so a crash fails its own test instead of ending the
-// whole run, and the test passes once the header raises the typed error.
+// The tests at the end document defects of the headers: each names the
+// header, the input and the fix. Those still open are tagged [!mayfail];
+// fixed ones are [regression] tests. Calls that crash(ed) run in a forked
+// child process, so a crash fails its own test instead of ending the whole
+// run.
 #include <apex/ffn.hpp>
 #include <apex/ffn/checkpoint.hpp>
 #include <apex/ffn/ffn_sublayer.hpp>
@@ -233,7 +234,7 @@ TEMPLATE_TEST_CASE("RMSNorm sweep: widths and eps and gradient shapes", "[sweeps
   for (Index w : {Index(0), Index(-1)})
     cases.push_back({"RMSNorm(" + std::to_string(w) + ")", [=] { (void)RMSNorm<T>(w); }, "ConfigError",
                      {"RMSNorm", "d_model", std::to_string(w)}});
-  for (double eps : {-1e-6, kNaN, kInf})
+  for (double eps : {-1e-6, 0.0, kNaN, kInf})
     cases.push_back({"RMSNorm eps " + std::to_string(eps), [=] { (void)RMSNorm<T>(d, T(eps)); }, "ConfigError",
                      {"RMSNorm", "eps"}});
   add_width_cases<T>(cases, "RMSNorm::forward", "x", n, d, [&](const Matrix<T>& x) { norm.forward(x); });
@@ -954,31 +955,30 @@ TEST_CASE("checkpoint sweep: mismatched files and bad options raise typed errors
 }
 
 // ---------------------------------------------------------------------------
-// Defects of the headers. Each test states the input, what happens today and
-// the fix; it is [!mayfail] until the header is fixed. Crashing calls run in
-// a child process (outcome_isolated).
+// Defects of the headers. Each test states the input, what went wrong and
+// the fix. A test tagged [bug][!mayfail] describes a defect still open; once
+// the header is fixed it loses both tags, gets [regression] and fails if the
+// defect returns. Calls that crashed before the fix run in a child process
+// (outcome_isolated), so a regression fails its own test instead of ending
+// the whole run.
 
-TEST_CASE("LoadBalancer with a negative expert count raises ConfigError", "[sweeps][bug][balancer][!mayfail]") {
-  // load_balancer.hpp, constructor: the member initialisers build
+TEST_CASE("LoadBalancer with a negative expert count raises ConfigError", "[sweeps][regression][balancer]") {
+  // load_balancer.hpp, constructor: the member initialisers built
   // `bias_(RowVector<T>::Zero(n_experts))` and `counts_(n_experts, 0)` before
-  // the body's require_config runs, so n_experts = -1 trips Eigen's size
+  // the body's require_config ran, so n_experts = -1 tripped Eigen's size
   // assertion (abort; undefined behaviour with NDEBUG) instead of raising
-  // ConfigError. Fix: validate in a helper called from the first member
-  // initialiser (as MoEFFN does with `(config.validate(), config)`), or size
-  // the members in the body after the checks.
+  // ConfigError. Fixed: the first member initialiser validates every argument.
   expect(outcome_isolated([] { (void)LoadBalancer<double>(-1, 1); }), "ConfigError", {"LoadBalancer", "n_experts"});
   expect(outcome_isolated([] { (void)LoadBalancer<double>(-5, -6); }), "ConfigError", {"LoadBalancer", "n_experts"});
 }
 
-TEST_CASE("Router::route checks the width of x and the bias", "[sweeps][bug][router][!mayfail]") {
-  // router.hpp, Router::route: neither `x` (N × d) nor `bias` (1 × E) is
-  // checked. A wrong width of x fails an eigen_assert in linear_nt (abort;
-  // out-of-bounds reads with NDEBUG); a short bias is read past its end
-  // (`bias(e)`); a NaN bias silently yields NaN routing weights. route is
-  // public (the tests and the plain-loop reference call it). Fix: at the top
-  // of route, check_shape("Router::route", "x", x, kAny, d_model()),
-  // check_shape("Router::route", "bias", bias, 1, n_experts()) and
-  // check_finite("Router::route", "bias", bias).
+TEST_CASE("Router::route checks the width of x and the bias", "[sweeps][regression][router]") {
+  // router.hpp, Router::route: neither `x` (N × d) nor `bias` (1 × E) was
+  // checked. A wrong width of x failed an eigen_assert in linear_nt (abort;
+  // out-of-bounds reads with NDEBUG); a short bias was read past its end
+  // (`bias(e)`); a NaN bias silently yielded NaN routing weights. route is
+  // public (the tests and the plain-loop reference call it). Fixed: route
+  // checks the shapes of x and bias and that the bias is finite.
   const auto route = [](Index rows, Index cols, Index bias_len, double bias_value) {
     return [=] {
       Rng rng(0);
@@ -1004,13 +1004,13 @@ TEST_CASE("Router::route checks the width of x and the bias", "[sweeps][bug][rou
   }
 }
 
-TEST_CASE("Router::softmax_backward and Router::backward check their shapes", "[sweeps][bug][router][!mayfail]") {
+TEST_CASE("Router::softmax_backward and Router::backward check their shapes", "[sweeps][regression][router]") {
   // router.hpp: softmax_backward(routing, d_weights, d_logits) and
-  // backward(x, d_logits) check nothing; d_weights that is not N × K,
-  // d_logits that is not N × E or x that is not N × d fail eigen_asserts or
-  // read and write out of bounds. Fix: check_shape d_weights against
-  // routing.weights, d_logits against N × n_experts(), and in backward x
-  // against kAny × d_model() and d_logits against x.rows() × n_experts().
+  // backward(x, d_logits) checked nothing; d_weights that is not N × K,
+  // d_logits that is not N × E or x that is not N × d failed eigen_asserts or
+  // read and wrote out of bounds. Fixed: softmax_backward checks the routing,
+  // d_weights (N × K) and d_logits (N × E); backward checks x (N × d) and
+  // d_logits (N × E).
   const auto setup = [] {
     Rng rng(0);
     Router<double> router(6, 4, 2, rng);
@@ -1040,52 +1040,127 @@ TEST_CASE("Router::softmax_backward and Router::backward check their shapes", "[
            router.backward(Matrix<double>::Ones(3, 5), Matrix<double>::Zero(3, 4));
          }),
          "ShapeError", {"Router::backward", "'x'"});
+  // A routing made by a router of another K or E would scatter past d_logits.
+  for (const auto& [e, k] : {std::pair<Index, Index>{5, 2}, std::pair<Index, Index>{4, 3}}) {
+    INFO("routing of a router with E = " << e << " and K = " << k);
+    expect(outcome_isolated([e = e, k = k] {
+             Rng rng(0);
+             Router<double> router(6, 4, 2, rng), other(6, e, k, rng);
+             Routing<double> r;
+             other.route(random_matrix(3, 6, 1), RowVector<double>::Zero(e), false, r);
+             Matrix<double> dl = Matrix<double>::Zero(3, 4);
+             router.softmax_backward(r, Matrix<double>::Zero(3, 2), dl);
+           }),
+           "ShapeError", {"Router::softmax_backward", "'routing."});
+  }
+}
+
+namespace {
+/// A backward of one layer with an unfilled cache and an empty batch.
+struct CacheProbe {
+  const char* layer;
+  std::function<void()> call;
+};
+
+void expect_cache_rejected(const std::vector<CacheProbe>& probes, const char* what) {
+  for (const CacheProbe& p : probes) {
+    INFO(p.layer << "::backward with " << what);
+    const std::string got = outcome_isolated(p.call);
+    CHECK_THAT(got, StartsWith("ShapeError: ") || StartsWith("ValueError: "));
+    CHECK_THAT(got, Contains(std::string(p.layer) + "::backward"));
+    CHECK_THAT(got, Contains("cache"));
+  }
+}
+}  // namespace
+
+// Every backward checks dy against the cache's row count, so a
+// default-constructed Cache with dy of N > 0 rows raises ShapeError — but
+// with an empty batch (dy 0 × d) that check passes and the empty cache used
+// to be read as if filled. The fix: each backward checks its cache's own
+// shapes first, raising ShapeError naming 'cache', as
+// MultiTokenHeads::backward always did with `cache.h`.
+
+TEST_CASE("RMSNorm and SkipGate and FFNSublayer backward reject a cache that no forward filled",
+          "[sweeps][regression][cache]") {
+  // Before the fix:
+  //  - rms_norm.hpp RMSNorm::backward: dy (0 × d) ⊙ cache.x_hat (0 × 0) failed an eigen_assert;
+  //  - skip_gate.hpp SkipGate::backward: w2_grad_ += dsᵀ·a with a 0 × 0 `a` failed an eigen_assert;
+  //  - ffn_sublayer.hpp FFNSublayer::backward (gated): dy ⊙ cache.f (0 × 0) failed an eigen_assert.
+  const Index d = 4;
+  const Matrix<double> dy = Matrix<double>::Zero(0, d);
+  expect_cache_rejected(
+      {
+          {"RMSNorm", [&] { RMSNorm<double>(d).backward(dy, RMSNorm<double>::Cache{}); }},
+          {"SkipGate",
+           [&] { SkipGate<double>(gate_config(d, 3)).backward(Vector<double>(0), SkipGate<double>::Cache{}); }},
+          {"FFNSublayer",
+           [&] {
+             FFNSublayer<double, SwiGLU<double>> s(d, SwiGLU<double>(d, 6), SkipGate<double>(gate_config(d, 3)));
+             s.backward(dy, FFNSublayer<double, SwiGLU<double>>::Cache{});
+           }},
+          {"MultiTokenHeads",
+           [&] { MultiTokenHeads<double>(d, 5).backward(Matrix<double>(0, 20), MultiTokenHeads<double>::Cache{}); }},
+      },
+      "an unfilled cache and an empty batch");
+
+  // The cache of a layer of another shape, same batch: caught by the same checks.
+  expect_cache_rejected(
+      {
+          {"RMSNorm",
+           [] {
+             RMSNorm<double>::Cache c;
+             RMSNorm<double>(5).forward(Matrix<double>::Ones(3, 5), &c);
+             RMSNorm<double>(4).backward(Matrix<double>::Ones(3, 4), c);
+           }},
+          {"SkipGate",
+           [] {
+             SkipGate<double>::Cache c;
+             SkipGate<double>(gate_config(4, 5)).forward(Matrix<double>::Ones(3, 4), &c);
+             SkipGate<double>(gate_config(4, 3)).backward(Vector<double>::Ones(3), c);
+           }},
+          {"FFNSublayer",
+           [] {
+             // An ungated sublayer's cache has no F: a gated backward must not read it.
+             using Sub = FFNSublayer<double, SwiGLU<double>>;
+             Sub::Cache c;
+             Sub(4, SwiGLU<double>(4, 6)).forward(Matrix<double>::Ones(3, 4), &c);
+             Sub(4, SwiGLU<double>(4, 6), SkipGate<double>(gate_config(4, 3))).backward(Matrix<double>::Ones(3, 4), c);
+           }},
+          {"FFNSublayer",
+           [] {
+             using Sub = FFNSublayer<double, SwiGLU<double>>;
+             Sub::Cache c;
+             Sub s(4, SwiGLU<double>(4, 6), SkipGate<double>(gate_config(4, 3)));
+             s.forward(Matrix<double>::Ones(3, 4), &c);
+             c.kept.back() = 3;  // a kept index past the batch would address a row dy does not have
+             s.backward(Matrix<double>::Ones(3, 4), c);
+           }},
+      },
+      "the cache of a layer of another shape");
 }
 
 TEST_CASE("backward rejects a cache that no forward filled", "[sweeps][bug][cache][!mayfail]") {
-  // Every backward checks dy against the cache's row count, so a
-  // default-constructed Cache with dy of N > 0 rows raises ShapeError — but
-  // with an empty batch (dy 0 × d) the check passes and the empty cache is
-  // read as if filled:
-  //  - rms_norm.hpp RMSNorm::backward: dy (0 × d) ⊙ cache.x_hat (0 × 0) fails an eigen_assert;
+  // The same defect, still open in:
   //  - swiglu.hpp SwiGLU::backward and kappa_swiglu.hpp KappaSwiGLU::backward:
   //    work.leftCols(f) of a 0 × 0 work fails an eigen_assert;
-  //  - moe.hpp MoEFFN::backward: plan.count(e) indexes the empty plan.offset (null dereference);
-  //  - skip_gate.hpp SkipGate::backward: w2_grad_ += dsᵀ·a with a 0 × 0 `a` fails an eigen_assert;
-  //  - ffn_sublayer.hpp FFNSublayer::backward (gated): dy ⊙ cache.f (0 × 0) fails an eigen_assert.
-  // MultiTokenHeads::backward does it right: it also checks
-  // `cache.h` against kAny × d. Fix: the same check of the cache's own
-  // shapes in each backward (cache.x / x_hat columns = d, work columns =
-  // work_cols(), for MoEFFN plan.n_experts = E and plan.offset.size() = E + 1),
-  // raising ShapeError naming 'cache'.
+  //  - moe.hpp MoEFFN::backward: plan.count(e) indexes the empty plan.offset (null dereference).
+  // Fix: check the cache's own shapes in each backward (cache.x columns = d,
+  // work columns = work_cols(), for MoEFFN plan.n_experts = E and
+  // plan.offset.size() = E + 1), raising ShapeError naming 'cache'.
   const Index d = 4;
   const Matrix<double> dy = Matrix<double>::Zero(0, d);
-  struct Probe {
-    const char* layer;
-    std::function<void()> call;
-  };
-  const std::vector<Probe> probes = {
-      {"RMSNorm", [&] { RMSNorm<double>(d).backward(dy, RMSNorm<double>::Cache{}); }},
-      {"SwiGLU", [&] { SwiGLU<double>(d, 6).backward(dy, SwiGLU<double>::Cache{}); }},
-      {"KappaSwiGLU", [&] { KappaSwiGLU<double>(d, 6).backward(dy, KappaSwiGLU<double>::Cache{}); }},
-      {"MoEFFN", [&] {
-         MoEFFN<double> moe(moe_config(d, 6, 4, 2, 1));
-         moe.set_threads(1);
-         moe.backward(dy, MoEFFN<double>::Cache{});
-       }},
-      {"SkipGate", [&] { SkipGate<double>(gate_config(d, 3)).backward(Vector<double>(0), SkipGate<double>::Cache{}); }},
-      {"FFNSublayer", [&] {
-         FFNSublayer<double, SwiGLU<double>> s(d, SwiGLU<double>(d, 6), SkipGate<double>(gate_config(d, 3)));
-         s.backward(dy, FFNSublayer<double, SwiGLU<double>>::Cache{});
-       }},
-      {"MultiTokenHeads", [&] { MultiTokenHeads<double>(d, 5).backward(Matrix<double>(0, 20), MultiTokenHeads<double>::Cache{}); }},
-  };
-  for (const Probe& p : probes) {
-    INFO(p.layer << "::backward with an unfilled cache and an empty batch");
-    const std::string got = outcome_isolated(p.call);
-    CHECK_THAT(got, StartsWith("ShapeError: ") || StartsWith("ValueError: "));
-    CHECK_THAT(got, Contains("cache"));
-  }
+  expect_cache_rejected(
+      {
+          {"SwiGLU", [&] { SwiGLU<double>(d, 6).backward(dy, SwiGLU<double>::Cache{}); }},
+          {"KappaSwiGLU", [&] { KappaSwiGLU<double>(d, 6).backward(dy, KappaSwiGLU<double>::Cache{}); }},
+          {"MoEFFN",
+           [&] {
+             MoEFFN<double> moe(moe_config(d, 6, 4, 2, 1));
+             moe.set_threads(1);
+             moe.backward(dy, MoEFFN<double>::Cache{});
+           }},
+      },
+      "an unfilled cache and an empty batch");
 }
 
 TEST_CASE("backward rejects a cache filled by a layer of another shape", "[sweeps][bug][cache][!mayfail]") {
@@ -1114,60 +1189,114 @@ TEST_CASE("backward rejects a cache filled by a layer of another shape", "[sweep
          {"MoEFFN::backward", "cache"});
 }
 
-TEST_CASE("LoadBalancer::observe rejects negative counts and token numbers", "[sweeps][bug][balancer][!mayfail]") {
+TEST_CASE("LoadBalancer::observe rejects negative counts and token numbers", "[sweeps][regression][balancer]") {
   // load_balancer.hpp, observe: only the length of `counts` and its sum
-  // (= n_tokens·K) are checked. {−2, 4, 0, 0} for one token with K = 2 sums
-  // to 2 and is accepted, making expert 0's load −1; {−1, −1, 0, 0} with
-  // n_tokens = −1 is accepted too, and the next update() moves the bias
-  // from a window of −1 tokens. Fix: ValueError unless n_tokens ≥ 0 and
-  // every count is in [0, n_tokens].
+  // (= n_tokens·K) were checked. {−2, 4, 0, 0} for one token with K = 2 sums
+  // to 2 and was accepted, making expert 0's load −1; {−1, −1, 0, 0} with
+  // n_tokens = −1 was accepted too, and the next update() moved the bias
+  // from a window of −1 tokens. Fixed: ValueError unless n_tokens ≥ 0 and
+  // every count is in [0, n_tokens] (a token picks K distinct experts).
   LoadBalancer<double> balancer(4, 2);
   expect(outcome([&] { balancer.observe({-2, 4, 0, 0}, 1); }), "ValueError", {"LoadBalancer::observe", "counts"});
   expect(outcome([&] { balancer.observe({-1, -1, 0, 0}, -1); }), "ValueError", {"LoadBalancer::observe", "n_tokens"});
   expect(outcome([&] { balancer.observe({3, 0, 0, 1}, 2); }), "ValueError", {"LoadBalancer::observe", "counts"});
+  CHECK(balancer.report().tokens == 0);  // a rejected observe counts nothing
+  // The bounds are inclusive: one expert may take every token, and an empty batch counts nothing.
+  CHECK_NOTHROW(balancer.observe({2, 2, 0, 0}, 2));
+  CHECK_NOTHROW(balancer.observe({0, 0, 0, 0}, 0));
+  CHECK(balancer.report().tokens == 2);
+  balancer = LoadBalancer<double>(4, 2);
   CHECK(balancer.update().tokens == 0);
   CHECK(balancer.bias().isZero(0));
 }
 
-TEST_CASE("multi_token_loss reports logits without columns as a ShapeError", "[sweeps][bug][mtp][!mayfail]") {
-  // multi_token_loss.hpp, multi_token_loss: `main_logits` with 0 columns
-  // raises ConfigError ("main_logits must have at least one column"). It is
+TEST_CASE("multi_token_loss reports logits without columns as a ShapeError", "[sweeps][regression][mtp]") {
+  // multi_token_heads.hpp, multi_token_loss: `main_logits` with 0 columns
+  // raised ConfigError ("main_logits must have at least one column"). It is
   // an argument of the wrong shape, and draft_greedy/draft_sample/
-  // verify_* raise ShapeError for the same input (detail::check_vocab).
-  // Fix: detail::check_vocab(where, "main_logits", vocab).
+  // verify_* raise ShapeError for the same input. Fixed: it uses
+  // detail::check_vocab as they do.
   const Matrix<double> none(3, 0);
   TokenIds labels = TokenIds::Constant(3, kIgnoreIndex);
   expect(outcome([&] { multi_token_loss(none, none, labels, MultiTokenOptions{}); }), "ShapeError",
          {"multi_token_loss", "'main_logits'"});
 }
 
-TEST_CASE("cross_entropy rejects an ignore index inside the vocabulary as multi_token_loss does",
-          "[sweeps][bug][cross_entropy][!mayfail]") {
-  // cross_entropy.hpp, cross_entropy: CrossEntropyOptions::ignore_index = 3
-  // with V = 5 is accepted and every target 3 is silently dropped, while
-  // multi_token_loss raises ConfigError for the same option ("is a real
-  // token id"). Either both reject it (this test) or cross_entropy
-  // documents that an in-vocabulary ignore index (PyTorch allows one, e.g.
-  // a padding id) drops that token — a decision for the header's owner.
+TEST_CASE("cross_entropy drops targets equal to an in-vocabulary ignore index as PyTorch does",
+          "[sweeps][regression][cross_entropy]") {
+  // cross_entropy.hpp: CrossEntropyOptions::ignore_index may be a real token
+  // id (PyTorch allows it, e.g. a padding id), while multi_token_loss rejects
+  // one (ConfigError). The difference is documented on both option structs
+  // and in docs/error_model.md; this test pins what cross_entropy does with
+  // it: targets equal to the ignore index contribute neither loss nor
+  // gradient, the mean divides by the number of other targets, and the id
+  // stays a class of the softmax of the other rows.
+  const Index v = 5;
+  const Matrix<double> z = random_matrix(4, v, 21);
   CrossEntropyOptions o;
   o.ignore_index = 3;
-  TokenIds t(2);
-  t << 3, 1;
-  expect(outcome([&] { cross_entropy(Matrix<double>::Zero(2, 5), t, nullptr, o); }), "ConfigError",
-         {"cross_entropy", "ignore_index"});
+  o.grad_scale = 0.5;
+  TokenIds t(4);
+  t << 3, 1, 3, 0;
+  Matrix<double> g;
+  const CrossEntropyStats got = cross_entropy(z, t, &g, o);
+
+  // Reference: the same loss over rows 1 and 3 alone, with the default ignore index.
+  Matrix<double> z_kept(2, v);
+  z_kept << z.row(1), z.row(3);
+  TokenIds t_kept(2);
+  t_kept << 1, 0;
+  CrossEntropyOptions o_ref;
+  o_ref.grad_scale = 0.5;
+  Matrix<double> g_ref;
+  const CrossEntropyStats ref = cross_entropy(z_kept, t_kept, &g_ref, o_ref);
+  CHECK(got.count == 2);
+  CHECK(got.loss == ref.loss);  // same rows in the same order: bitwise equal
+  CHECK(got.correct == ref.correct);
+  REQUIRE(g.rows() == 4);
+  CHECK(g.row(0).isZero(0));
+  CHECK(g.row(2).isZero(0));
+  CHECK(g.row(1) == g_ref.row(0));
+  CHECK(g.row(3) == g_ref.row(1));
+  CHECK(g(1, 3) > 0);  // token 3 is still a class: softmax mass, positive gradient
+  // The loss of the kept rows, by hand: mean of lse(z) − z_y over the two rows.
+  const auto lse = [&](Index r) { return std::log(z.row(r).array().exp().sum()); };
+  CHECK_THAT(got.loss, Catch::Matchers::WithinRel(0.5 * ((lse(1) - z(1, 1)) + (lse(3) - z(3, 0))), 1e-12));
+
+  // Every target ignored: no loss, no gradient, no division by zero.
+  const CrossEntropyStats none = cross_entropy(z, TokenIds::Constant(4, 3), &g, o);
+  CHECK(none.count == 0);
+  CHECK(none.loss == 0);
+  CHECK(g.isZero(0));
+
+  // multi_token_loss keeps its stricter contract for the same option.
+  MultiTokenOptions mo;
+  mo.num_heads = 0;
+  mo.ignore_index = 3;
+  expect(outcome([&] { multi_token_loss(z, Matrix<double>(4, 0), t, mo); }), "ConfigError",
+         {"multi_token_loss", "ignore_index"});
 }
 
-TEST_CASE("RMSNorm never turns a finite input into NaN", "[sweeps][bug][rmsnorm][!mayfail]") {
-  // rms_norm.hpp: eps = 0 is accepted ("eps must be finite and >= 0"); an
-  // all-zero row then gives r = 1/sqrt(0) = inf and x̂ = 0·inf = NaN, so a
-  // valid configuration turns a finite input into NaN. Fix: require eps > 0
-  // (ConfigError), or document that eps = 0 is only for inputs without zero rows.
-  const std::string got = outcome([] {
-    const RMSNorm<double> norm(4, 0.0);
-    const Matrix<double> y = norm.forward(Matrix<double>::Zero(2, 4));
-    if (!y.allFinite()) throw std::runtime_error("NaN output from a finite input");
-  });
-  CHECK_THAT(got, Equals("returned") || StartsWith("ConfigError: "));
+TEMPLATE_TEST_CASE("RMSNorm never turns a finite input into NaN", "[sweeps][regression][rmsnorm]", float, double) {
+  // rms_norm.hpp: eps = 0 was accepted ("eps must be finite and >= 0"); an
+  // all-zero row then gave r = 1/sqrt(0) = inf and x̂ = 0·inf = NaN, so a
+  // valid configuration turned a finite input into NaN. Fixed: eps must be
+  // > 0 (ConfigError), and any positive eps, even the smallest subnormal,
+  // keeps a zero row finite in forward and backward.
+  using T = TestType;
+  expect(outcome([] { (void)RMSNorm<T>(4, T(0)); }), "ConfigError", {"RMSNorm", "eps"});
+  expect(outcome([] { (void)RMSNorm<T>(4, -T(0)); }), "ConfigError", {"RMSNorm", "eps"});
+  for (T eps : {std::numeric_limits<T>::denorm_min(), std::numeric_limits<T>::min(), T(1e-6)}) {
+    INFO("eps " << eps);
+    RMSNorm<T> norm(4, eps);
+    typename RMSNorm<T>::Cache cache;
+    Matrix<T> x = Matrix<T>::Zero(3, 4);
+    x.row(1).setOnes();
+    const Matrix<T> y = norm.forward(x, &cache);
+    CHECK(y.allFinite());
+    CHECK(y.row(0).isZero(0));
+    CHECK(norm.backward(Matrix<T>::Ones(3, 4), cache).allFinite());
+  }
 }
 
 TEST_CASE("KappaSwiGLU of float rejects options beyond the range of float", "[sweeps][bug][kappa][!mayfail]") {
@@ -1194,52 +1323,79 @@ template <class H>
 struct draft_logits_takes_temporary<
     H, std::void_t<decltype(std::declval<const H&>().draft_logits(std::declval<Matrix<typename H::Scalar>>(), Index(0)))>>
     : std::true_type {};
+template <class H, class = void>
+struct draft_logits_takes_lvalue : std::false_type {};
+template <class H>
+struct draft_logits_takes_lvalue<
+    H, std::void_t<decltype(std::declval<const H&>().draft_logits(std::declval<const Matrix<typename H::Scalar>&>(), Index(0)))>>
+    : std::true_type {};
 }  // namespace
 
-TEST_CASE("MultiTokenHeads::draft_logits refuses a temporary", "[sweeps][bug][mtp][!mayfail]") {
+TEST_CASE("MultiTokenHeads::draft_logits refuses a temporary", "[sweeps][regression][mtp]") {
   // multi_token_heads.hpp, draft_logits(const Matrix<T>& y, Index t) returns
   // a Map into y, and a const reference binds to a temporary, so
-  // `auto z = heads.draft_logits(heads.forward(h), t);` compiles and z
-  // dangles as soon as the statement ends (use after free). Fix: add
-  // `void draft_logits(Matrix<T>&&, Index) const = delete;`.
+  // `auto z = heads.draft_logits(heads.forward(h), t);` compiled and z
+  // dangled as soon as the statement ended (use after free). Fixed: the
+  // rvalue overloads are deleted; a named matrix still works.
   CHECK_FALSE(draft_logits_takes_temporary<MultiTokenHeads<double>>::value);
+  CHECK_FALSE(draft_logits_takes_temporary<MultiTokenHeads<float>>::value);
+  CHECK(draft_logits_takes_lvalue<MultiTokenHeads<double>>::value);
 }
 
 TEST_CASE("draft_sample names itself and head_logits when the logits are not finite",
-          "[sweeps][bug][speculative][!mayfail]") {
-  // speculative.hpp, draft_sample: the finiteness check happens inside
-  // softmax_rows, so the message reads "softmax_rows: argument 'logits'
+          "[sweeps][regression][speculative]") {
+  // speculative.hpp, draft_sample: the finiteness check happened inside
+  // softmax_rows, so the message read "softmax_rows: argument 'logits'
   // contains NaN or Inf" — a function and an argument the caller never
-  // used. Fix: detail::check_finite(where, "head_logits", head_logits)
-  // before softmax_rows, as draft_greedy does.
+  // used. Fixed: draft_sample checks head_logits itself, as draft_greedy does.
   Matrix<double> z = Matrix<double>::Zero(2, 3);
   z(1, 1) = kNaN;
   Rng rng(0);
   expect(outcome([&] { draft_sample(z, rng); }), "ValueError", {"draft_sample", "'head_logits'"});
 }
 
-TEST_CASE("Rng::index rejects an empty range", "[sweeps][bug][init][!mayfail]") {
-  // init.hpp, Rng::index(n) computes `… % n`: n = 0 is an integer division
-  // by zero (SIGFPE on x86, undefined behaviour). Fix: ValueError unless n ≥ 1.
+TEST_CASE("Rng::index rejects an empty range", "[sweeps][regression][init]") {
+  // init.hpp, Rng::index(n) computes `… % n`: n = 0 was an integer division
+  // by zero (SIGFPE on x86, undefined behaviour). Fixed: ValueError unless n ≥ 1.
   expect(outcome_isolated([] {
            Rng rng(1);
            volatile std::uint64_t sink = rng.index(0);  // used, so the division is not optimised away
            (void)sink;
          }),
          "ValueError", {"Rng::index"});
+  Rng rng(1);
+  CHECK(rng.index(1) == 0);
 }
 
-TEST_CASE("DispatchPlan::build rejects expert ids out of range", "[sweeps][bug][dispatch][!mayfail]") {
-  // dispatch.hpp, DispatchPlan::build(experts, n_experts) increments
-  // offset[experts(t, k) + 1] unchecked: an id ≥ n_experts or < 0 writes out
+TEST_CASE("DispatchPlan::build rejects expert ids out of range", "[sweeps][regression][dispatch]") {
+  // dispatch.hpp, DispatchPlan::build(experts, n_experts) incremented
+  // offset[experts(t, k) + 1] unchecked: an id ≥ n_experts or < 0 wrote out
   // of bounds (heap-buffer-overflow). The struct is public; MoEFFN only
-  // feeds it router output. Fix: ValueError on an id outside [0, n_experts)
-  // (or document it as internal and move it to namespace detail).
+  // feeds it router output. Fixed: ValueError on an id outside
+  // [0, n_experts) or a negative n_experts, and the plan is left empty.
+  for (Index bad : {Index(7), Index(4), Index(-1)}) {
+    INFO("expert id " << bad);
+    expect(outcome_isolated([bad] {
+             IndexMatrix ids(2, 2);
+             ids << 0, bad, 1, 2;
+             DispatchPlan plan;
+             plan.build(ids, 4);
+           }),
+           "ValueError", {"DispatchPlan::build", "'experts'", std::to_string(bad)});
+  }
   expect(outcome_isolated([] {
-           IndexMatrix ids(2, 2);
-           ids << 0, 7, 1, 2;
            DispatchPlan plan;
-           plan.build(ids, 4);
+           plan.build(IndexMatrix::Zero(2, 1), -1);
          }),
-         "ValueError", {"DispatchPlan::build"});
+         "ValueError", {"DispatchPlan::build", "n_experts"});
+  // A rejected build leaves an empty plan, not a half-built one.
+  IndexMatrix ids(2, 2);
+  ids << 0, 3, 1, 2;
+  DispatchPlan plan;
+  plan.build(ids, 4);
+  CHECK(plan.counts() == std::vector<Index>{1, 1, 1, 1});
+  ids(1, 1) = 4;
+  CHECK_THROWS_AS(plan.build(ids, 4), ValueError);
+  CHECK(plan.rows() == 0);
+  CHECK(plan.offset.empty());
 }
