@@ -23,3 +23,4 @@
 #include "ffn/swiglu.hpp"
 #include "ffn/types.hpp"
 #include "ffn/version.hpp"
+#include "ffn/workspace.hpp"

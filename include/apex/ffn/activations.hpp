@@ -67,5 +67,24 @@ auto sigmoid(const Eigen::ArrayBase<Derived>& z) {
   return (T(1) + (-z.derived()).exp()).inverse();
 }
 
+/// A row buffer for sigmoid_pair.
+template <class T>
+using Row = Eigen::Array<T, 1, Eigen::Dynamic>;
+
+/// s = σ(z) and sm = σ(−z) of a row with one exponential per entry (a
+/// backward needs both; two `sigmoid` calls cost two). With e = exp(−|z|) ∈
+/// (0, 1] and r = 1/(1 + e), the pair is (r, e·r) for z ≥ 0 and (e·r, r)
+/// otherwise: nothing overflows, and σ(−z) never forms as 1 − σ(z). `e` is
+/// scratch. z must not alias an output.
+template <class Derived>
+void sigmoid_pair(const Eigen::ArrayBase<Derived>& z, Row<typename Derived::Scalar>& s,
+                  Row<typename Derived::Scalar>& sm, Row<typename Derived::Scalar>& e) {
+  using T = typename Derived::Scalar;
+  e = (-z.derived().abs()).exp();
+  sm = (T(1) + e).inverse();  // r, for now
+  s = (z.derived() >= T(0)).select(sm, e * sm);
+  sm = (z.derived() >= T(0)).select(e * sm, sm);
+}
+
 }  // namespace array
 }  // namespace apex

@@ -26,6 +26,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -37,8 +38,14 @@
 #include "param.hpp"
 #include "swiglu.hpp"
 #include "types.hpp"
+#include "workspace.hpp"
 
 namespace apex {
+
+namespace detail {
+struct KappaWorkTag;      ///< workspace of a cacheless forward: [G | U | A]
+struct KappaGateGradTag;  ///< workspace of backward_block: [dG | dU]
+}  // namespace detail
 
 /// Hyper-parameters of κ-SwiGLU (SPEC defaults).
 struct KappaOptions {
@@ -55,6 +62,24 @@ struct KappaOptions {
                            "rho must be finite and >= 0, got " + std::to_string(rho));
     detail::require_config(std::isfinite(reg_weight) && reg_weight >= 0.0, where,
                            "reg_weight must be finite and >= 0, got " + std::to_string(reg_weight));
+  }
+
+  /// As validate(), for a layer that computes in T: the layer converts U, c,
+  /// ρ·c and w to T, and a value finite as a double can be infinite as a
+  /// float (c = 1e39 would make s = c·ℓ infinite and the output NaN).
+  template <class T>
+  void validate_for(const char* where) const {
+    validate(where);
+    const double max = double(std::numeric_limits<T>::max());
+    const auto check = [&](double v, const char* name) {
+      detail::require_config(std::abs(v) <= max, where,
+                             std::string(name) + " is " + std::to_string(v) + ", beyond the range of the layer's scalar type (" +
+                                 std::to_string(max) + ")");
+    };
+    check(U, "U");
+    check(c, "c");
+    check(rho * c, "rho*c");
+    check(reg_weight, "reg_weight");
   }
 };
 
@@ -115,7 +140,7 @@ class KappaSwiGLU {
       : KappaSwiGLU(d_model, d_ffn, Rng(seed), options) {}
   /// Takes over the weights of a (trained) SwiGLU; α = b = 0, so the output is unchanged.
   explicit KappaSwiGLU(SwiGLU<T> mlp, const KappaOptions& options = {}) : mlp_(std::move(mlp)), opt_(options) {
-    opt_.validate("KappaSwiGLU");
+    opt_.template validate_for<T>("KappaSwiGLU");
     const Index f = mlp_.d_ffn();
     alpha_ = RowVector<T>::Zero(f);
     bias_ = RowVector<T>::Zero(f);
@@ -131,7 +156,7 @@ class KappaSwiGLU {
   const KappaOptions& options() const { return opt_; }
   /// Throws ConfigError (and changes nothing) if `options` is invalid.
   void set_options(const KappaOptions& options) {
-    options.validate("KappaSwiGLU::set_options");
+    options.template validate_for<T>("KappaSwiGLU::set_options");
     opt_ = options;
   }
   double U() const { return opt_.U; }
@@ -162,15 +187,21 @@ class KappaSwiGLU {
       cache->work.resize(x.rows(), work_cols());
       forward_block(x, logit, cache->work, y);
     } else {
-      Matrix<T> work(x.rows(), work_cols());
-      forward_block(x, logit, work, y);
+      // Reused per-thread workspace, as in SwiGLU::forward.
+      forward_block(x, logit, detail::thread_workspace<T, detail::KappaWorkTag>(x.rows(), work_cols()), y);
     }
     return y;
   }
 
   /// dy: N × d → {∂L/∂x, ρ·∂L/∂ℓ}; adds into every parameter gradient.
+  /// ShapeError if dy does not match the cache, or the cache was not filled
+  /// by a forward of a layer of this shape.
   InputGrad backward(const ConstMatrixRef<T>& dy, const Cache& cache) {
-    detail::check_shape("KappaSwiGLU::backward", "dy", dy, cache.x.rows(), d_model());
+    const char* where = "KappaSwiGLU::backward";
+    detail::check_shape(where, "cache.x", cache.x, detail::kAny, d_model());
+    detail::check_shape(where, "cache.logit", cache.logit, cache.x.rows(), 1);
+    detail::check_shape(where, "cache.work", cache.work, cache.x.rows(), work_cols());
+    detail::check_shape(where, "dy", dy, cache.x.rows(), d_model());
     InputGrad out{Matrix<T>(dy.rows(), d_model()), Vector<T>(dy.rows())};
     backward_block(cache.x, cache.logit, cache.work, dy, out.dx, out.dlogit);
     return out;
@@ -225,24 +256,24 @@ class KappaSwiGLU {
                       const Eigen::MatrixBase<DL>& dlogit_) {
     auto& dlogit = const_cast<Eigen::MatrixBase<DL>&>(dlogit_);
     const Index n = x.rows(), f = d_ffn();
-    WeightGrads wg = weight_grads();
     // ∂L/∂W_down += dYᵀ·A      (d × f)
-    wg.down.noalias() += dy.transpose() * work.middleCols(2 * f, f);
-    Matrix<T> dh(n, 2 * f);  // n × 2f: [dG | dU]
+    mlp_.w_down_grad().noalias() += dy.transpose() * work.middleCols(2 * f, f);
+    auto dh = detail::thread_workspace<T, detail::KappaGateGradTag>(n, 2 * f);  // n × 2f: [dG | dU]
     // ∂L/∂A = dY·W_down        (n × f), held in the dU half until dU replaces it
     dh.rightCols(f).noalias() = dy * mlp_.w_down();
     const T c = T(opt_.c), rho_c = T(opt_.rho * opt_.c);
     const auto alpha = alpha_.array();
-    // One row each, reused: κ, ∂κ/∂u, σ(κG), σ(−κG), ∂L/∂u.
-    Eigen::Array<T, 1, Eigen::Dynamic> k(f), dk(f), sk(f), smk(f), du(f);
+    // One row each, reused: κ, ∂κ/∂u, σ(κG), σ(−κG), ∂L/∂u, scratch.
+    array::Row<T> k(f), dk(f), sk(f), smk(f), du(f), e(f);
     for (Index t = 0; t < n; ++t) {
       const auto row = work.row(t);
       const auto g = row.segment(0, f).array();
       const auto up = row.segment(f, f).array();
       auto da = dh.row(t).segment(f, f).array();
       fill_kappa(logit(t), k, dk);
-      sk = array::sigmoid(k * g);
-      smk = array::sigmoid(-(k * g));
+      du = k * g;  // κG, until ∂L/∂u replaces it
+      // σ(κG), σ(−κG) as SwiGLU computes σ(G), σ(−G): with κ ≡ 1 the two layers agree bitwise
+      array::sigmoid_pair(du, sk, smk, e);
       // ∂SiLU_κ/∂κ = z²σ(κz)σ(−κz), as (zσ(κz))·(zσ(−κz)) so z² never forms;
       // ∂L/∂u = dA ⊙ U ⊙ ∂SiLU_κ/∂κ ⊙ ∂κ/∂u
       du = da * up * (g * sk) * (g * smk) * dk;
@@ -256,7 +287,7 @@ class KappaSwiGLU {
       dlogit(t) = rho_c == T(0) ? T(0) : rho_c * (du * alpha).sum();
     }
     // ∂L/∂W_gu += dHᵀ·X (2f × d);  ∂L/∂X = dH·W_gu (n × d)
-    wg.gate_up.noalias() += dh.transpose() * x;
+    mlp_.w_gate_up_grad().noalias() += dh.transpose() * x;
     const_cast<Eigen::MatrixBase<DX>&>(dx).noalias() = dh * mlp_.w_gate_up();
   }
   ///@}
@@ -310,18 +341,6 @@ class KappaSwiGLU {
   const RowVector<T>& kappa_bias_grad() const { return bias_grad_; }
 
  private:
-  struct WeightGrads {
-    Eigen::Map<Matrix<T>> gate_up;  ///< 2f × d
-    Eigen::Map<Matrix<T>> down;     ///< d × f
-  };
-  /// SwiGLU exposes its gradient buffers through params() only. Its gate and
-  /// up weights (and gradients) are one 2f × d buffer, gate rows first
-  /// (swiglu.hpp), so the `w_gate.weight` view starts the whole buffer.
-  WeightGrads weight_grads() {
-    const ParamList<T> p = mlp_.params();
-    return {Eigen::Map<Matrix<T>>(p[0].grad_data, 2 * d_ffn(), d_model()), p[2].grad()};
-  }
-
   /// One row's τ = tanh(u), u = b + α·s, s = c·ℓ, and κ = exp(ln U·τ)
   /// (1 × f each) for U > 1. |τ| ≤ 1; the clamp absorbs exp's last-bit
   /// rounding so κ ∈ [1/U, U] exactly.

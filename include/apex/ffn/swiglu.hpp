@@ -19,6 +19,7 @@
 #include "linear.hpp"
 #include "param.hpp"
 #include "types.hpp"
+#include "workspace.hpp"
 
 namespace apex {
 
@@ -27,6 +28,10 @@ inline Index default_ffn_width(Index d_model) {
   const Index f = (8 * d_model + 2) / 3;
   return ((f + 31) / 32) * 32;
 }
+
+namespace detail {
+struct SwiGLUGateGradTag;  ///< workspace of backward_block: [dG | dU]
+}  // namespace detail
 
 /// Dense SwiGLU FFN. Also the default routed and shared expert of MoEFFN.
 template <class T>
@@ -79,8 +84,11 @@ class SwiGLU {
     return y;
   }
 
-  /// dy: N × d → dx: N × d; adds into the weight gradients.
+  /// dy: N × d → dx: N × d; adds into the weight gradients. ShapeError if
+  /// dy does not match the cache, or the cache was not filled by a forward
+  /// of a layer of this shape.
   Matrix<T> backward(const ConstMatrixRef<T>& dy, const Cache& cache) {
+    check_cache("SwiGLU::backward", cache);
     detail::check_shape("SwiGLU::backward", "dy", dy, cache.x.rows(), d_);
     Matrix<T> dx(dy.rows(), d_);
     Vector<T> unused;
@@ -113,19 +121,24 @@ class SwiGLU {
                       const ConstMatrixRef<T>& dy, const Eigen::MatrixBase<DX>& dx,
                       const Eigen::MatrixBase<DL>& /*dlogit*/) {
     const Index n = x.rows();
-    const auto g = work.leftCols(f_).array();       // n × f
-    const auto u = work.middleCols(f_, f_).array();  // n × f
-    const auto a = work.rightCols(f_);               // n × f
+    const auto g = work.leftCols(f_);        // n × f
+    const auto u = work.middleCols(f_, f_);  // n × f
+    const auto a = work.rightCols(f_);       // n × f
     // ∂L/∂W_down += dYᵀ·A      (d × f)
     w_down_grad_.noalias() += dy.transpose() * a;
-    Matrix<T> dh(n, 2 * f_);  // n × 2f: [dG | dU]
-    auto da = dh.rightCols(f_);
-    // ∂L/∂A = dY·W_down        (n × f)
-    da.noalias() = dy * w_down_;
-    // dG = dA ⊙ U ⊙ SiLU'(G),  SiLU'(G) = σ(G)(1 + G·σ(−G));  dU = dA ⊙ SiLU(G)
-    const auto s = array::sigmoid(g);
-    dh.leftCols(f_).array() = da.array() * u * s * (T(1) + g * array::sigmoid(-g));
-    dh.rightCols(f_).array() = da.array() * g * s;
+    auto dh = detail::thread_workspace<T, detail::SwiGLUGateGradTag>(n, 2 * f_);  // n × 2f: [dG | dU]
+    // ∂L/∂A = dY·W_down        (n × f), held in the dU half until dU replaces it
+    dh.rightCols(f_).noalias() = dy * w_down_;
+    // dG = dA ⊙ U ⊙ SiLU'(G),  SiLU'(G) = σ(G)(1 + G·σ(−G));  dU = dA ⊙ SiLU(G) = dA ⊙ G·σ(G).
+    // A row at a time, σ(G) and σ(−G) from one exponential (array::sigmoid_pair).
+    array::Row<T> s(f_), sm(f_), e(f_);  // 1 × f: σ(g), σ(−g), scratch
+    for (Index t = 0; t < n; ++t) {
+      const auto gt = g.row(t).array();
+      array::sigmoid_pair(gt, s, sm, e);
+      auto da = dh.row(t).tail(f_).array();
+      dh.row(t).head(f_).array() = da * u.row(t).array() * s * (T(1) + gt * sm);
+      da = da * gt * s;
+    }
     // ∂L/∂W_gu += dHᵀ·X (2f × d);  ∂L/∂X = dH·W_gu (n × d)
     w_gate_up_grad_.noalias() += dh.transpose() * x;
     const_cast<Eigen::MatrixBase<DX>&>(dx).noalias() = dh * w_gate_up_;
@@ -153,8 +166,21 @@ class SwiGLU {
   const Matrix<T>& w_down() const { return w_down_; }
   /// 2f × d: gate rows then up rows.
   const Matrix<T>& w_gate_up() const { return w_gate_up_; }
+  /// Gradient buffers (2f × d and d × f), in the layout of the weights;
+  /// backward adds into them, zero_grad clears them.
+  Matrix<T>& w_gate_up_grad() { return w_gate_up_grad_; }
+  Matrix<T>& w_down_grad() { return w_down_grad_; }
+  const Matrix<T>& w_gate_up_grad() const { return w_gate_up_grad_; }
+  const Matrix<T>& w_down_grad() const { return w_down_grad_; }
 
  private:
+  /// ShapeError unless `cache` holds a forward of this layer: x is N × d and
+  /// work N × 3f (a default-constructed cache has neither).
+  void check_cache(const char* where, const Cache& cache) const {
+    detail::check_shape(where, "cache.x", cache.x, detail::kAny, d_);
+    detail::check_shape(where, "cache.work", cache.work, cache.x.rows(), work_cols());
+  }
+
   static ConstVectorRef<T> no_logit() {
     static const Vector<T> empty;
     return empty;
