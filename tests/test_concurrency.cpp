@@ -218,11 +218,11 @@ TEMPLATE_TEST_CASE("MoEFFN forward is re-entrant while its own OpenMP dispatch r
   using T = TestType;
   const Index d = 16, f = 24;
   MoEFFN<T> moe(moe_config(d, f, 6, 2, 1), 1);
-  // A busy expert: with 300 tokens its block spans two row tiles (kTileRows = 256).
+  // A busy expert: with 1100 tokens its block spans two row tiles (kMaxTileRows = 1024).
   moe.router().weight().row(2).array() += T(0.5);
   RowVector<T> bias = rnd<T>(1, 6, 2, 0.05);
   moe.balancer().set_bias(bias);
-  const std::vector<Matrix<T>> x = {rnd<T>(3, d, 3), rnd<T>(300, d, 4) + Matrix<T>::Constant(300, d, T(0.3))};
+  const std::vector<Matrix<T>> x = {rnd<T>(3, d, 3), rnd<T>(1100, d, 4) + Matrix<T>::Constant(1100, d, T(0.3))};
   using Cache = typename MoEFFN<T>::Cache;
   // The reference is taken with one dispatch thread; the results are
   // bitwise the same for any thread count, so it serves both runs.

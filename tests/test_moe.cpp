@@ -148,7 +148,9 @@ TEST_CASE("grouped dispatch equals the plain per-expert loop", "[moe][dispatch]"
   };
   const Case cases[] = {{"uniform", 50, 6, 2, 1, 0.0}, {"skewed", 300, 8, 2, 2, 3.0},
                         {"K = E", 20, 3, 3, 0, 0.0},   {"K = 1", 600, 4, 1, 1, 5.0},
-                        {"N = 1", 1, 4, 2, 1, 0.0},    {"N = 0", 0, 4, 2, 1, 0.0}};
+                        {"N = 1", 1, 4, 2, 1, 0.0},    {"N = 0", 0, 4, 2, 1, 0.0},
+                        // a busy expert and the shared expert split into several row tiles
+                        {"several tiles", 2500, 4, 1, 1, 5.0}};
   for (const Case& cs : cases) {
     INFO(cs.what);
     MoEFFN<double> moe(small_config(cs.experts, cs.k, cs.shared, 8, 12), 3);
@@ -190,6 +192,29 @@ TEST_CASE("zero, one and all tokens on one expert", "[moe][dispatch]") {
   CHECK(cache.plan.count(2) == 0);
   CHECK(cache.plan.count(3) == 1);
   CHECK((y - plain_loop(moe, xs)).cwiseAbs().maxCoeff() < 1e-12);
+}
+
+TEST_CASE("forward_into writes the forward's output into a caller's buffer, also in place", "[moe][dispatch]") {
+  MoEFFN<double> moe(small_config(6, 2, 1, 8, 12), 11);
+  const Matrix<double> x = random_matrix(40, 8, 12);
+  MoEFFN<double>::Cache want_cache;
+  const Matrix<double> want = moe.forward(x, &want_cache);
+
+  Matrix<double> y = Matrix<double>::Constant(40, 8, 7.0);  // stale contents are overwritten
+  MoEFFN<double>::Cache cache;
+  moe.forward_into(x, y, &cache);
+  CHECK(y == want);
+  const Matrix<double> dy = random_matrix(40, 8, 13);
+  CHECK(moe.backward(dy, cache) == moe.backward(dy, want_cache));
+
+  Matrix<double> inplace = x;  // y aliases x: every read of x precedes the first write of y
+  moe.forward_into(inplace, inplace, &cache);
+  CHECK(inplace == want);
+  CHECK(cache.x == x);  // the cache keeps the input, not the output written over it
+
+  Matrix<double> wrong(39, 8);
+  CHECK_THROWS_AS(moe.forward_into(x, wrong), ShapeError);
+  CHECK_THROWS_WITH(moe.forward_into(x, wrong), Catch::Contains("MoEFFN::forward_into") && Catch::Contains("'y'"));
 }
 
 TEST_CASE("MoE gradients match central differences", "[moe][gradcheck]") {
@@ -245,9 +270,11 @@ TEST_CASE("MoE params are named like a PyTorch state_dict", "[moe]") {
 
 TEST_CASE("MoE output is bitwise identical across runs and thread counts", "[moe][determinism]") {
   MoEFFN<float> moe(small_config(6, 2, 1, 32, 48), 8);
-  moe.router().weight().row(2).array() += 0.5f;  // one busy expert: several row tiles
-  const Matrix<float> x = random_matrix(700, 32, 9).cast<float>();
-  const Matrix<float> dy = random_matrix(700, 32, 10).cast<float>();
+  // One busy expert: its block and the shared expert's span several row tiles
+  // (kMaxTileRows = 1024), so 1 and 2 threads split them differently.
+  moe.router().weight().row(2).array() += 0.5f;
+  const Matrix<float> x = random_matrix(2200, 32, 9).cast<float>();
+  const Matrix<float> dy = random_matrix(2200, 32, 10).cast<float>();
   auto run = [&](int threads, Matrix<float>& dx, Matrix<float>& grads) {
     moe.set_threads(threads);
     moe.zero_grad();
