@@ -9,10 +9,10 @@
 // unchanged.
 //
 // The tests at the end document defects of the headers: each names the
-// header, the input and the fix. Those still open are tagged [!mayfail];
-// fixed ones are [regression] tests. Calls that crash(ed) run in a forked
-// child process, so a crash fails its own test instead of ending the whole
-// run.
+// header, the input and the fix. A defect still open is tagged
+// [bug][!mayfail]; fixed ones are [regression] tests. Calls that crashed
+// before their fix run in a forked child process, so a regression fails its
+// own test instead of ending the whole run.
 #include <apex/ffn.hpp>
 #include <apex/ffn/checkpoint.hpp>
 #include <apex/ffn/ffn_sublayer.hpp>
@@ -956,11 +956,11 @@ TEST_CASE("checkpoint sweep: mismatched files and bad options raise typed errors
 
 // ---------------------------------------------------------------------------
 // Defects of the headers. Each test states the input, what went wrong and
-// the fix. A test tagged [bug][!mayfail] describes a defect still open; once
-// the header is fixed it loses both tags, gets [regression] and fails if the
-// defect returns. Calls that crashed before the fix run in a child process
-// (outcome_isolated), so a regression fails its own test instead of ending
-// the whole run.
+// the fix. A test tagged [bug][!mayfail] describes a defect still open (none
+// at the time of writing); once the header is fixed it loses both tags, gets
+// [regression] and fails if the defect returns. Calls that crashed before
+// their fix run in a child process (outcome_isolated), so a regression fails
+// its own test instead of ending the whole run.
 
 TEST_CASE("LoadBalancer with a negative expert count raises ConfigError", "[sweeps][regression][balancer]") {
   // load_balancer.hpp, constructor: the member initialisers built
@@ -1139,14 +1139,15 @@ TEST_CASE("RMSNorm and SkipGate and FFNSublayer backward reject a cache that no 
       "the cache of a layer of another shape");
 }
 
-TEST_CASE("backward rejects a cache that no forward filled", "[sweeps][bug][cache][!mayfail]") {
-  // The same defect, still open in:
+TEST_CASE("SwiGLU and KappaSwiGLU and MoEFFN backward reject a cache that no forward filled",
+          "[sweeps][regression][cache]") {
+  // The same defect, before the fix:
   //  - swiglu.hpp SwiGLU::backward and kappa_swiglu.hpp KappaSwiGLU::backward:
-  //    work.leftCols(f) of a 0 × 0 work fails an eigen_assert;
-  //  - moe.hpp MoEFFN::backward: plan.count(e) indexes the empty plan.offset (null dereference).
-  // Fix: check the cache's own shapes in each backward (cache.x columns = d,
-  // work columns = work_cols(), for MoEFFN plan.n_experts = E and
-  // plan.offset.size() = E + 1), raising ShapeError naming 'cache'.
+  //    work.leftCols(f) of a 0 × 0 work failed an eigen_assert;
+  //  - moe.hpp MoEFFN::backward: plan.count(e) indexed the empty plan.offset (null dereference).
+  // Fixed: each backward checks its cache's own shapes (cache.x columns = d,
+  // work columns = work_cols(), for MoEFFN the plan against E), raising
+  // ShapeError naming 'cache'.
   const Index d = 4;
   const Matrix<double> dy = Matrix<double>::Zero(0, d);
   expect_cache_rejected(
@@ -1163,17 +1164,18 @@ TEST_CASE("backward rejects a cache that no forward filled", "[sweeps][bug][cach
       "an unfilled cache and an empty batch");
 }
 
-TEST_CASE("backward rejects a cache filled by a layer of another shape", "[sweeps][bug][cache][!mayfail]") {
+TEST_CASE("backward rejects a cache filled by a layer of another shape", "[sweeps][regression][cache]") {
   // Caches are plain structs, so one layer's cache can reach another
-  // layer's backward. With the same batch size the dy check passes, and:
+  // layer's backward. With the same batch size the dy check passes, and
+  // before the fix:
   //  - swiglu.hpp SwiGLU::backward with the cache of a SwiGLU whose d_ffn is
-  //    6 (work 3 × 18) in a layer with d_ffn 8 reads columns 0–8, 8–16 and
+  //    6 (work 3 × 18) in a layer with d_ffn 8 read columns 0–8, 8–16 and
   //    10–18 of that work as G, U and A: no error, wrong gradients;
   //  - moe.hpp MoEFFN::backward with the cache of an MoE of 4 experts in one
-  //    of 6 reads plan.offset[5] and [6] past the end, then takes blocks of
+  //    of 6 read plan.offset[5] and [6] past the end, then took blocks of
   //    the sorted buffers at those garbage offsets (an eigen_assert in a
   //    debug build, a heap-buffer-overflow under AddressSanitizer).
-  // Fix: as in the previous test, check the cache's shapes against the layer.
+  // Fixed: as in the previous test, the cache's shapes are checked against the layer.
   expect(outcome_isolated([] {
            SwiGLU<double> a(4, 6, 1), b(4, 8, 2);
            SwiGLU<double>::Cache c;
@@ -1299,13 +1301,13 @@ TEMPLATE_TEST_CASE("RMSNorm never turns a finite input into NaN", "[sweeps][regr
   }
 }
 
-TEST_CASE("KappaSwiGLU of float rejects options beyond the range of float", "[sweeps][bug][kappa][!mayfail]") {
-  // kappa_swiglu.hpp: KappaOptions::validate checks U and c for finiteness
+TEST_CASE("KappaSwiGLU of float rejects options beyond the range of float", "[sweeps][regression][kappa]") {
+  // kappa_swiglu.hpp: KappaOptions::validate checked U and c for finiteness
   // as doubles; KappaSwiGLU<float> converts them with T(opt_.c), T(opt_.U).
-  // c = 1e39 is finite as a double but inf as a float, so s = c·ℓ is inf
-  // (NaN for ℓ = 0), u = b + α·s = 0·inf = NaN and the output is NaN for a
-  // finite input. Fix: in the constructor and set_options, also require
-  // |c| and U to be finite after conversion to T.
+  // c = 1e39 is finite as a double but inf as a float, so s = c·ℓ was inf
+  // (NaN for ℓ = 0), u = b + α·s = 0·inf = NaN and the output NaN for a
+  // finite input. Fixed: the constructor and set_options also require the
+  // options to lie within the range of T.
   const std::string got = outcome([] {
     KappaOptions o;
     o.c = 1e39;
