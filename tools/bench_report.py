@@ -4,7 +4,8 @@ README's performance table (Markdown) and a plot (SVG). Standard library only.
 
     bench_moe --benchmark_repetitions=3 --benchmark_out=moe.json --benchmark_out_format=json
     /usr/bin/python3 tools/bench_torch.py --out torch.jsonl
-    python3 tools/bench_report.py moe.json --torch torch.jsonl --table docs/perf.md --plot docs/img/moe_dense_ratio.svg
+    python3 tools/bench_report.py moe.json --torch torch.jsonl --table docs/performance_table.md \
+        --summary summary.md --plot docs/img/moe_dense_ratio.svg
 
 Medians over repetitions are used when the JSON holds aggregates.
 """
@@ -84,6 +85,35 @@ def table(results, torch):
                         fmt(tfb * 1e3 if tfb else None, 3), fmt(fb and fb.get("x_dense")), fmt(fb and fb.get("fb_over_f")),
                         (fmt(pt_f / tf, 1) + "×") if (pt_f and tf) else "–",
                         (fmt(pt_fb / tfb, 1) + "×") if (pt_fb and tfb) else "–"]) + " |")
+    return "\n".join(lines)
+
+
+def summary(results, torch):
+    """The README's compact table: uniform routing, every shape, N and thread
+    count; then how routing skew moves the N = 2048 forward."""
+    lines = ["| shape | N | threads | fwd ms | fwd ×dense | decode bw frac | fwd+bwd ×fwd | fwd vs PyTorch | fwd+bwd vs PyTorch |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for shape in SHAPES:
+        for n in [1, 4, 16, 128, 2048]:
+            for thr in [1, 2]:
+                f = results.get(("forward", shape, n, "uniform", thr))
+                fb = results.get(("forward_backward", shape, n, "uniform", thr))
+                if not f:
+                    continue
+                pt_f = torch.get(("forward", shape, n, "uniform", thr))
+                pt_fb = torch.get(("forward_backward", shape, n, "uniform", thr))
+                lines.append("| " + " | ".join([
+                    shape, str(n), str(thr), fmt(seconds(f) * 1e3, 3), fmt(f.get("x_dense")),
+                    fmt(f.get("bw_frac")), fmt(fb.get("fb_over_f") if fb else None),
+                    (fmt(pt_f / seconds(f), 1) + "×") if pt_f else "–",
+                    (fmt(pt_fb / seconds(fb), 1) + "×") if (pt_fb and fb) else "–"]) + " |")
+    lines += ["", "| shape | threads | " + " | ".join(f"{r} fwd ×dense" for r in ROUTINGS) + " |",
+              "|---|---:|" + "---:|" * len(ROUTINGS)]
+    for shape in SHAPES:
+        for thr in [1, 2]:
+            row = [results.get(("forward", shape, 2048, r, thr)) for r in ROUTINGS]
+            if any(row):
+                lines.append(f"| {shape} | {thr} | " + " | ".join(fmt(x.get("x_dense") if x else None) for x in row) + " |")
     return "\n".join(lines)
 
 
@@ -181,6 +211,7 @@ def main():
     ap.add_argument("gbench_json")
     ap.add_argument("--torch", help="bench_torch.py output (JSON lines)")
     ap.add_argument("--table", help="write the Markdown table here (default: stdout)")
+    ap.add_argument("--summary", help="write the README's compact table and the target check here")
     ap.add_argument("--plot", help="write an SVG plot of forward time / dense-equivalent time")
     args = ap.parse_args()
     results, context = load_gbench(args.gbench_json)
@@ -189,6 +220,8 @@ def main():
           f"{context.get('date', '')}. Times are medians of repetitions.", "", table(results, torch), "",
           "Targets:", "", targets(results, torch), ""]
     text = "\n".join(md)
+    if args.summary:
+        open(args.summary, "w").write("\n".join([summary(results, torch), "", targets(results, torch), ""]))
     if args.table:
         open(args.table, "w").write(text)
     else:
