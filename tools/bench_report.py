@@ -208,13 +208,17 @@ def svg_plot(series, title, xlabel, ylabel, path, logx=True, hline=None):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("gbench_json")
+    ap.add_argument("gbench_json", nargs="+",
+                    help="bench_moe JSON output; a configuration in a later file replaces the same one in an earlier file")
     ap.add_argument("--torch", help="bench_torch.py output (JSON lines)")
     ap.add_argument("--table", help="write the Markdown table here (default: stdout)")
     ap.add_argument("--summary", help="write the README's compact table and the target check here")
     ap.add_argument("--plot", help="write an SVG plot of forward time / dense-equivalent time")
     args = ap.parse_args()
-    results, context = load_gbench(args.gbench_json)
+    results, context = {}, {}
+    for path in args.gbench_json:
+        part, context = load_gbench(path)
+        results.update(part)
     torch = load_torch(args.torch)
     md = [f"Machine: {context.get('num_cpus', '?')} CPUs at {context.get('mhz_per_cpu', '?')} MHz; "
           f"{context.get('date', '')}. Times are medians of repetitions.", "", table(results, torch), "",
