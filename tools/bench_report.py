@@ -89,24 +89,34 @@ def table(results, torch):
 
 
 def summary(results, torch):
-    """The README's compact table: uniform routing, every shape, N and thread
-    count; then how routing skew moves the N = 2048 forward."""
-    lines = ["| shape | N | threads | fwd ms | fwd ×dense | decode bw frac | fwd+bwd ×fwd | fwd vs PyTorch | fwd+bwd vs PyTorch |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    """The README's compact table, uniform routing: one row per shape and
+    thread count with the figure each target is about; then how routing skew
+    moves the N = 2048 forward."""
+    def rec(mode, shape, n, thr, routing="uniform"):
+        return results.get((mode, shape, n, routing, thr))
+
+    def vs_torch(mode, shape, n, thr):
+        r, t = rec(mode, shape, n, thr), torch.get((mode, shape, n, "uniform", thr))
+        return (fmt(t / seconds(r), 1) + "×") if (r and t) else "–"
+
+    def field(mode, shape, n, thr, name, scale=1.0, digits=2):
+        r = rec(mode, shape, n, thr)
+        return fmt(r[name] * scale, digits) if (r and name in r) else "–"
+
+    lines = ["| shape | threads | decode N=1: % of bw bound | N=4: % | N=2048 fwd ms | fwd ×dense | fwd+bwd ×fwd "
+             "| vs PyTorch fwd N=1 | N=128 | N=2048 | fwd+bwd N=2048 |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for shape in SHAPES:
-        for n in [1, 4, 16, 128, 2048]:
-            for thr in [1, 2]:
-                f = results.get(("forward", shape, n, "uniform", thr))
-                fb = results.get(("forward_backward", shape, n, "uniform", thr))
-                if not f:
-                    continue
-                pt_f = torch.get(("forward", shape, n, "uniform", thr))
-                pt_fb = torch.get(("forward_backward", shape, n, "uniform", thr))
-                lines.append("| " + " | ".join([
-                    shape, str(n), str(thr), fmt(seconds(f) * 1e3, 3), fmt(f.get("x_dense")),
-                    fmt(f.get("bw_frac")), fmt(fb.get("fb_over_f") if fb else None),
-                    (fmt(pt_f / seconds(f), 1) + "×") if pt_f else "–",
-                    (fmt(pt_fb / seconds(fb), 1) + "×") if (pt_fb and fb) else "–"]) + " |")
+        for thr in [1, 2]:
+            f2048 = rec("forward", shape, 2048, thr)
+            if not f2048:
+                continue
+            lines.append("| " + " | ".join([
+                shape, str(thr), field("forward", shape, 1, thr, "bw_frac", 100, 0),
+                field("forward", shape, 4, thr, "bw_frac", 100, 0), fmt(seconds(f2048) * 1e3, 0),
+                field("forward", shape, 2048, thr, "x_dense"), field("forward_backward", shape, 2048, thr, "fb_over_f"),
+                vs_torch("forward", shape, 1, thr), vs_torch("forward", shape, 128, thr),
+                vs_torch("forward", shape, 2048, thr), vs_torch("forward_backward", shape, 2048, thr)]) + " |")
     lines += ["", "| shape | threads | " + " | ".join(f"{r} fwd ×dense" for r in ROUTINGS) + " |",
               "|---|---:|" + "---:|" * len(ROUTINGS)]
     for shape in SHAPES:
