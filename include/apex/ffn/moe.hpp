@@ -284,7 +284,7 @@ class MoEFFN {
       if (plan.count(e) > 0) tasks.push_back({false, e, plan.offset[e], plan.count(e)});
     for (Index s = 0; s < Index(shared_.size()); ++s)
       if (n > 0) tasks.push_back({true, s, 0, n});
-    std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.rows > b.rows; });
+    largest_first(tasks);
     detail::parallel_for(Index(tasks.size()), threads, [&](Index i) {
       const Task& task = tasks[i];
       const Index b = task.begin, m = task.rows;
@@ -333,6 +333,11 @@ class MoEFFN {
   Index work_cols() const { return experts_.empty() ? 0 : experts_.front().work_cols(); }
   Index shared_work_cols() const { return shared_.empty() ? 0 : shared_.front().work_cols(); }
 
+  /// Orders tasks by rows, largest first, ties in creation order.
+  static void largest_first(std::vector<Task>& tasks) {
+    std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.rows > b.rows; });
+  }
+
   /// Forward tasks, largest first: with a dynamic schedule the big tiles
   /// start early and the small ones fill the gaps at the end (longest
   /// processing time first). Order never affects results: tasks write
@@ -348,7 +353,7 @@ class MoEFFN {
     };
     for (Index e = 0; e < config_.n_experts; ++e) tile(false, e, plan.offset[e], plan.count(e));
     for (Index s = 0; s < Index(shared_.size()); ++s) tile(true, s, 0, n);
-    std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.rows > b.rows; });
+    largest_first(tasks);
     return tasks;
   }
 

@@ -30,6 +30,7 @@ inline Index default_ffn_width(Index d_model) {
 }
 
 namespace detail {
+struct SwiGLUWorkTag;      ///< workspace of a cacheless forward: [G | U | A]
 struct SwiGLUGateGradTag;  ///< workspace of backward_block: [dG | dU]
 }  // namespace detail
 
@@ -75,11 +76,9 @@ class SwiGLU {
       cache->work.resize(x.rows(), work_cols());
       forward_block(x, no_logit(), cache->work, y);
     } else {
-      // Per-thread workspace reused across calls: a fresh N × 3f buffer over
-      // glibc's mmap ceiling would be mapped and faulted in every time.
-      thread_local Matrix<T> work;
-      work.resize(x.rows(), work_cols());
-      forward_block(x, no_logit(), work, y);
+      // Per-thread workspace reused across calls (workspace.hpp): a fresh
+      // N × 3f buffer over glibc's mmap ceiling would be faulted in every time.
+      forward_block(x, no_logit(), detail::thread_workspace<T, detail::SwiGLUWorkTag>(x.rows(), work_cols()), y);
     }
     return y;
   }
