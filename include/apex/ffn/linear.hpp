@@ -47,5 +47,21 @@ void linear_nt(const Eigen::MatrixBase<XT>& x, const Eigen::MatrixBase<WT>& w, c
     y.noalias() = x * w.transpose();
 }
 
+/// Backward of `y = x·Wᵀ` (see linear_nt), the one place it is written:
+///
+///     ∂L/∂W += dyᵀ·x      dw: out × in   (adds: shared weights, micro-batches)
+///     ∂L/∂x  = dy·W       dx: n × in     (assigned)
+///
+/// dy: n × out, x: n × in, w: out × in. Either output may be an Eigen block.
+template <class DY, class X, class W, class DW, class DX>
+void linear_nt_backward(const Eigen::MatrixBase<DY>& dy, const Eigen::MatrixBase<X>& x,
+                        const Eigen::MatrixBase<W>& w, const Eigen::MatrixBase<DW>& dw_,
+                        const Eigen::MatrixBase<DX>& dx_) {
+  auto& dw = const_cast<Eigen::MatrixBase<DW>&>(dw_);
+  auto& dx = const_cast<Eigen::MatrixBase<DX>&>(dx_);
+  dw.noalias() += dy.transpose() * x;
+  dx.noalias() = dy * w;
+}
+
 }  // namespace detail
 }  // namespace apex
