@@ -70,7 +70,7 @@ namespace detail {
 inline std::string name_list(const std::vector<std::string>& names) {
   constexpr std::size_t kShown = 12;
   std::string s;
-  for (std::size_t i = 0; i < names.size() && i < kShown; ++i) s += (i ? ", " : "") + safetensors::detail::quote(names[i]);
+  for (std::size_t i = 0; i < names.size() && i < kShown; ++i) s += (i ? ", " : "") + safetensors::quote_name(names[i]);
   if (names.size() > kShown) s += " and " + std::to_string(names.size() - kShown) + " more";
   return s;
 }
@@ -89,7 +89,7 @@ void check_unique_names(const char* where, const ParamList<T>& params) {
   std::set<std::string> seen;
   for (const auto& p : params)
     if (!seen.insert(p.name).second)
-      throw ValueError(std::string(where) + ": the parameter list names " + safetensors::detail::quote(p.name) +
+      throw ValueError(std::string(where) + ": the parameter list names " + safetensors::quote_name(p.name) +
                        " twice");
 }
 
@@ -112,7 +112,7 @@ void write_checkpoint(safetensors::ByteSink& out, const ParamList<T>& params, co
       for (auto s : it->second) n *= s;
       if (n != std::uint64_t(p.size()))
         throw ShapeError(std::string(where) + ": shape override " + safetensors::shape_string(it->second) + " of " +
-                         safetensors::detail::quote(p.name) + " has " + std::to_string(n) +
+                         safetensors::quote_name(p.name) + " has " + std::to_string(n) +
                          " elements, the parameter " + std::to_string(p.size()));
       shape = it->second;
       ++overrides_used;
@@ -124,7 +124,7 @@ void write_checkpoint(safetensors::ByteSink& out, const ParamList<T>& params, co
       bool found = false;
       for (const auto& p : params) found = found || p.name == name;
       if (!found)
-        throw ValueError(std::string(where) + ": shape override for " + safetensors::detail::quote(name) +
+        throw ValueError(std::string(where) + ": shape override for " + safetensors::quote_name(name) +
                          ", which is not a parameter");
     }
   safetensors::write(out, tensors, options.dtype.value_or(safetensors::dtype_of<T>()), options.metadata);
@@ -165,7 +165,7 @@ LoadResult load_checkpoint(const safetensors::Reader& file, const ParamList<T>& 
       bad_dtype.push_back(p.name + " (" + safetensors::dtype_name(t->dtype) + ")");
     const std::vector<std::uint64_t> want{std::uint64_t(p.rows), std::uint64_t(p.cols)};
     if (detail::drop_leading_ones(t->shape) != detail::drop_leading_ones(want))
-      bad_shape.push_back(safetensors::detail::quote(p.name) + " is " + safetensors::shape_string(t->shape) +
+      bad_shape.push_back(safetensors::quote_name(p.name) + " is " + safetensors::shape_string(t->shape) +
                           " in the file, the parameter " + safetensors::shape_string(want));
     plan.emplace_back(&p, t);
   }
