@@ -11,16 +11,21 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <csignal>
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include <fcntl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -480,6 +485,76 @@ TEST_CASE("Saving into an unwritable or missing folder raises FormatError", "[ch
     fs::permissions(dir.path, fs::perms::owner_all);
     CHECK(dir.entries() == 0);
   }
+}
+
+// ─────────────────────────── paths that are not regular files ─────────────────
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+/// Longest a rejected open may take before the test calls it blocked.
+constexpr double kPromptSeconds = 2.0;
+/// When the watchdog starts releasing readers blocked in open() of a FIFO.
+constexpr double kWatchdogSeconds = 4.0;
+
+/// Runs `call` under a watchdog for the FIFO `fifo`, so that a reader
+/// blocked in open() (waiting for a writer that never comes) cannot hang the
+/// suite: after kWatchdogSeconds the watchdog opens and closes the write end
+/// every 50 ms — non-blocking, so it cannot block itself; ENXIO while no
+/// reader waits — which releases the reader (and gives a blocked read EOF).
+/// Returns the seconds `call` took; `what` gets its outcome, e.g.
+/// "FormatError: safetensors: file '…' is not a regular file".
+double run_with_fifo_watchdog(const std::string& fifo, const std::function<void()>& call, std::string& what) {
+  std::atomic<bool> done{false};
+  std::thread watchdog([&] {
+    const auto start = Clock::now();
+    while (!done) {
+      if (std::chrono::duration<double>(Clock::now() - start).count() > kWatchdogSeconds) {
+        const int wfd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+        if (wfd >= 0) ::close(wfd);
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  });
+  const auto start = Clock::now();
+  try {
+    call();
+    what = "returned";
+  } catch (const FormatError& e) {
+    what = std::string("FormatError: ") + e.what();
+  } catch (const std::exception& e) {
+    what = std::string("another exception: ") + e.what();
+  } catch (...) {
+    what = "a non-standard exception";
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  done = true;
+  watchdog.join();
+  return seconds;
+}
+
+}  // namespace
+
+TEST_CASE("Loading from a FIFO raises FormatError at once instead of blocking", "[checkpoint][regression][filetype]") {
+  // FileSource (safetensors/posix_file.hpp): open(path, O_RDONLY) of a named
+  // pipe waits for a writer before fstat can show it is no regular file, so
+  // load_checkpoint on a FIFO blocked forever (issue 17, defect 3). Fixed:
+  // the path is opened with O_NONBLOCK, which returns at once, and rejected
+  // by fstat on that descriptor unless it is a regular file; only then is
+  // O_NONBLOCK cleared for the reads.
+  TempDir dir;
+  const std::string fifo = dir / "pipe.safetensors";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  SwiGLU<double> ffn(2, 3, 1);
+  const auto before = snapshot(ffn.params());
+  std::string what;
+  const double seconds = run_with_fifo_watchdog(fifo, [&] { load_checkpoint(fifo, ffn.params()); }, what);
+  INFO(what);
+  CHECK(seconds < kPromptSeconds);
+  CHECK_THAT(what, Contains("FormatError") && Contains("is not a regular file") && Contains("pipe.safetensors"));
+  CHECK(unchanged(ffn.params(), before));
 }
 
 // ───────────────────────────────── malformed files ────────────────────────────

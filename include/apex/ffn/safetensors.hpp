@@ -9,7 +9,7 @@
 ///     header.hpp       Header, TensorInfo, Metadata, Limits; quote_name, shape_string
 ///     bytes.hpp        ByteSource / ByteSink and their in-memory versions
 ///     parse.hpp        the header parser and validator (parse_header, read_header)
-///     posix_file.hpp   FileSource (regular files only), FdSink
+///     posix_file.hpp   FileSource (regular files only, never blocks on open), FdSink
 ///     atomic_save.hpp  write_file_atomic
 ///     reader.hpp       Reader
 ///     writer.hpp       write, save, TensorRef

@@ -4,8 +4,13 @@
 /// `pread`, `detail::FdSink` writes one through a fixed buffer.
 ///
 /// Exists to keep every system call of the format in two small headers (this
-/// one and safetensors/atomic_save.hpp). The rule here: a path is read only
-/// if it is a regular file (checked with `fstat` on the opened descriptor).
+/// one and safetensors/atomic_save.hpp), each stating the file-type and
+/// error rules it enforces. The rule here: a path is opened non-blocking
+/// and must be a regular file (checked with `fstat` on the opened
+/// descriptor, so nothing can swap the file between check and use) before
+/// a single blocking call is made on it. `open()` of a FIFO without
+/// O_NONBLOCK waits for a writer, possibly forever; a device may block or
+/// have side effects; a directory or socket is no checkpoint.
 
 #include <algorithm>
 #include <cerrno>
@@ -31,16 +36,25 @@ namespace apex {
 namespace safetensors {
 namespace detail {
 
-/// Opens `path` for reading and returns the descriptor and the file's size
-/// in `size`. FormatError, with nothing left open, if it cannot be opened or
-/// is not a regular file.
+/// Opens `path` for reading and returns the descriptor (blocking again) and
+/// the file's size in `size`. FormatError, with nothing left open, if it
+/// cannot be opened or is not a regular file. O_NONBLOCK makes the open of
+/// a FIFO or device return at once instead of waiting for the other end;
+/// once `fstat` has shown a regular file the flag is cleared (it means
+/// nothing for regular files on Linux, but must not leak into the reads).
 inline int open_regular_file(const std::string& path, const std::string& description, std::uint64_t& size) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
   if (fd < 0) throw FormatError("safetensors: cannot open " + description + ": " + std::strerror(errno));
   struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd);
     throw FormatError("safetensors: " + description + " is not a regular file");
+  }
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throw FormatError("safetensors: cannot open " + description + ": " + std::strerror(err));
   }
   size = static_cast<std::uint64_t>(st.st_size);
   return fd;
@@ -49,7 +63,9 @@ inline int open_regular_file(const std::string& path, const std::string& descrip
 }  // namespace detail
 
 /// A regular file, read with pread. The size is taken when it is opened; a
-/// file that shrinks afterwards makes reads throw FormatError.
+/// file that shrinks afterwards makes reads throw FormatError. A path that
+/// is not a regular file (a FIFO, device, directory, socket) is rejected
+/// with FormatError when the source is constructed, without blocking.
 class FileSource : public ByteSource {
  public:
   explicit FileSource(const std::string& path)
