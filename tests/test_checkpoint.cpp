@@ -487,6 +487,34 @@ TEST_CASE("Saving into an unwritable or missing folder raises FormatError", "[ch
   }
 }
 
+TEST_CASE("A file name of up to 255 bytes saves and loads, leaving no temporary file",
+          "[checkpoint][regression][atomic]") {
+  // write_file_atomic (safetensors/atomic_save.hpp) named its temporary file
+  // "." + name + ".tmp.<pid>.<n>", some 20 bytes longer than the target, so
+  // a valid 250-byte name failed with FormatError ("File name too long")
+  // (issue 17, defect 4). Fixed: where the temporary name would not fit the
+  // folder's limit, its copy of the target name is shortened; pid and
+  // counter keep it unique. A name beyond the limit is rejected up front.
+  TempDir dir;
+  const long name_max = ::pathconf(dir.path.c_str(), _PC_NAME_MAX);
+  REQUIRE(name_max == 255);  // Linux file systems; the sizes below assume it
+  SwiGLU<double> saved(3, 4, 1);
+  for (std::size_t len : {std::size_t(250), std::size_t(255)}) {
+    INFO(len << "-byte name");
+    const std::string path = dir / (std::string(len - 12, 'c') + ".safetensors");
+    SwiGLU<double> loaded(3, 4, 2);
+    save_checkpoint(path, saved.params());
+    save_checkpoint(path, saved.params());  // and over an existing file
+    load_checkpoint(path, loaded.params());
+    CHECK(loaded.w_down() == saved.w_down());
+    CHECK(dir.entries() == 1);
+    fs::remove(path);
+  }
+  CHECK_THROWS_WITH(save_checkpoint(dir / std::string(256, 'c'), saved.params()),
+                    Contains("256 bytes") && Contains("255"));
+  CHECK(dir.entries() == 0);
+}
+
 // ─────────────────────────── paths that are not regular files ─────────────────
 
 namespace {

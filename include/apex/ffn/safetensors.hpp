@@ -10,7 +10,7 @@
 ///     bytes.hpp        ByteSource / ByteSink and their in-memory versions
 ///     parse.hpp        the header parser and validator (parse_header, read_header)
 ///     posix_file.hpp   FileSource (regular files only, never blocks on open), FdSink
-///     atomic_save.hpp  write_file_atomic
+///     atomic_save.hpp  write_file_atomic (bounded temporary names)
 ///     reader.hpp       Reader
 ///     writer.hpp       write, save, TensorRef
 ///
