@@ -27,7 +27,9 @@
 
 #include <fcntl.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include "fuzz/fuzz_loader.hpp"
@@ -583,6 +585,129 @@ TEST_CASE("Loading from a FIFO raises FormatError at once instead of blocking", 
   CHECK(seconds < kPromptSeconds);
   CHECK_THAT(what, Contains("FormatError") && Contains("is not a regular file") && Contains("pipe.safetensors"));
   CHECK(unchanged(ffn.params(), before));
+}
+
+// The class behind defects 3 and 4 of issue 17, swept rather than sampled:
+// every path a load opens is proven a regular file before any call that can
+// block, and every temporary name a save makes is bounded by the folder's
+// name limit.
+
+TEST_CASE("Every read path rejects what is not a regular file without blocking", "[checkpoint][sweep][filetype]") {
+  // Each public entry point that takes a path, against each kind of file
+  // that is not a regular one. A reader that blocks is released by the
+  // FIFO watchdog and fails on time.
+  TempDir dir;
+  const std::string fifo = dir / "pipe";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  const std::string link = dir / "link-to-pipe";
+  fs::create_symlink(fifo, link);
+  const std::string folder = dir / "folder";
+  fs::create_directories(folder);
+  const std::string dangling = dir / "dangling";
+  fs::create_symlink(dir / "absent", dangling);
+  const std::string socket_path = dir / "socket";
+  const int sock = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  REQUIRE(sock >= 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  REQUIRE(socket_path.size() < sizeof addr.sun_path);
+  std::copy(socket_path.begin(), socket_path.end(), addr.sun_path);
+  REQUIRE(::bind(sock, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0);
+
+  struct Kind {
+    const char* what;
+    std::string path;
+    const char* message;
+  };
+  const std::vector<Kind> kinds = {
+      {"a FIFO", fifo, "is not a regular file"},
+      {"a symbolic link to a FIFO", link, "is not a regular file"},
+      {"a folder", folder, "is not a regular file"},
+      {"a character device", "/dev/null", "is not a regular file"},
+      {"a socket", socket_path, "cannot open"},  // open() of a socket fails: ENXIO
+      {"a dangling symbolic link", dangling, "cannot open"},
+  };
+  SwiGLU<double> ffn(2, 3, 1);
+  const auto before = snapshot(ffn.params());
+  LoadOptions lenient;
+  lenient.allow_missing = lenient.allow_unexpected = true;
+  for (const Kind& k : kinds) {
+    const std::vector<std::pair<const char*, std::function<void()>>> entries = {
+        {"load_checkpoint(path)", [&] { load_checkpoint(k.path, ffn.params()); }},
+        {"load_checkpoint(path, lenient)", [&] { load_checkpoint(k.path, ffn.params(), lenient); }},
+        {"safetensors::Reader(path)", [&] { (void)st::Reader(k.path); }},
+        {"safetensors::FileSource(path)", [&] { (void)st::FileSource(k.path); }},
+    };
+    for (const auto& [entry, call] : entries) {
+      INFO(entry << " on " << k.what << " (" << k.path << ")");
+      std::string what;
+      const double seconds = run_with_fifo_watchdog(fifo, call, what);
+      INFO(what);
+      CHECK(seconds < kPromptSeconds);
+      CHECK_THAT(what, Contains("FormatError") && Contains(k.message) && Contains(k.path));
+    }
+  }
+  CHECK(unchanged(ffn.params(), before));
+  ::close(sock);
+
+  // Saves never open their target: a FIFO there is replaced by the file,
+  // and a FIFO where the folder should be is refused (O_DIRECTORY), both at once.
+  std::string what;
+  CHECK(run_with_fifo_watchdog(fifo, [&] { save_checkpoint(fifo, ffn.params()); }, what) < kPromptSeconds);
+  CHECK(what == "returned");
+  CHECK(fs::is_regular_file(fifo));
+  const std::string other_fifo = dir / "pipe2";
+  REQUIRE(::mkfifo(other_fifo.c_str(), 0600) == 0);
+  CHECK(run_with_fifo_watchdog(other_fifo, [&] { save_checkpoint(other_fifo + "/x.safetensors", ffn.params()); },
+                               what) < kPromptSeconds);
+  CHECK_THAT(what, Contains("FormatError") && Contains("pipe2"));
+}
+
+TEST_CASE("Every temporary name fits the folder's limit whenever the target's name does", "[checkpoint][sweep][atomic]") {
+  // temp_name is the one place a temporary name is made. Swept over name
+  // limits (POSIX's minimum 14, eCryptfs' 143, Linux's 255), every target
+  // length up to the limit, one- to four-byte UTF-8 characters, and the
+  // widest pid and counter: the name fits, is hidden, ends in the unique
+  // ".tmp.<pid>.<n>", keeps a whole-character prefix of the target, and is
+  // exactly ".<name>.tmp.<pid>.<n>" whenever that fits.
+  std::vector<std::string> failures;
+  for (const std::size_t name_max : {std::size_t(14), std::size_t(143), std::size_t(255)})
+    for (const std::string ch : {"a", "\xC3\xA9", "\xE2\x82\xAC", "\xF0\x9F\x98\x80"})  // a é € 😀
+      for (const unsigned long long pid : {1ull, 4194304ull})
+        for (const unsigned long long n : {0ull, 4294967295ull}) {
+          const std::string suffix = ".tmp." + std::to_string(pid) + "." + std::to_string(n);
+          if (1 + suffix.size() > name_max) continue;  // no name could fit
+          std::string name;
+          while (name.size() + ch.size() <= name_max) {
+            name += ch;
+            const std::string tmp = st::detail::temp_name(name, pid, n, name_max);
+            const std::string kept = tmp.substr(1, tmp.size() - 1 - suffix.size());
+            const bool fits_whole = 1 + name.size() + suffix.size() <= name_max;
+            const bool ok = tmp.size() <= name_max && tmp.front() == '.' &&
+                            tmp.compare(tmp.size() - suffix.size(), suffix.size(), suffix) == 0 &&
+                            name.compare(0, kept.size(), kept) == 0 && kept.size() % ch.size() == 0 &&
+                            (!fits_whole || kept == name);
+            if (!ok) failures.push_back(std::to_string(name_max) + ": " + name + " -> " + tmp);
+          }
+        }
+  INFO((failures.empty() ? std::string() : failures.front()));
+  CHECK(failures.empty());
+
+  // And through the file system: saves at lengths up to the limit land,
+  // load back, and leave only the checkpoint behind.
+  TempDir dir;
+  REQUIRE(::pathconf(dir.path.c_str(), _PC_NAME_MAX) == 255);
+  SwiGLU<double> saved(2, 3, 1);
+  for (std::size_t len : {1, 100, 200, 220, 230, 235, 236, 237, 238, 239, 240, 245, 250, 254, 255}) {
+    INFO(len << "-byte name");
+    const std::string path = dir / std::string(len, 'k');
+    SwiGLU<double> loaded(2, 3, 2);
+    save_checkpoint(path, saved.params());
+    load_checkpoint(path, loaded.params());
+    CHECK(loaded.w_down() == saved.w_down());
+    CHECK(dir.entries() == 1);
+    fs::remove(path);
+  }
 }
 
 // ───────────────────────────────── malformed files ────────────────────────────
