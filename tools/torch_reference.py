@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """PyTorch reference for apex-ffn checkpoints, in both directions.
 
-Defines the APEX-1 tutorial's MoEFFN (router Linear(d, E, bias=False);
+Defines apex-ffn's MoEFFN (docs/math.md#mixture-of-experts) as a PyTorch
+module (router Linear(d, E, bias=False);
 routed and shared experts, each a SwiGLU DenseFFN with w_gate, w_up, w_down
 Linear(bias=False); top-K over router scores + balancing bias; softmax over
 the selected scores) and reads and writes safetensors files with nothing but
@@ -29,10 +30,10 @@ Commands
   show FILE
         Prints the header of a safetensors file.
 
-Deliberate difference from the tutorial: `expert_bias` is a persistent
-buffer, so it is part of the state_dict (the tutorial keeps it as a plain
-attribute, which a checkpoint would silently drop). It is still not a
-Parameter and gets no gradient.
+`expert_bias` (docs/math.md#load-balancer) is a persistent buffer, so it is
+part of the state_dict (a plain attribute, as the APEX-1 documents keep it,
+would be silently dropped by a checkpoint). It is still not a Parameter and
+gets no gradient.
 """
 
 import argparse
@@ -170,7 +171,7 @@ class DenseFFN(nn.Module):
 
 
 class MoEFFN(nn.Module):
-    """The tutorial's 3-tier MoE: shared experts + top-K routed experts."""
+    """The 3-tier MoE of docs/math.md#mixture-of-experts: shared experts + top-K routed experts."""
 
     def __init__(self, d_model, d_ffn, n_experts, n_active, n_shared, weights_from_unbiased=False):
         super().__init__()
