@@ -2,7 +2,8 @@
 // rounding included), strict name/shape/dtype matching, atomic saves under
 // injected failures, malformed files (every class the reader guards against,
 // every truncation, random corruption, the fuzz corpus and its regression
-// inputs), and PyTorch interop in both directions.
+// inputs), PyTorch interop in both directions, and the error sweep of
+// mismatched files and bad options.
 #include <apex/ffn/checkpoint.hpp>
 #include <apex/ffn/moe.hpp>
 #include <apex/ffn/rms_norm.hpp>
@@ -33,6 +34,7 @@
 #include <unistd.h>
 
 #include "fuzz/fuzz_loader.hpp"
+#include "sweep.hpp"
 
 using namespace apex;
 namespace fs = std::filesystem;
@@ -1111,4 +1113,77 @@ TEST_CASE("MoE checkpoints saved here load into PyTorch", "[checkpoint][interop]
     st::save<double>((dir / (stem + "_io.safetensors")).string(), {{"x", {7, 8}, x.data()}, {"y", {7, 8}, y.data()}},
                      st::DType::F64, {{"format", "pt"}});
   }
+}
+
+// ---- error handling (sweeps) ----
+using namespace apex::test;  // the sweep machinery of support/sweep.hpp
+
+TEST_CASE("checkpoint sweep: mismatched files and bad options raise typed errors and change nothing",
+          "[sweeps][checkpoint]") {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("apex_ffn_sweeps_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string file = (dir / "swiglu.safetensors").string();
+  SwiGLU<double> saved(4, 6, 1);
+  save_checkpoint(file, saved.params());
+  SwiGLU<double> wider(4, 8, 2);
+  const Matrix<double> before = wider.w_gate_up();
+  MoEFFN<double> moe(moe_config(2, 1, 0, 4, 6), 3);
+  const std::string missing = (dir / "absent.safetensors").string();
+  const std::string nowhere = (dir / "no" / "such" / "folder" / "x.safetensors").string();
+
+  std::vector<Case> cases = {
+      {"load into a layer of another width", [&] { load_checkpoint(file, wider.params()); }, "ShapeError",
+       {"load_checkpoint", "w_gate.weight", "[6, 4]", "[8, 4]"}},
+      {"load a file that does not exist", [&] { load_checkpoint(missing, saved.params()); }, "FormatError",
+       {"absent.safetensors"}},
+      {"load a SwiGLU file into an MoE layer", [&] { load_checkpoint(file, moe.params()); }, "FormatError",
+       {"load_checkpoint", "missing", "router.weight", "unexpected", "w_down.weight"}},
+      {"save into a folder that does not exist", [&] { save_checkpoint(nowhere, saved.params()); }, "FormatError",
+       {"x.safetensors"}},
+      {"save with a shape override of the wrong size",
+       [&] {
+         SaveOptions o;
+         o.shapes["w_down.weight"] = {5};
+         save_checkpoint(file, saved.params(), o);
+       },
+       "ShapeError", {"save_checkpoint", "w_down.weight"}},
+      {"save with a shape override for no parameter",
+       [&] {
+         SaveOptions o;
+         o.shapes["nope"] = {1};
+         save_checkpoint(file, saved.params(), o);
+       },
+       "ValueError", {"save_checkpoint", "nope"}},
+      {"save a list naming a parameter twice",
+       [&] {
+         ParamList<double> p = saved.params();
+         p.push_back(p[0]);
+         save_checkpoint(file, p);
+       },
+       "ValueError", {"save_checkpoint", "w_gate.weight", "twice"}},
+      {"load into a list naming a parameter twice",
+       [&] {
+         ParamList<double> p = saved.params();
+         p.push_back(p[1]);
+         load_checkpoint(file, p);
+       },
+       "ValueError", {"load_checkpoint", "w_up.weight", "twice"}},
+      {"read a buffer that is not a safetensors file",
+       [] {
+         const char junk[] = "not a safetensors file";
+         (void)safetensors::Reader::from_memory(junk, sizeof junk);
+       },
+       "FormatError", {"safetensors"}},
+      {"read a tensor the file lacks", [&] { (void)safetensors::Reader(file).matrix<double>("nope"); }, "FormatError",
+       {"nope"}},
+  };
+  run_sweep(cases);
+  CHECK(wider.w_gate_up() == before);  // a rejected load writes nothing
+  // The failed saves left the good file intact.
+  SwiGLU<double> reloaded(4, 6, 9);
+  load_checkpoint(file, reloaded.params());
+  CHECK(reloaded.w_gate_up() == saved.w_gate_up());
+  CHECK(reloaded.w_down() == saved.w_down());
+  fs::remove_all(dir);
 }

@@ -26,20 +26,18 @@
 #include <utility>
 #include <vector>
 
-#include "gradcheck.hpp"
+#include "fixtures.hpp"
 
 using namespace apex;
+using apex::test::gate_config;
+using apex::test::moe_config;
 using apex::test::random_matrix;
+using apex::test::rnd;
 
 namespace {
 
 constexpr int kThreads = 4;
 constexpr int kCalls = 20;
-
-template <class T>
-Matrix<T> rnd(Index rows, Index cols, std::uint64_t seed, double scale = 1.0) {
-  return random_matrix(rows, cols, seed, scale).cast<T>();
-}
 
 /// Same shape and the same bits (so −0 ≠ +0, and a NaN equals itself).
 template <class A, class B>
@@ -113,23 +111,6 @@ void check_reentrant(const std::string& layer, std::size_t n_inputs, Forward for
     if (c && !bitwise_equal(key(*c), key_ref[i])) return what + ": cache differs from the single-threaded reference";
     return "";
   });
-}
-
-MoEConfig moe_config(Index d, Index f, Index e, Index k, Index shared) {
-  MoEConfig c;
-  c.d_model = d;
-  c.d_ffn = f;
-  c.n_experts = e;
-  c.n_active = k;
-  c.n_shared = shared;
-  return c;
-}
-
-SkipGateConfig gate_config(Index d, Index h) {
-  SkipGateConfig c;
-  c.d_model = d;
-  c.hidden = h;
-  return c;
 }
 
 /// Sets τ halfway between the two middle gate values of x, so about half
@@ -217,7 +198,7 @@ TEMPLATE_TEST_CASE("MoEFFN forward is re-entrant while its own OpenMP dispatch r
                    double) {
   using T = TestType;
   const Index d = 16, f = 24;
-  MoEFFN<T> moe(moe_config(d, f, 6, 2, 1), 1);
+  MoEFFN<T> moe(moe_config(6, 2, 1, d, f), 1);
   // A busy expert: with 1100 tokens its block spans two row tiles (kMaxTileRows = 1024).
   moe.router().weight().row(2).array() += T(0.5);
   RowVector<T> bias = rnd<T>(1, 6, 2, 0.05);
@@ -257,7 +238,7 @@ TEMPLATE_TEST_CASE("MoEFFN forward is re-entrant while its own OpenMP dispatch r
 TEMPLATE_TEST_CASE("MoE of kappa-SwiGLU experts forward is re-entrant", "[concurrency][moe][kappa]", float, double) {
   using T = TestType;
   const Index d = 16, f = 24;
-  MoEFFN<T, KappaSwiGLU<T>> moe(moe_config(d, f, 4, 2, 1), 1);
+  MoEFFN<T, KappaSwiGLU<T>> moe(moe_config(4, 2, 1, d, f), 1);
   std::uint64_t seed = 10;
   for (auto& e : moe.experts()) {
     e.kappa_alpha() = rnd<T>(1, f, seed++);
@@ -297,7 +278,7 @@ TEMPLATE_TEST_CASE("gated FFNSublayer forward is re-entrant in inference and tra
   }
 
   using MoE = FFNSublayer<T, MoEFFN<T>>;
-  MoE moe(d, MoEFFN<T>(moe_config(d, f, 4, 2, 1), 5), SkipGate<T>(gate_config(d, h), 6));
+  MoE moe(d, MoEFFN<T>(moe_config(4, 2, 1, d, f), 5), SkipGate<T>(gate_config(d, h), 6));
   REQUIRE(skip_half(*moe.skip_gate(), x[1]) > 0);
   moe.set_mode(SublayerMode::inference);
   for (int omp : {1, 2}) {
@@ -353,7 +334,7 @@ TEMPLATE_TEST_CASE("MultiTokenHeads forward and drafting and the loss are re-ent
 TEST_CASE("per-thread copies of an MoE layer train concurrently to the sequential gradients",
           "[concurrency][moe][backward]") {
   const Index d = 12, f = 16, n = 30;
-  MoEFFN<double> proto(moe_config(d, f, 4, 2, 1), 1);
+  MoEFFN<double> proto(moe_config(4, 2, 1, d, f), 1);
   proto.set_threads(2);
   const Matrix<double> x = random_matrix(n, d, 2), dy = random_matrix(n, d, 3);
   // Sequential reference: one step of forward, backward, observe, update.
@@ -383,7 +364,7 @@ TEST_CASE("per-thread copies of a gated sublayer train concurrently to the seque
           "[concurrency][skip_gate][backward]") {
   const Index d = 12, f = 16, n = 30;
   using Layer = FFNSublayer<double, MoEFFN<double, KappaSwiGLU<double>>>;
-  Layer proto(d, MoEFFN<double, KappaSwiGLU<double>>(moe_config(d, f, 4, 2, 1), 1),
+  Layer proto(d, MoEFFN<double, KappaSwiGLU<double>>(moe_config(4, 2, 1, d, f), 1),
               SkipGate<double>(gate_config(d, 6), 2));
   const Matrix<double> x = random_matrix(n, d, 3), dy = random_matrix(n, d, 4);
   REQUIRE(skip_half(*proto.skip_gate(), x) > 0);

@@ -1,11 +1,13 @@
 // Dynamic skip gate and the FFN sublayer it guards: configuration, mode
 // equality, the all-kept and all-skipped limits, the straight-through
 // gradient against its surrogate, every other gradient by finite
-// differences, the compute penalty, and a small training run in which the
-// gate learns which tokens need the FFN.
+// differences, the compute penalty, a small training run in which the
+// gate learns which tokens need the FFN, and the error sweeps and cache
+// regression tests of both.
 #include <apex/ffn/ffn_sublayer.hpp>
 #include <apex/ffn/kappa_swiglu.hpp>
 #include <apex/ffn/moe.hpp>
+#include <apex/ffn/multi_token_heads.hpp>
 #include <apex/ffn/skip_gate.hpp>
 #include <apex/ffn/swiglu.hpp>
 
@@ -17,12 +19,16 @@
 #include <vector>
 
 #include "gradcheck.hpp"
+#include "sweep.hpp"
 
 using namespace apex;
 using apex::test::check_params;
 using apex::test::check_values;
 using apex::test::dot_all;
+using apex::test::gate_config;
+using apex::test::moe_config;
 using apex::test::random_matrix;
+using apex::test::topk_margin;
 using Catch::Matchers::WithinAbs;
 using Catch::Matchers::WithinRel;
 
@@ -30,14 +36,6 @@ namespace {
 
 template <class T>
 using Dense = FFNSublayer<T, SwiGLU<T>>;
-
-SkipGateConfig gate_config(Index d, Index h, double tau = 0.15) {
-  SkipGateConfig c;
-  c.d_model = d;
-  c.hidden = h;
-  c.threshold = tau;
-  return c;
-}
 
 template <class T>
 Dense<T> make_gated(Index d, Index f, Index h, std::uint64_t seed, double tau = 0.15) {
@@ -629,40 +627,12 @@ TEST_CASE("the gate learns to keep tokens the FFN helps and with the penalty to 
 
 namespace {
 
-MoEConfig moe_config(Index d, Index f, Index experts, Index k, Index shared) {
-  MoEConfig c;
-  c.d_model = d;
-  c.d_ffn = f;
-  c.n_experts = experts;
-  c.n_active = k;
-  c.n_shared = shared;
-  return c;
-}
-
 template <class T, class Expert = SwiGLU<T>>
 using MoESublayer = FFNSublayer<T, MoEFFN<T, Expert>>;
 
 template <class T, class Expert = SwiGLU<T>>
 MoESublayer<T, Expert> make_moe_sublayer(const MoEConfig& cfg, Index h, std::uint64_t seed) {
   return MoESublayer<T, Expert>(cfg.d_model, MoEFFN<T, Expert>(cfg, seed), SkipGate<T>(gate_config(cfg.d_model, h), seed + 1));
-}
-
-/// Smallest gap between the K-th and (K+1)-th biased router score of
-/// RMSNorm(x) over all tokens (what decides the top-K choice in the sublayer).
-template <class Layer>
-double topk_margin(const Layer& layer, const Matrix<double>& x) {
-  const auto& moe = layer.ffn();
-  const Index k = moe.config().n_active;
-  if (k == moe.config().n_experts) return 1e9;
-  Routing<double> r;
-  moe.router().route(layer.norm().forward(x), moe.balancer().bias(), false, r);
-  double margin = 1e9;
-  for (Index t = 0; t < x.rows(); ++t) {
-    Eigen::Array<double, 1, Eigen::Dynamic> s = r.logits.row(t).array() + moe.balancer().bias().array();
-    std::sort(s.data(), s.data() + s.size(), std::greater<double>());
-    margin = std::min(margin, s(k - 1) - s(k));
-  }
-  return margin;
 }
 
 /// Per-expert assignment counts of the tokens `rows` of x, routed directly.
@@ -681,7 +651,7 @@ std::vector<Index> expert_counts(const Layer& layer, const Matrix<double>& x, co
 
 TEMPLATE_TEST_CASE("MoE sublayer modes give bitwise equal outputs", "[skip_gate][sublayer][moe]", float, double) {
   using T = TestType;
-  const MoEConfig cfg = moe_config(16, 12, 6, 2, 1);
+  const MoEConfig cfg = moe_config(6, 2, 1, 16, 12);
   for (Index n : {1, 7, 40, 300}) {
     for (double share : {0.0, 0.3, 0.6, 1.0}) {
       INFO("N = " << n << ", skip share " << share);
@@ -711,7 +681,7 @@ TEMPLATE_TEST_CASE("MoE sublayer modes give bitwise equal outputs", "[skip_gate]
 }
 
 TEST_CASE("MoE sublayer with every token kept equals the plain MoE sublayer bitwise", "[skip_gate][sublayer][moe]") {
-  const MoEConfig cfg = moe_config(12, 10, 5, 2, 1);
+  const MoEConfig cfg = moe_config(5, 2, 1, 12, 10);
   auto gated = make_moe_sublayer<double>(cfg, 6, 91);
   MoESublayer<double> plain(cfg.d_model, MoEFFN<double>(cfg, 91));
   const Matrix<double> x = random_matrix(33, cfg.d_model, 92, 1.5);
@@ -738,7 +708,7 @@ TEST_CASE("MoE sublayer gradients match finite differences", "[skip_gate][sublay
     double share;
     bool kappa;
   };
-  const MoEConfig cfg = moe_config(6, 5, 4, 2, 1);
+  const MoEConfig cfg = moe_config(4, 2, 1, 6, 5);
   for (const Case c : {Case{"SwiGLU experts N = 9", 9, 0.4, false}, Case{"SwiGLU experts N = 1 kept", 1, 0.0, false},
                        Case{"SwiGLU experts all skipped", 5, 1.0, false},
                        Case{"kappa-SwiGLU experts N = 9", 9, 0.4, true}}) {
@@ -754,7 +724,7 @@ TEST_CASE("MoE sublayer gradients match finite differences", "[skip_gate][sublay
       double margin = 0;
       for (std::uint64_t seed = 200;; ++seed) {
         x = random_matrix(c.n, cfg.d_model, seed, 1.5);
-        if (topk_margin(layer, x) <= 1e-2) continue;
+        if (topk_margin(layer.ffn(), layer.norm().forward(x)) <= 1e-2) continue;  // the router sees RMSNorm(x)
         margin = set_skip_share(*layer.skip_gate(), x, c.share);
         if (margin > 1e-3) break;
       }
@@ -784,7 +754,7 @@ TEST_CASE("MoE sublayer gradients match finite differences", "[skip_gate][sublay
 }
 
 TEST_CASE("the MoE balancer counts only kept tokens in both modes", "[skip_gate][sublayer][moe][balancer]") {
-  const MoEConfig cfg = moe_config(10, 8, 5, 2, 1);
+  const MoEConfig cfg = moe_config(5, 2, 1, 10, 8);
   auto layer = make_moe_sublayer<double>(cfg, 6, 111);
   const Index n = 50;
   const Matrix<double> x = random_matrix(n, cfg.d_model, 112, 1.5);
@@ -821,4 +791,160 @@ TEST_CASE("the MoE balancer counts only kept tokens in both modes", "[skip_gate]
   CHECK(plain.ffn().balancer().report().tokens == n);
   static_assert(!detail::sublayer::has_observe<SwiGLU<double>>::value, "dense FFNs have no balancer");
   static_assert(detail::sublayer::has_observe<MoEFFN<double>>::value, "MoE layers have one");
+}
+
+// ---- error handling (sweeps) ----
+using namespace apex::test;  // the sweep machinery of support/sweep.hpp
+
+TEMPLATE_TEST_CASE("SkipGate and FFNSublayer sweep: configurations and inputs and caches", "[sweeps][skip_gate]",
+                   float, double) {
+  using T = TestType;
+  const Index d = 6, h = 4, f = 8, n = 5;
+  SkipGate<T> gate(gate_config(d, h), 1);
+  typename SkipGate<T>::Cache gcache, gother;
+  gate.forward(rnd<T>(n, d, 2), &gcache);
+  gate.forward(rnd<T>(n + 2, d, 3), &gother);
+  std::vector<Case> cases;
+
+  struct Field {
+    const char* field;
+    std::function<void(SkipGateConfig&)> spoil;
+  };
+  const std::vector<Field> fields = {
+      {"d_model", [](SkipGateConfig& c) { c.d_model = 0; }},
+      {"hidden", [](SkipGateConfig& c) { c.hidden = 0; }},
+      {"hidden", [](SkipGateConfig& c) { c.hidden = -2; }},
+      {"threshold", [](SkipGateConfig& c) { c.threshold = -0.01; }},
+      {"threshold", [](SkipGateConfig& c) { c.threshold = 1.01; }},
+      {"threshold", [](SkipGateConfig& c) { c.threshold = kNaN; }},
+      {"initial_gate", [](SkipGateConfig& c) { c.initial_gate = 0; }},
+      {"initial_gate", [](SkipGateConfig& c) { c.initial_gate = 1; }},
+      {"initial_gate", [](SkipGateConfig& c) { c.initial_gate = kNaN; }},
+      {"penalty", [](SkipGateConfig& c) { c.penalty = -1; }},
+      {"penalty", [](SkipGateConfig& c) { c.penalty = kNaN; }},
+      {"penalty", [](SkipGateConfig& c) { c.penalty = kInf; }},
+  };
+  for (const Field& fl : fields) {
+    SkipGateConfig bad = gate_config(d, h);
+    fl.spoil(bad);
+    cases.push_back({std::string("SkipGate with a bad ") + fl.field, [=] { (void)SkipGate<T>(bad); }, "ConfigError",
+                     {"SkipGateConfig", fl.field}});
+  }
+  for (double tau : {-0.01, 1.01, kNaN, kInf})
+    cases.push_back({"SkipGate::set_threshold(" + std::to_string(tau) + ")", [=, &gate] { gate.set_threshold(T(tau)); },
+                     "ConfigError", {"SkipGate::set_threshold", "threshold"}});
+  for (double lambda : {-1.0, kNaN, kInf})
+    cases.push_back({"SkipGate::set_penalty_weight(" + std::to_string(lambda) + ")",
+                     [=, &gate] { gate.set_penalty_weight(T(lambda)); }, "ConfigError",
+                     {"SkipGate::set_penalty_weight", "penalty"}});
+  add_width_cases<T>(cases, "SkipGate::forward", "x", n, d, [&](const Matrix<T>& x) { gate.forward(x); });
+  for (double v : {kNaN, kInf, -kInf})
+    cases.push_back({"SkipGate::forward with " + std::to_string(v),
+                     [=, &gate] {
+                       Matrix<T> x = rnd<T>(n, d, 4);
+                       x(4, 5) = T(v);
+                       gate.forward(x);
+                     },
+                     "ValueError", {"SkipGate::forward", "'x'", "NaN or Inf"}});
+  for (Index len : {n - 1, n + 1, Index(0)})
+    cases.push_back({"SkipGate::backward with " + std::to_string(len) + " gradients for " + std::to_string(n) + " rows",
+                     [=, &gate, &gcache] { gate.backward(Vector<T>::Ones(len), gcache); }, "ShapeError",
+                     {"SkipGate::backward", "'dg'", shape(len, 1)}});
+  cases.push_back({"SkipGate::backward with the cache of a 7-row batch",
+                   [&] { gate.backward(Vector<T>::Ones(n), gother); }, "ShapeError", {"SkipGate::backward", "'dg'"}});
+
+  // The sublayer.
+  using Dense = FFNSublayer<T, SwiGLU<T>>;
+  using MoE = FFNSublayer<T, MoEFFN<T>>;
+  cases.push_back({"FFNSublayer with an FFN of another width", [=] { (void)Dense(d, SwiGLU<T>(d + 1, f)); }, "ConfigError",
+                   {"FFNSublayer", "FFN d_model"}});
+  cases.push_back({"FFNSublayer with a gate of another width",
+                   [=] { (void)Dense(d, SwiGLU<T>(d, f), SkipGate<T>(gate_config(d - 1, h))); }, "ConfigError",
+                   {"FFNSublayer", "skip gate d_model"}});
+  cases.push_back({"FFNSublayer(0, …)", [=] { (void)Dense(0, SwiGLU<T>(d, f)); }, "ConfigError", {"d_model"}});
+  Dense gated(d, SwiGLU<T>(d, f, 5), SkipGate<T>(gate_config(d, h), 6));
+  const Dense plain(d, SwiGLU<T>(d, f, 5));
+  MoE moe_plain(d, MoEFFN<T>(moe_config(4, 2, 1, d, f), 7));
+  typename Dense::Cache train, infer, other;
+  gated.forward(rnd<T>(n, d, 8), SublayerMode::training, &train);
+  gated.forward(rnd<T>(n, d, 8), SublayerMode::inference, &infer);
+  gated.forward(rnd<T>(n + 2, d, 9), SublayerMode::training, &other);
+  add_width_cases<T>(cases, "FFNSublayer::forward", "x", n, d, [&](const Matrix<T>& x) { gated.forward(x); });
+  add_grad_cases<T>(cases, "FFNSublayer::backward", "dy", n, d, [&](const Matrix<T>& dy) { gated.backward(dy, train); });
+  cases.push_back({"FFNSublayer::backward with the cache of a 7-row batch",
+                   [&] { gated.backward(Matrix<T>::Ones(n, d), other); }, "ShapeError", {"FFNSublayer::backward", "'dy'"}});
+  cases.push_back({"FFNSublayer::backward with an inference-mode cache",
+                   [&] { gated.backward(Matrix<T>::Ones(n, d), infer); }, "ValueError",
+                   {"FFNSublayer::backward", "'cache'", "inference"}});
+  Matrix<T> nan_x = rnd<T>(n, d, 10);
+  nan_x(2, 2) = T(kNaN);
+  cases.push_back({"gated FFNSublayer::forward with NaN", [&] { gated.forward(nan_x); }, "ValueError",
+                   {"SkipGate::forward", "'x'"}});
+  cases.push_back({"ungated MoE FFNSublayer::forward with NaN", [&] { moe_plain.forward(nan_x); }, "ValueError",
+                   {"not finite"}});
+  run_sweep(cases);
+
+  CHECK(gate.threshold() == T(0.15));  // rejected setters changed nothing
+  CHECK(gate.penalty_weight() == T(0));
+  // The ungated dense sublayer propagates instead (checked row by row in the NaN test).
+  CHECK(plain.forward(nan_x).row(2).hasNaN());
+}
+
+TEST_CASE("RMSNorm and SkipGate and FFNSublayer backward reject a cache that no forward filled",
+          "[sweeps][regression][cache]") {
+  // Before the fix:
+  //  - rms_norm.hpp RMSNorm::backward: dy (0 × d) ⊙ cache.x_hat (0 × 0) failed an eigen_assert;
+  //  - skip_gate.hpp SkipGate::backward: w2_grad_ += dsᵀ·a with a 0 × 0 `a` failed an eigen_assert;
+  //  - ffn_sublayer.hpp FFNSublayer::backward (gated): dy ⊙ cache.f (0 × 0) failed an eigen_assert.
+  const Index d = 4;
+  const Matrix<double> dy = Matrix<double>::Zero(0, d);
+  expect_cache_rejected(
+      {
+          {"RMSNorm", [&] { RMSNorm<double>(d).backward(dy, RMSNorm<double>::Cache{}); }},
+          {"SkipGate",
+           [&] { SkipGate<double>(gate_config(d, 3)).backward(Vector<double>(0), SkipGate<double>::Cache{}); }},
+          {"FFNSublayer",
+           [&] {
+             FFNSublayer<double, SwiGLU<double>> s(d, SwiGLU<double>(d, 6), SkipGate<double>(gate_config(d, 3)));
+             s.backward(dy, FFNSublayer<double, SwiGLU<double>>::Cache{});
+           }},
+          {"MultiTokenHeads",
+           [&] { MultiTokenHeads<double>(d, 5).backward(Matrix<double>(0, 20), MultiTokenHeads<double>::Cache{}); }},
+      },
+      "an unfilled cache and an empty batch");
+
+  // The cache of a layer of another shape, same batch: caught by the same checks.
+  expect_cache_rejected(
+      {
+          {"RMSNorm",
+           [] {
+             RMSNorm<double>::Cache c;
+             RMSNorm<double>(5).forward(Matrix<double>::Ones(3, 5), &c);
+             RMSNorm<double>(4).backward(Matrix<double>::Ones(3, 4), c);
+           }},
+          {"SkipGate",
+           [] {
+             SkipGate<double>::Cache c;
+             SkipGate<double>(gate_config(4, 5)).forward(Matrix<double>::Ones(3, 4), &c);
+             SkipGate<double>(gate_config(4, 3)).backward(Vector<double>::Ones(3), c);
+           }},
+          {"FFNSublayer",
+           [] {
+             // An ungated sublayer's cache has no F: a gated backward must not read it.
+             using Sub = FFNSublayer<double, SwiGLU<double>>;
+             Sub::Cache c;
+             Sub(4, SwiGLU<double>(4, 6)).forward(Matrix<double>::Ones(3, 4), &c);
+             Sub(4, SwiGLU<double>(4, 6), SkipGate<double>(gate_config(4, 3))).backward(Matrix<double>::Ones(3, 4), c);
+           }},
+          {"FFNSublayer",
+           [] {
+             using Sub = FFNSublayer<double, SwiGLU<double>>;
+             Sub::Cache c;
+             Sub s(4, SwiGLU<double>(4, 6), SkipGate<double>(gate_config(4, 3)));
+             s.forward(Matrix<double>::Ones(3, 4), &c);
+             c.kept.back() = 3;  // a kept index past the batch would address a row dy does not have
+             s.backward(Matrix<double>::Ones(3, 4), c);
+           }},
+      },
+      "the cache of a layer of another shape");
 }
