@@ -1,0 +1,196 @@
+#pragma once
+/// \file packed/kernels.hpp
+/// The fused expert forward on packed weights,
+///
+///     Y (m × d) = (SiLU(X·W_gateᵀ) ⊙ X·W_upᵀ)·W_downᵀ,     X: m × d, row-major fp32,
+///
+/// in two passes over a block of rows: the gate/up panels produce
+/// A = SiLU(G) ⊙ U (m × f) with SiLU applied in registers, then the down
+/// panels produce Y from A. Accumulation is fp32 always.
+///
+/// Regimes. One micro-kernel shape serves both (kernels_avx512.hpp): a tile of
+/// up to 12 rows against one 32-lane panel.
+/// - Few rows (m ≤ kSmallRows = 32, decode): bandwidth-bound. Every panel is
+///   read from memory once for all rows of the call (further 12-row tiles
+///   re-read it from L2), bf16 weights are widened by a shift and multiplied
+///   with exact fp32 activations.
+/// - Many rows: compute-bound. Rows are processed in blocks of kRowBlock so a
+///   block's X and A stay in L2 while every panel streams through; with bf16
+///   weights on the AVX-512 BF16 path the products use `vdpbf16ps` on
+///   activations rounded to bf16 (X and A), twice the multiply-adds per
+///   instruction of an fp32 FMA.
+///
+/// Accuracy. Float weights: the error of a dot product of length K in fp32,
+/// |δ| ≤ ≈K·2⁻²⁴·Σ|x||w| (the tests bound it componentwise). Widened bf16: the
+/// same, on the bf16-rounded weights (weight rounding 2⁻⁹ relative, ≈ 4e-3 of
+/// the output in norm against float weights on random data). Paired bf16:
+/// additionally X and A are rounded to bf16 (2⁻⁹ relative per element), which
+/// roughly doubles that error.
+///
+/// Determinism. Single-threaded per call; the caller parallelises over experts
+/// and row tiles. Each output row is a fixed sequence of operations on its own
+/// input row, so the bits of a row do not depend on m, on the other rows, or on
+/// how rows are split into calls — with one exception: bf16 weights on the
+/// `avx512_bf16` path with `Bf16Products::automatic` switch from widened to
+/// paired products above kSmallRows rows, so a row's bits depend on whether its
+/// call had more than 32 rows. Pass `widened` or `paired` explicitly to make
+/// the split irrelevant. Float weights and widened bf16 give identical bits on
+/// every path (scalar, AVX2, AVX-512).
+
+#include <algorithm>
+
+#include "../errors.hpp"
+#include "isa.hpp"
+#include "kernels_avx2.hpp"
+#include "kernels_avx512.hpp"
+#include "kernels_scalar.hpp"
+#include "packed_weights.hpp"
+
+namespace apex::packed {
+
+/// How bf16 weights are multiplied (float weights ignore this except that
+/// `paired` is rejected for them).
+enum class Bf16Products {
+  automatic,  ///< widened for m ≤ kSmallRows or without AVX-512 BF16, paired otherwise
+  widened,    ///< weights widened to fp32, activations exact (every path)
+  paired,     ///< `vdpbf16ps`, activations rounded to bf16 (avx512_bf16 only)
+};
+
+struct ForwardOptions {
+  Isa isa = kDefaultIsa;  ///< kernel path; ConfigError if the CPU lacks it
+  Bf16Products bf16_products = Bf16Products::automatic;
+};
+
+/// Row count at or below which bf16 products stay widened (decode regime).
+inline constexpr Index kSmallRows = 32;
+/// Rows per block in the many-row regime: X (64 × d) and A (64 × f) of a
+/// block stay in L2 while the panels stream.
+inline constexpr Index kRowBlock = 64;
+
+namespace detail {
+
+/// Per-thread scratch kept between calls (like workspace.hpp, 64-byte aligned).
+struct Scratch {
+  AlignedArray<float> a;   // rows × lda: A = SiLU(G) ⊙ U
+  AlignedArray<bf16> xb;   // rows × ⌈d⌉₂: X in bf16 (paired products)
+  AlignedArray<bf16> ab;   // rows × ⌈f⌉₂: A in bf16 (paired products)
+};
+inline Scratch& thread_scratch() {
+  thread_local Scratch s;
+  return s;
+}
+template <class T>
+T* grow(AlignedArray<T>& buf, Index n) {
+  if (buf.size() < n) buf = AlignedArray<T>(n);
+  return buf.data();
+}
+
+template <class W>
+const W* panel_data(const PanelMatrix& pm, Index p) {
+  if constexpr (std::is_same_v<W, float>) return pm.f32_panel(p);
+  else return pm.bf16_panel(p);
+}
+
+/// One panel on path `isa`, float or widened bf16 weights.
+template <class W>
+void run_panel(Isa isa, const W* w, Index K, const float* x, Index ldx, Index rows, float* out, Index ldo,
+               Index ncols, bool silu) {
+#if APEX_PACKED_X86
+  if (isa == Isa::avx512 || isa == Isa::avx512_bf16) return panel_avx512(w, K, x, ldx, rows, out, ldo, ncols, silu);
+  if (isa == Isa::avx2) return panel_avx2(w, K, x, ldx, rows, out, ldo, ncols, silu);
+#endif
+  panel_scalar(w, K, x, ldx, rows, out, ldo, ncols, silu);
+}
+
+/// y (rows × d) for one block; a: rows × lda scratch.
+template <class W>
+void forward_block(Isa isa, const PackedExpert& e, const float* x, Index ldx, Index rows, float* a, Index lda,
+                   float* y, Index ldy) {
+  const Index d = e.d_model(), f = e.d_ffn();
+  constexpr Index H = PackedExpert::kHiddenPerPanel, O = PackedExpert::kOutPerPanel;
+  for (Index p = 0; p < e.gate_up().panels(); ++p)
+    run_panel(isa, panel_data<W>(e.gate_up(), p), d, x, ldx, rows, a + p * H, lda, std::min(H, f - p * H), true);
+  for (Index q = 0; q < e.down().panels(); ++q)
+    run_panel(isa, panel_data<W>(e.down(), q), f, a, lda, rows, y + q * O, ldy, std::min(O, d - q * O), false);
+}
+
+#if APEX_PACKED_X86
+/// Rows of src (rows × n, stride lds) to bf16 rows of even length ld ≥ n,
+/// the pad element zero so a pair never reads an unset value.
+inline void rows_to_bf16(const float* src, Index lds, Index rows, Index n, bf16* dst, Index ld) {
+  for (Index r = 0; r < rows; ++r) {
+    to_bf16_n(src + r * lds, dst + r * ld, n, Isa::avx512);
+    if (ld > n) dst[r * ld + n] = bf16{0};
+  }
+}
+
+/// As forward_block with `vdpbf16ps` products (bf16 weights, avx512_bf16).
+inline void forward_block_paired(const PackedExpert& e, const float* x, Index ldx, Index rows, float* a, Index lda,
+                                 Scratch& s, float* y, Index ldy) {
+  const Index d = e.d_model(), f = e.d_ffn();
+  constexpr Index H = PackedExpert::kHiddenPerPanel, O = PackedExpert::kOutPerPanel;
+  const Index ldxb = d + (d & 1), ldab = f + (f & 1);
+  bf16* xb = grow(s.xb, rows * ldxb);  // rows × ldxb
+  bf16* ab = grow(s.ab, rows * ldab);  // rows × ldab
+  rows_to_bf16(x, ldx, rows, d, xb, ldxb);
+  for (Index p = 0; p < e.gate_up().panels(); ++p)
+    panel_dot_avx512(e.gate_up().bf16_panel(p), d, xb, ldxb, rows, a + p * H, lda, std::min(H, f - p * H), true);
+  rows_to_bf16(a, lda, rows, f, ab, ldab);
+  for (Index q = 0; q < e.down().panels(); ++q)
+    panel_dot_avx512(e.down().bf16_panel(q), f, ab, ldab, rows, y + q * O, ldy, std::min(O, d - q * O), false);
+}
+#endif
+
+}  // namespace detail
+
+/// y (m × d, row stride ldy) = expert(x (m × d, row stride ldx)). x and y must
+/// not overlap. ConfigError for m < 0, an unsupported path or `paired` where it
+/// cannot run; ShapeError for a row stride below d.
+inline void forward(const PackedExpert& e, const float* x, Index ldx, Index m, float* y, Index ldy,
+                    const ForwardOptions& opt = {}) {
+  constexpr const char* where = "packed::forward";
+  const Index d = e.d_model(), f = e.d_ffn();
+  apex::detail::require_config(m >= 0, where, "row count m = " + std::to_string(m) + " is negative");
+  if (ldx < d) apex::detail::check_shape(where, "x (row stride)", m, ldx, m, d);
+  if (ldy < d) apex::detail::check_shape(where, "y (row stride)", m, ldy, m, d);
+  detail::require_isa(where, opt.isa);
+  const bool is_bf16 = e.dtype() == Dtype::bf16;
+  if (opt.bf16_products == Bf16Products::paired) {
+    apex::detail::require_config(is_bf16, where, "bf16_products = paired needs bf16 weights");
+    apex::detail::require_config(opt.isa == Isa::avx512_bf16, where,
+                                 std::string("bf16_products = paired needs path 'avx512_bf16', not '") +
+                                     isa_name(opt.isa) + "'");
+  }
+  if (m == 0) return;
+  const bool paired = is_bf16 && opt.isa == Isa::avx512_bf16 &&
+                      (opt.bf16_products == Bf16Products::paired ||
+                       (opt.bf16_products == Bf16Products::automatic && m > kSmallRows));
+  const Index block = m <= kSmallRows ? m : kRowBlock;
+  const Index lda = (f + 15) / 16 * 16;  // A rows start on 64-byte boundaries
+  detail::Scratch& s = detail::thread_scratch();
+  float* a = detail::grow(s.a, apex::detail::checked_product(where, "scratch rows x d_ffn", {block, lda}));
+  for (Index r0 = 0; r0 < m; r0 += block) {
+    const Index rows = std::min(block, m - r0);
+    const float* xr = x + r0 * ldx;
+    float* yr = y + r0 * ldy;
+#if APEX_PACKED_X86
+    if (paired) {
+      detail::forward_block_paired(e, xr, ldx, rows, a, lda, s, yr, ldy);
+      continue;
+    }
+#endif
+    (void)paired;
+    if (is_bf16) detail::forward_block<bf16>(opt.isa, e, xr, ldx, rows, a, lda, yr, ldy);
+    else detail::forward_block<float>(opt.isa, e, xr, ldx, rows, a, lda, yr, ldy);
+  }
+}
+
+/// Y = expert(X) for X: N × d (ShapeError otherwise) → N × d.
+inline Matrix<float> forward(const PackedExpert& e, const ConstMatrixRef<float>& x, const ForwardOptions& opt = {}) {
+  apex::detail::check_shape("packed::forward", "x", x, apex::detail::kAny, e.d_model());
+  Matrix<float> y(x.rows(), e.d_model());  // N × d
+  forward(e, x.data(), x.outerStride(), x.rows(), y.data(), e.d_model(), opt);
+  return y;
+}
+
+}  // namespace apex::packed
