@@ -499,6 +499,59 @@ TEST_CASE("FFNSublayer rejects bad shapes and mismatched parts", "[skip_gate][su
   CHECK_THROWS_AS(layer.forward(bad), ValueError);
 }
 
+TEST_CASE("FFNSublayer backward and observe reject a cache of a sublayer of another kind",
+          "[skip_gate][sublayer][errors][regression]") {
+  // Before the fix an ungated backward accepted the cache of a gated
+  // sublayer that had skipped tokens: it read cache.kept as if every token
+  // had gone through the FFN and returned gradients for a computation it did
+  // not do (and an MoE observe counted them).
+  const Index d = 4, n = 6;
+  auto gated = make_gated<double>(d, 6, 3, 1);
+  auto plain = make_plain<double>(d, 6, 1);
+  Matrix<double> x = apex::test::random_matrix(n, d, 5);
+  const Matrix<double> dy = Matrix<double>::Ones(n, d);
+
+  Dense<double>::Cache from_gated;
+  gated.skip_gate()->set_threshold(0.0);
+  gated.forward(x, SublayerMode::training, &from_gated);
+  REQUIRE(from_gated.skipped() == 0);
+  CHECK_THROWS_WITH(plain.backward(dy, from_gated),
+                    Catch::Matchers::Contains("FFNSublayer::backward: argument 'cache' was filled by a gated sublayer"));
+  gated.skip_gate()->set_threshold(1.0);  // every token skipped
+  gated.forward(x, SublayerMode::training, &from_gated);
+  REQUIRE(from_gated.skipped() == n);
+  CHECK_THROWS_AS(plain.backward(dy, from_gated), ValueError);
+
+  Dense<double>::Cache from_plain;
+  plain.forward(x, SublayerMode::training, &from_plain);
+  CHECK_THROWS_WITH(gated.backward(dy, from_plain),
+                    Catch::Matchers::Contains("was filled by an ungated sublayer, expected one of a gated sublayer"));
+
+  // A cache whose kept list was edited: not ascending, or not every token
+  // for an ungated sublayer.
+  Dense<double>::Cache edited = from_plain;
+  std::swap(edited.kept[0], edited.kept[1]);
+  CHECK_THROWS_WITH(plain.backward(dy, edited), Catch::Matchers::Contains("'cache.kept'"));
+  edited = from_plain;
+  edited.kept.pop_back();
+  CHECK_THROWS_WITH(plain.backward(dy, edited), Catch::Matchers::Contains("expected all of them"));
+
+  // The same check guards observe on an MoE sublayer.
+  MoEConfig cfg;
+  cfg.d_model = d;
+  cfg.d_ffn = 5;
+  cfg.n_experts = 4;
+  cfg.n_active = 2;
+  using MoESub = FFNSublayer<double, MoEFFN<double>>;
+  MoESub moe_plain(d, MoEFFN<double>(cfg, 3));
+  MoESub moe_gated(d, MoEFFN<double>(cfg, 3), SkipGate<double>(gate_config(d, 3), 4));
+  moe_gated.skip_gate()->set_threshold(1.0);
+  MoESub::Cache c;
+  moe_gated.forward(x, SublayerMode::inference, &c);
+  CHECK_THROWS_WITH(moe_plain.observe(c), Catch::Matchers::Contains("FFNSublayer::observe"));
+  CHECK(moe_plain.ffn().balancer().update().tokens == 0);
+}
+
 TEST_CASE("the gate learns to keep tokens the FFN helps and with the penalty to skip the rest",
           "[skip_gate][sublayer][training]") {
   // Two kinds of token, told apart by feature 0 (+1.5 or −1.5). For "hard"

@@ -1,7 +1,7 @@
 #pragma once
 /// \file ffn_sublayer.hpp
 /// The pre-norm residual FFN sublayer of an APEX-1 block, optionally guarded
-/// by the dynamic skip gate (reference §15, SPEC "Dynamic skip gate"):
+/// by the dynamic skip gate (docs/math.md#ffn-sublayer):
 ///
 ///     y = x + m ⊙ FFN(RMSNorm(x)),   m_t = 1[g(x_t) ≥ τ]   (m ≡ 1 without a gate)
 ///
@@ -83,6 +83,7 @@ class FFNSublayer {
   /// (training), the keep decisions and the skip statistics (both modes).
   struct Cache {
     SublayerMode mode = SublayerMode::training;
+    bool gated = false;                 ///< filled by a gated sublayer
     Index tokens = 0;                   ///< N
     std::vector<Index> kept;            ///< ascending indices of the tokens with m = 1
     typename RMSNorm<T>::Cache norm;    ///< training: all N rows
@@ -123,73 +124,15 @@ class FFNSublayer {
   /// x: N × d → y: N × d, in the layer's mode.
   Matrix<T> forward(const ConstMatrixRef<T>& x, Cache* cache = nullptr) const { return forward(x, mode_, cache); }
 
-  /// x: N × d → y: N × d, in `mode`.
+  /// x: N × d → y: N × d, in `mode`. Three steps: decide which tokens the
+  /// FFN sees, run it, and fill the cache — each field written once.
   Matrix<T> forward(const ConstMatrixRef<T>& x, SublayerMode mode, Cache* cache) const {
     detail::check_shape("FFNSublayer::forward", "x", x, detail::kAny, d_model());
-    const Index n = x.rows();
     const bool train = cache != nullptr && mode == SublayerMode::training;
-
-    // Keep decisions. Ungated: every token.
-    std::vector<Index> kept, skipped;
-    Vector<T> g;  // N
-    if (gate_) {
-      g = gate_->forward(x, train ? &cache->gate : nullptr);
-      for (Index t = 0; t < n; ++t) (gate_->keep(g(t)) ? kept : skipped).push_back(t);
-    } else {
-      kept.resize(std::size_t(n));
-      for (Index t = 0; t < n; ++t) kept[std::size_t(t)] = t;
-    }
-    const bool all_kept = skipped.empty();
-    const Index n_kept = Index(kept.size());
-
-    typename FFN::Cache* ffn_cache = cache ? &cache->ffn : nullptr;
-    Matrix<T> y;  // N × d
-    Matrix<T> f;  // training, gated: N × d
-    if (n_kept == 0 && !train) {
-      y = x;  // every token skipped: no norm, no FFN
-    } else {
-      const Matrix<T> xn = norm_.forward(x, train ? &cache->norm : nullptr);  // N × d
-      if (all_kept) {
-        // The ungated computation exactly: one FFN call on all rows.
-        Matrix<T> fk = ffn_.forward(xn, ffn_cache);  // N × d
-        y = x + fk;
-        if (train && gate_) f = std::move(fk);
-      } else {
-        // FFN on the gathered kept rows: the same call in both modes.
-        Matrix<T> fk;  // n_kept × d
-        if (n_kept > 0) fk = ffn_.forward(detail::sublayer::gather<T>(xn, kept), ffn_cache);
-        y = x;
-        for (Index i = 0; i < n_kept; ++i) {
-          const Index t = kept[std::size_t(i)];
-          y.row(t) = x.row(t) + fk.row(i);
-        }
-        if (train) {
-          // Skipped rows: only F's value is needed (∂y/∂F = m = 0 there), so no cache.
-          const Matrix<T> fs = ffn_.forward(detail::sublayer::gather<T>(xn, skipped));  // n_skip × d
-          f.resize(n, d_model());
-          for (Index i = 0; i < n_kept; ++i) f.row(kept[std::size_t(i)]) = fk.row(i);
-          for (Index i = 0; i < Index(skipped.size()); ++i) f.row(skipped[std::size_t(i)]) = fs.row(i);
-        }
-      }
-    }
-
-    if (cache) {
-      cache->mode = train ? SublayerMode::training : SublayerMode::inference;
-      cache->tokens = n;
-      cache->kept = std::move(kept);
-      cache->ffn_ran = n_kept > 0;
-      cache->f = std::move(f);
-      if (gate_) {
-        if (!train) {
-          cache->gate = {};
-          cache->gate.g = std::move(g);  // training: the gate cache holds g already
-        }
-        cache->penalty = gate_->penalty_value(cache->gate.g);
-      } else {
-        cache->penalty = T(0);
-      }
-      if (!train) cache->norm = {};
-    }
+    Decision decision = decide(x, train);
+    Matrix<T> f;  // training, gated: N × d, F of every token
+    Matrix<T> y = run(x, decision, train, cache, f);
+    if (cache) fill_cache(*cache, x.rows(), train, std::move(decision), std::move(f));
     return y;
   }
 
@@ -205,12 +148,9 @@ class FFNSublayer {
       throw ValueError(
           "FFNSublayer::backward: argument 'cache' was filled by an inference-mode forward, expected a "
           "training-mode one (inference does not compute the FFN of skipped tokens)");
+    check_provenance(where, cache);
     const Index n = cache.tokens;
     const Index n_kept = Index(cache.kept.size());
-    for (Index t : cache.kept)  // kept indices address rows of dy and dx
-      if (t < 0 || t >= n)
-        throw ValueError(std::string(where) + ": argument 'cache.kept' holds token " + std::to_string(t) +
-                         ", expected a value in [0, " + std::to_string(n) + ")");
     if (gate_) detail::check_shape(where, "cache.f", cache.f, n, d_model());
     detail::check_shape(where, "dy", dy, n, d_model());
 
@@ -240,6 +180,7 @@ class FFNSublayer {
   /// Exists when `FFN` has `observe(const FFN::Cache&)` (MoEFFN).
   template <class F = FFN, std::enable_if_t<detail::sublayer::has_observe<F>::value, int> = 0>
   void observe(const Cache& cache) {
+    check_provenance("FFNSublayer::observe", cache);
     if (cache.ffn_ran) ffn_.observe(cache.ffn);
   }
 
@@ -266,6 +207,105 @@ class FFNSublayer {
   const SkipGate<T>* skip_gate() const { return gate_ ? &*gate_ : nullptr; }
 
  private:
+  /// Which tokens the FFN sees: m_t = 1[g_t ≥ τ] (every token without a gate).
+  struct Decision {
+    std::vector<Index> kept;                ///< ascending tokens with m = 1
+    std::vector<Index> skipped;             ///< ascending tokens with m = 0
+    typename SkipGate<T>::Cache gate;       ///< g of every token (all fields in training)
+  };
+
+  Decision decide(const ConstMatrixRef<T>& x, bool train) const {
+    const Index n = x.rows();
+    Decision d;
+    if (!gate_) {
+      d.kept.resize(std::size_t(n));
+      for (Index t = 0; t < n; ++t) d.kept[std::size_t(t)] = t;
+      return d;
+    }
+    // Training keeps the gate's activations for the straight-through backward.
+    if (train)
+      gate_->forward(x, &d.gate);
+    else
+      d.gate.g = gate_->forward(x, nullptr);
+    for (Index t = 0; t < n; ++t) (gate_->keep(d.gate.g(t)) ? d.kept : d.skipped).push_back(t);
+    return d;
+  }
+
+  /// y = x + m ⊙ FFN(RMSNorm(x)). The kept rows go through the FFN in one call
+  /// in both modes (a product's result for a row can depend on how many rows
+  /// share the call, so this keeps the modes bitwise equal); training adds a
+  /// cacheless call on the skipped rows, whose F only the gate's STE needs.
+  /// Fills `f` (training, gated) and, with a cache, its norm and FFN parts.
+  Matrix<T> run(const ConstMatrixRef<T>& x, const Decision& d, bool train, Cache* cache, Matrix<T>& f) const {
+    const Index n = x.rows();
+    const Index n_kept = Index(d.kept.size());
+    if (n_kept == 0 && !train) return x;  // every token skipped: no norm, no FFN
+    typename FFN::Cache* ffn_cache = cache ? &cache->ffn : nullptr;
+    const Matrix<T> xn = norm_.forward(x, train ? &cache->norm : nullptr);  // N × d
+    if (d.skipped.empty()) {
+      // The ungated computation exactly: one FFN call on all rows.
+      Matrix<T> fk = ffn_.forward(xn, ffn_cache);  // N × d
+      Matrix<T> y = x + fk;
+      if (train && gate_) f = std::move(fk);
+      return y;
+    }
+    Matrix<T> fk;  // n_kept × d
+    if (n_kept > 0) fk = ffn_.forward(detail::sublayer::gather<T>(xn, d.kept), ffn_cache);
+    Matrix<T> y = x;
+    for (Index i = 0; i < n_kept; ++i) {
+      const Index t = d.kept[std::size_t(i)];
+      y.row(t) = x.row(t) + fk.row(i);
+    }
+    if (train) {
+      const Matrix<T> fs = ffn_.forward(detail::sublayer::gather<T>(xn, d.skipped));  // n_skip × d
+      f.resize(n, d_model());
+      for (Index i = 0; i < n_kept; ++i) f.row(d.kept[std::size_t(i)]) = fk.row(i);
+      for (Index i = 0; i < Index(d.skipped.size()); ++i) f.row(d.skipped[std::size_t(i)]) = fs.row(i);
+    }
+    return y;
+  }
+
+  /// The decisions and statistics of one forward. `run` already wrote the
+  /// norm (training) and FFN parts; an inference forward leaves no norm
+  /// activations, so a stale training norm cache cannot be mistaken for one.
+  void fill_cache(Cache& c, Index n, bool train, Decision&& d, Matrix<T>&& f) const {
+    c.mode = train ? SublayerMode::training : SublayerMode::inference;
+    c.gated = gated();
+    c.tokens = n;
+    c.ffn_ran = !d.kept.empty();
+    c.kept = std::move(d.kept);
+    c.f = std::move(f);
+    c.penalty = gate_ ? gate_->penalty_value(d.gate.g) : T(0);
+    c.gate = std::move(d.gate);
+    if (!train) c.norm = {};
+  }
+
+  /// Throws unless `cache` was filled by a forward of a sublayer like this
+  /// one: gated or not as this one, its kept tokens ascending in [0, N), all
+  /// N of them without a gate. A cache of a gated sublayer that skipped
+  /// tokens would otherwise give an ungated backward gradients of a
+  /// computation it did not do.
+  void check_provenance(const char* where, const Cache& cache) const {
+    if (cache.gated != gated())
+      throw ValueError(std::string(where) + ": argument 'cache' was filled by " +
+                       (cache.gated ? "a gated" : "an ungated") + " sublayer, expected one of " +
+                       (gated() ? "a gated" : "an ungated") + " sublayer");
+    const Index n = cache.tokens;
+    Index previous = -1;
+    for (Index t : cache.kept) {  // kept indices address rows of dy and dx
+      if (t <= previous || t >= n)
+        throw ValueError(std::string(where) + ": argument 'cache.kept' holds token " + std::to_string(t) +
+                         " after " + std::to_string(previous) + ", expected ascending values in [0, " +
+                         std::to_string(n) + ")");
+      previous = t;
+    }
+    if (!gated() && Index(cache.kept.size()) != n)
+      throw ValueError(std::string(where) + ": argument 'cache.kept' holds " + std::to_string(cache.kept.size()) +
+                       " of " + std::to_string(n) + " tokens, expected all of them for an ungated sublayer");
+    if (cache.ffn_ran != !cache.kept.empty())
+      throw ValueError(std::string(where) + ": argument 'cache.ffn_ran' disagrees with 'cache.kept'");
+  }
+
   void check_ffn_width() const {
     if constexpr (detail::sublayer::has_d_model<FFN>::value) {
       detail::require_config(ffn_.d_model() == d_model(), "FFNSublayer",
