@@ -1,15 +1,14 @@
 #pragma once
 /// \file multi_token_heads.hpp
-/// Multi-token prediction heads and their loss (reference §16, SPEC
-/// "Multi-token prediction").
+/// Multi-token prediction heads and their loss (docs/math.md#multi-token-prediction).
 ///
 /// The main head (the caller's, a `V × d` weight) predicts token `t+1` from
 /// the hidden state `h_t`. Extra heads `k = 1..N` (default N = 4),
 ///
-///     head_k(h) = h·W_k,   W_k ∈ R^{d×V},
+///     head_k(h) = h·W_kᵀ,   W_k ∈ R^{V×d},
 ///
-/// predict token `t+1+k`. The reference's §16.2 writes `t+k`, which would make
-/// head 1 a second copy of the main head: an erratum (SPEC).
+/// predict token `t+1+k`. An offset of `t+k` would make head 1 a second copy
+/// of the main head (docs/math.md#errata).
 ///
 /// In code heads are numbered from 0: head `i = k − 1` predicts `t+2+i`. Its
 /// weight is stored in PyTorch layout (`V × d`, an `nn.Linear(d, V,
@@ -31,6 +30,7 @@
 #include <vector>
 
 #include "cross_entropy.hpp"
+#include "checked_size.hpp"
 #include "errors.hpp"
 #include "init.hpp"
 #include "linear.hpp"
@@ -43,7 +43,7 @@ namespace apex {
 struct MultiTokenOptions {
   Index num_heads = 4;                ///< N ≥ 0 extra heads (0: the loss is L_main alone)
   double lambda = 0.1;                ///< λ ≥ 0, weight of the heads' losses
-  bool average_heads = false;         ///< false: λ·Σ_k L_k (reference); true: λ·(1/N)·Σ_k L_k (APEX-1 code)
+  bool average_heads = false;         ///< false: λ·Σ_k L_k; true: λ·(1/N)·Σ_k L_k (the APEX-1 code's choice)
   /// Label meaning "no target"; must lie outside [0, V) (ConfigError).
   /// Stricter than `cross_entropy`, which accepts any value: the labels here
   /// are the token stream itself, each read by the main head and by N heads
@@ -174,9 +174,11 @@ class MultiTokenHeads {
     detail::require_config(d_model > 0, where, "d_model must be positive, got " + std::to_string(d_model));
     detail::require_config(vocab > 0, where, "vocab must be positive, got " + std::to_string(vocab));
     detail::check_mtp_options(where, opt, vocab);
-    w_.resize(opt.num_heads * v_, d_);
+    (void)detail::checked_product(where, "num_heads x vocab x d_model (head weights)", {opt.num_heads, vocab, d_model});
+    const Index rows = opt.num_heads * v_;  // fits: the product above did
+    w_.resize(rows, d_);
     init_linear(w_, rng);
-    w_grad_ = Matrix<T>::Zero(opt.num_heads * v_, d_);
+    w_grad_ = Matrix<T>::Zero(rows, d_);
   }
   MultiTokenHeads(Index d_model, Index vocab, const MultiTokenOptions& opt, Rng&& rng)
       : MultiTokenHeads(d_model, vocab, opt, rng) {}
@@ -219,11 +221,9 @@ class MultiTokenHeads {
   Matrix<T> backward(const ConstMatrixRef<T>& dy, const Cache& cache) {
     detail::check_shape("MultiTokenHeads::backward", "dy", dy, cache.h.rows(), w_.rows());
     detail::check_shape("MultiTokenHeads::backward", "cache.h", cache.h, detail::kAny, d_);
-    // ∂L/∂W_all += dYᵀ·H    (N·V × d)
-    w_grad_.noalias() += dy.transpose() * cache.h;
-    // ∂L/∂H = dY·W_all      (n × d)
+    // ∂L/∂W_all += dYᵀ·H (N·V × d);  ∂L/∂H = dY·W_all (n × d)
     Matrix<T> dh(dy.rows(), d_);
-    dh.noalias() = dy * w_;
+    detail::linear_nt_backward(dy, cache.h, w_, w_grad_, dh);
     return dh;
   }
 

@@ -1,6 +1,6 @@
 #pragma once
 /// \file skip_gate.hpp
-/// Dynamic skip gate (reference §15, SPEC "Dynamic skip gate"):
+/// Dynamic skip gate (docs/math.md#skip-gate):
 ///
 ///     g(x) = σ(W₂ · SiLU(W₁x + b₁) + b₂),   keep mask m = 1[g ≥ τ]
 ///
@@ -8,7 +8,7 @@
 /// (`ffn_sublayer.hpp`) applies the mask and the straight-through estimator.
 ///
 /// Weights are stored in PyTorch layout (`w1.weight` is `h × d`, `w2.weight`
-/// is `1 × h`), so the reference's `W₁ ∈ R^{d×h}` is `w1.weight` transposed.
+/// is `1 × h`), the `W₁` and `W₂` of docs/math.md.
 ///
 /// The optional compute penalty `λ_skip · mean_t(g_t)` is part of the gate:
 /// `forward` reports its value in the Cache and `backward` adds its gradient
@@ -20,6 +20,7 @@
 #include <string>
 
 #include "activations.hpp"
+#include "checked_size.hpp"
 #include "errors.hpp"
 #include "init.hpp"
 #include "linear.hpp"
@@ -45,6 +46,7 @@ struct SkipGateConfig {
     const char* where = "SkipGateConfig";
     detail::require_config(d_model > 0, where, "d_model must be positive, got " + std::to_string(d_model));
     detail::require_config(hidden > 0, where, "hidden must be positive, got " + std::to_string(hidden));
+    (void)detail::checked_product(where, "hidden x d_model (w1.weight)", {hidden, d_model});
     detail::require_config(threshold >= 0.0 && threshold <= 1.0, where,
                            "threshold must be in [0, 1], got " + std::to_string(threshold));
     detail::require_config(initial_gate > 0.0 && initial_gate < 1.0, where,
@@ -172,17 +174,16 @@ class SkipGate {
     ds.array() *= cache.g.array() * array::sigmoid(-cache.s.array());
     const auto z = cache.z.array();                                    // N × h
     const Matrix<T> a = (z * array::sigmoid(z)).matrix();              // N × h: SiLU(z)
-    // ∂L/∂W₂ += dsᵀ·a (1 × h);  ∂L/∂b₂ += Σ_t ds_t
-    w2_grad_.noalias() += ds.transpose() * a;
+    // ∂L/∂W₂ += dsᵀ·a (1 × h);  ∂L/∂a = ds·W₂ (N × h);  ∂L/∂b₂ += Σ_t ds_t
+    Matrix<T> dz(n, h_);  // N × h
+    detail::linear_nt_backward(ds, a, w2_, w2_grad_, dz);
     b2_grad_(0, 0) += ds.sum();
-    // ∂L/∂a = ds·W₂ (N × h);  dz = ∂L/∂a ⊙ SiLU′(z),  SiLU′(z) = σ(z)(1 + z·σ(−z))
-    Matrix<T> dz = ds * w2_;  // N × h
+    // dz = ∂L/∂a ⊙ SiLU′(z),  SiLU′(z) = σ(z)(1 + z·σ(−z))
     dz.array() *= array::sigmoid(z) * (T(1) + z * array::sigmoid(-z));
-    // ∂L/∂W₁ += dzᵀ·x (h × d);  ∂L/∂b₁ += Σ_t dz_t;  ∂L/∂x = dz·W₁ (N × d)
-    w1_grad_.noalias() += dz.transpose() * cache.x;
-    b1_grad_.noalias() += dz.colwise().sum();
+    // ∂L/∂W₁ += dzᵀ·x (h × d);  ∂L/∂x = dz·W₁ (N × d);  ∂L/∂b₁ += Σ_t dz_t
     Matrix<T> dx(n, d_);
-    dx.noalias() = dz * w1_;
+    detail::linear_nt_backward(dz, cache.x, w1_, w1_grad_, dx);
+    b1_grad_.noalias() += dz.colwise().sum();
     return dx;
   }
 

@@ -1,8 +1,7 @@
 #pragma once
 /// \file speculative.hpp
-/// Speculative decoding with multi-token heads (reference §16.4, SPEC
-/// "Multi-token prediction"): the heads draft N tokens, the main model
-/// verifies them in one forward pass.
+/// Speculative decoding with multi-token heads (docs/math.md#speculative-decoding):
+/// the heads draft N tokens, the main model verifies them in one forward pass.
 ///
 /// One decode step, given hidden state `h_t` whose main-head token `x_{t+1}`
 /// is already chosen:

@@ -4,8 +4,7 @@
 ///
 /// Activations are row-major `N × width` (one token per row), so a token is a
 /// contiguous row and gathering tokens for an expert is a row copy. Weights are
-/// stored as PyTorch stores `nn.Linear.weight` (`[out, in]`, the reference's
-/// `W` transposed), so checkpoints map one to one.
+/// stored as PyTorch stores `nn.Linear.weight` (`[out, in]`, the `W` of docs/math.md), so checkpoints map one to one.
 ///
 /// A column-major matrix passed to an argument of type
 /// `Eigen::Ref<const Matrix<T>>` is silently copied into a row-major
