@@ -9,4 +9,9 @@ target_compile_options(apex_ffn_dev_options INTERFACE -Wall -Wextra -Wpedantic
   $<$<AND:$<BOOL:${APEX_FFN_NATIVE}>,$<CXX_COMPILER_ID:GNU>>:-Wno-maybe-uninitialized>)
 
 # OpenMP threads the MoE dispatch; the library works without it.
-find_package(OpenMP COMPONENTS CXX)
+# APEX_FFN_OPENMP=OFF builds the tests without it: ThreadSanitizer does not
+# understand libgomp's synchronisation and would report its barriers as races.
+option(APEX_FFN_OPENMP "Build tests, benchmarks and examples with OpenMP" ON)
+if(APEX_FFN_OPENMP)
+  find_package(OpenMP COMPONENTS CXX)
+endif()
