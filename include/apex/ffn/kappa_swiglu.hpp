@@ -1,10 +1,10 @@
 #pragma once
 /// \file kappa_swiglu.hpp
 /// κ-SwiGLU: a SwiGLU expert whose gate sharpness follows the router's
-/// confidence (paper summary `003_…`, SPEC "κ-SwiGLU"). For a token t routed
-/// to this expert, with raw (unbiased) router logit ℓ_t, and gate unit j:
+/// confidence (docs/math.md#kappa-swiglu). For a token t routed to this
+/// expert, with raw (unbiased) router logit ℓ_t, and gate unit j:
 ///
-///     s_t    = c · ℓ_t
+///     s_t    = c · ℓ_t                              (saturated to ±max of T)
 ///     u_tj   = b_j + α_j · s_t
 ///     κ_tj   = exp(ln U · tanh(u_tj))               ∈ [1/U, U]
 ///     FFN(x) = (SiLU_κ(x·W_gateᵀ) ⊙ (x·W_upᵀ)) · W_downᵀ,   SiLU_κ(z) = z·σ(κz)
@@ -23,6 +23,9 @@
 /// from ℓ, α, b (a tanh and an exp per entry) rather than reading two more
 /// stored n × f arrays, whose writes would cost the inference forward more
 /// than the recomputation costs backward.
+///
+/// Options, the U ramp (kappa_options.hpp) and the MoE-wide helpers
+/// (kappa_moe.hpp) live apart from the layer; this header includes both.
 
 #include <cmath>
 #include <cstdint>
@@ -33,7 +36,9 @@
 
 #include "activations.hpp"
 #include "errors.hpp"
+#include "expert_contract.hpp"
 #include "init.hpp"
+#include "kappa_options.hpp"
 #include "linear.hpp"
 #include "param.hpp"
 #include "swiglu.hpp"
@@ -43,69 +48,7 @@
 namespace apex {
 
 namespace detail {
-struct KappaWorkTag;      ///< workspace of a cacheless forward: [G | U | A]
-struct KappaGateGradTag;  ///< workspace of backward_block: [dG | dU]
-}  // namespace detail
-
-/// Hyper-parameters of κ-SwiGLU (SPEC defaults).
-struct KappaOptions {
-  double U = 4.0;            ///< sharpness ceiling: κ ∈ [1/U, U]; U ≥ 1 (U = 1 gives κ ≡ 1)
-  double c = 0.3;            ///< logit scale: s = c·ℓ; finite
-  double rho = 0.1;          ///< factor on ∂L/∂ℓ through κ; ≥ 0 (0 detaches the router)
-  double reg_weight = 1e-2;  ///< w of the regulariser w·(mean(b²) + mean(α²)); ≥ 0
-
-  /// Throws ConfigError naming the first field out of range.
-  void validate(const char* where = "KappaOptions") const {
-    detail::require_config(std::isfinite(U) && U >= 1.0, where, "U must be finite and >= 1, got " + std::to_string(U));
-    detail::require_config(std::isfinite(c), where, "c must be finite, got " + std::to_string(c));
-    detail::require_config(std::isfinite(rho) && rho >= 0.0, where,
-                           "rho must be finite and >= 0, got " + std::to_string(rho));
-    detail::require_config(std::isfinite(reg_weight) && reg_weight >= 0.0, where,
-                           "reg_weight must be finite and >= 0, got " + std::to_string(reg_weight));
-  }
-
-  /// As validate(), for a layer that computes in T: the layer converts U, c,
-  /// ρ·c and w to T, and a value finite as a double can be infinite as a
-  /// float (c = 1e39 would make s = c·ℓ infinite and the output NaN).
-  template <class T>
-  void validate_for(const char* where) const {
-    validate(where);
-    const double max = double(std::numeric_limits<T>::max());
-    const auto check = [&](double v, const char* name) {
-      detail::require_config(std::abs(v) <= max, where,
-                             std::string(name) + " is " + std::to_string(v) + ", beyond the range of the layer's scalar type (" +
-                                 std::to_string(max) + ")");
-    };
-    check(U, "U");
-    check(c, "c");
-    check(rho * c, "rho*c");
-    check(reg_weight, "reg_weight");
-  }
-};
-
-/// The U ramp trainers use: 1 at `progress` ≤ 0 (κ ≡ 1, plain SwiGLU), rising
-/// linearly to `U_max` at `progress` ≥ 1. `progress` is e.g. (step − warmup) / ramp_steps.
-inline double kappa_ramp(double progress, double U_max = 4.0) {
-  const double p = progress < 0.0 ? 0.0 : (progress > 1.0 ? 1.0 : progress);
-  return 1.0 + (U_max - 1.0) * p;
-}
-
-namespace detail {
-
-/// tanh(u) elementwise, vectorised for float and double. Eigen 3.4 vectorises
-/// `tanh` for float only; for double, tanh(u) = 1 − 2/(1 + e^{2u}), whose
-/// limits are exact (e^{2u} = inf gives 1, e^{2u} = 0 gives −1) and which is 0
-/// at u = 0 exactly. Near 0 its error is absolute (≈ ε), which is all κ = exp(ln U·τ) sees.
-template <class Derived>
-auto tanh_array(const Eigen::ArrayBase<Derived>& u) {
-  using T = typename Derived::Scalar;
-  if constexpr (std::is_same_v<T, float>) {
-    return u.derived().tanh();
-  } else {
-    return T(1) - T(2) * (T(1) + (T(2) * u.derived()).exp()).inverse();
-  }
-}
-
+struct KappaWorkTag;  ///< workspace of a cacheless forward: [G | U | A]
 }  // namespace detail
 
 /// SwiGLU with router-confidence adaptive gate sharpness; the routed expert of
@@ -114,8 +57,9 @@ template <class T>
 class KappaSwiGLU {
  public:
   using Scalar = T;
-  /// MoEFFN passes each row's raw router logit ℓ and takes ∂L/∂ℓ back.
-  static constexpr bool uses_router_logit = true;
+  /// MoEFFN's dispatch passes each row's raw router logit ℓ and takes ∂L/∂ℓ
+  /// back (expert_contract.hpp).
+  using SideInput = RouterLogitInput;
 
   /// Activations kept for backward.
   struct Cache {
@@ -216,79 +160,71 @@ class KappaSwiGLU {
     return k;
   }
 
-  /// \name Block interface used by MoEFFN's grouped dispatch
+  /// \name Block interface: the expert contract of MoEFFN (expert_contract.hpp)
   /// The caller owns every buffer; shapes are not re-checked here.
   ///@{
 
-  /// x: n × d, logit: n, work: n × 3f (filled), y: n × d (written).
+  /// x: n × d, logit: n, work: n × 3f (filled), y: n × d (written). SwiGLU's
+  /// gated forward with SiLU_κ for SiLU.
   template <class Work, class Y>
-  void forward_block(const ConstMatrixRef<T>& x, const ConstVectorRef<T>& logit, const Eigen::MatrixBase<Work>& work_,
+  void forward_block(const ConstMatrixRef<T>& x, const ConstVectorRef<T>& logit, const Eigen::MatrixBase<Work>& work,
                      const Eigen::MatrixBase<Y>& y) const {
-    auto& work = const_cast<Eigen::MatrixBase<Work>&>(work_);
-    const Index n = x.rows(), f = d_ffn();
-    eigen_assert(logit.size() == n && work.cols() == work_cols());
-    detail::linear_nt(x, mlp_.w_gate_up(), work.leftCols(2 * f), false);  // [G | U] = x·W_guᵀ
-    const auto gate = work.leftCols(f).array();                           // n × f
-    const auto up = work.middleCols(f, f).array();                        // n × f
-    auto a = work.middleCols(2 * f, f).array();                           // n × f
-    if (opt_.U == 1.0) {
-      a = gate * array::sigmoid(gate) * up;  // κ ≡ 1: SiLU
-    } else {
+    eigen_assert(logit.size() == x.rows() && work.cols() == work_cols());
+    mlp_.gated_forward(x, work, y, [&](auto&& gate, auto&& up, auto&& a) {  // n × f each
+      if (opt_.U == 1.0) {
+        a = gate * array::sigmoid(gate) * up;  // κ ≡ 1: SiLU
+        return;
+      }
       // A = SiLU_κ(G) ⊙ U = G·σ(κG) ⊙ U, a row at a time (s_t is per row);
       // κ lives in a row buffer that stays in L1. Three short passes (τ, κ,
       // A) run faster than one fused expression, whose tanh, two exps and
       // division in one loop body spill registers.
-      Eigen::Array<T, 1, Eigen::Dynamic> tau(f), k(f);  // 1 × f each
-      for (Index t = 0; t < n; ++t) {
+      Eigen::Array<T, 1, Eigen::Dynamic> tau(d_ffn()), k(d_ffn());  // 1 × f each
+      for (Index t = 0; t < x.rows(); ++t) {
         kappa_row(logit(t), tau, k);
         const auto g = gate.row(t);
         a.row(t) = g * array::sigmoid(k * g) * up.row(t);
       }
-    }
-    detail::linear_nt(work.middleCols(2 * f, f), mlp_.w_down(), y, false);
+    });
   }
 
   /// Backward of forward_block. dy: n × d; dx: n × d and dlogit: n (written,
-  /// dlogit = ρ·∂L/∂ℓ); adds into every parameter gradient.
+  /// dlogit = ρ·∂L/∂ℓ); adds into every parameter gradient. SwiGLU's gated
+  /// backward with the gate derivative of SiLU_κ, plus ∂L/∂α, ∂L/∂b, ∂L/∂ℓ.
   template <class DX, class DL>
   void backward_block(const ConstMatrixRef<T>& x, const ConstVectorRef<T>& logit, const ConstMatrixRef<T>& work,
                       const ConstMatrixRef<T>& dy, const Eigen::MatrixBase<DX>& dx,
                       const Eigen::MatrixBase<DL>& dlogit_) {
     auto& dlogit = const_cast<Eigen::MatrixBase<DL>&>(dlogit_);
-    const Index n = x.rows(), f = d_ffn();
-    // ∂L/∂W_down += dYᵀ·A      (d × f)
-    mlp_.w_down_grad().noalias() += dy.transpose() * work.middleCols(2 * f, f);
-    auto dh = detail::thread_workspace<T, detail::KappaGateGradTag>(n, 2 * f);  // n × 2f: [dG | dU]
-    // ∂L/∂A = dY·W_down        (n × f), held in the dU half until dU replaces it
-    dh.rightCols(f).noalias() = dy * mlp_.w_down();
-    const T c = T(opt_.c), rho_c = T(opt_.rho * opt_.c);
-    const auto alpha = alpha_.array();
-    // One row each, reused: κ, ∂κ/∂u, σ(κG), σ(−κG), ∂L/∂u, scratch.
-    array::Row<T> k(f), dk(f), sk(f), smk(f), du(f), e(f);
-    for (Index t = 0; t < n; ++t) {
-      const auto row = work.row(t);
-      const auto g = row.segment(0, f).array();
-      const auto up = row.segment(f, f).array();
-      auto da = dh.row(t).segment(f, f).array();
-      fill_kappa(logit(t), k, dk);
-      du = k * g;  // κG, until ∂L/∂u replaces it
-      // σ(κG), σ(−κG) as SwiGLU computes σ(G), σ(−G): with κ ≡ 1 the two layers agree bitwise
-      array::sigmoid_pair(du, sk, smk, e);
-      // ∂SiLU_κ/∂κ = z²σ(κz)σ(−κz), as (zσ(κz))·(zσ(−κz)) so z² never forms;
-      // ∂L/∂u = dA ⊙ U ⊙ ∂SiLU_κ/∂κ ⊙ ∂κ/∂u
-      du = da * up * (g * sk) * (g * smk) * dk;
-      // dG = dA ⊙ U ⊙ ∂SiLU_κ/∂z,  ∂SiLU_κ/∂z = σ(κz)(1 + κz·σ(−κz))
-      dh.row(t).segment(0, f).array() = da * up * sk * (T(1) + (k * g) * smk);
-      // dU = dA ⊙ SiLU_κ(G)
-      da = da * g * sk;
-      // ∂u/∂b = 1, ∂u/∂α = s = c·ℓ, ∂u/∂ℓ = α·c
-      bias_grad_.array() += du;
-      alpha_grad_.array() += (c * logit(t)) * du;
-      dlogit(t) = rho_c == T(0) ? T(0) : rho_c * (du * alpha).sum();
-    }
-    // ∂L/∂W_gu += dHᵀ·X (2f × d);  ∂L/∂X = dH·W_gu (n × d)
-    mlp_.w_gate_up_grad().noalias() += dh.transpose() * x;
-    const_cast<Eigen::MatrixBase<DX>&>(dx).noalias() = dh * mlp_.w_gate_up();
+    mlp_.gated_backward(x, work, dy, dx, [&](auto& dh) {  // dh: n × 2f, [dG | dU], dA in the dU half
+      const Index f = d_ffn();
+      const T rho_c = T(opt_.rho * opt_.c);
+      const auto alpha = alpha_.array();
+      // One row each, reused: κ, ∂κ/∂u, σ(κG), σ(−κG), ∂L/∂u, scratch.
+      array::Row<T> k(f), dk(f), sk(f), smk(f), du(f), e(f);
+      for (Index t = 0; t < x.rows(); ++t) {
+        const auto row = work.row(t);
+        const auto g = row.segment(0, f).array();
+        const auto up = row.segment(f, f).array();
+        auto da = dh.row(t).segment(f, f).array();
+        fill_kappa(logit(t), k, dk);
+        du = k * g;  // κG, until ∂L/∂u replaces it
+        // σ(κG), σ(−κG) as SwiGLU computes σ(G), σ(−G): with κ ≡ 1 the two layers agree bitwise
+        array::sigmoid_pair(du, sk, smk, e);
+        // ∂SiLU_κ/∂κ = z²σ(κz)σ(−κz), as (zσ(κz))·(zσ(−κz)) so z² never forms;
+        // ∂L/∂u = dA ⊙ U ⊙ ∂SiLU_κ/∂κ ⊙ ∂κ/∂u
+        du = da * up * (g * sk) * (g * smk) * dk;
+        // dG = dA ⊙ U ⊙ ∂SiLU_κ/∂z,  ∂SiLU_κ/∂z = σ(κz)(1 + κz·σ(−κz))
+        dh.row(t).segment(0, f).array() = da * up * sk * (T(1) + (k * g) * smk);
+        // dU = dA ⊙ SiLU_κ(G)
+        da = da * g * sk;
+        // ∂u/∂b = 1, ∂u/∂α = s = c·ℓ, ∂u/∂ℓ = α·c (0 where s saturates)
+        const T s = scaled_logit(logit(t));
+        bias_grad_.array() += du;
+        alpha_grad_.array() += s * du;
+        dlogit(t) = rho_c == T(0) || saturated(s) ? T(0) : rho_c * (du * alpha).sum();
+      }
+    });
   }
   ///@}
 
@@ -341,13 +277,25 @@ class KappaSwiGLU {
   const RowVector<T>& kappa_bias_grad() const { return bias_grad_; }
 
  private:
+  /// s = c·ℓ, saturated to ±max of T. A product that overflows to ±∞ would
+  /// make u = b + α·s NaN where α = 0 (0·∞), and κ must be 1 there; with s
+  /// finite, α·s is 0 for α = 0 and at worst ±∞ otherwise, whose tanh is the
+  /// limit ±1. Every finite product is returned unchanged.
+  T scaled_logit(T logit) const {
+    constexpr T max = std::numeric_limits<T>::max();
+    const T s = T(opt_.c) * logit;
+    return s > max ? max : (s < -max ? -max : s);
+  }
+  /// Whether s = scaled_logit(ℓ) sits at the saturation bound (∂s/∂ℓ = 0 there).
+  static bool saturated(T s) { return std::abs(s) == std::numeric_limits<T>::max(); }
+
   /// One row's τ = tanh(u), u = b + α·s, s = c·ℓ, and κ = exp(ln U·τ)
   /// (1 × f each) for U > 1. |τ| ≤ 1; the clamp absorbs exp's last-bit
   /// rounding so κ ∈ [1/U, U] exactly.
   template <class Tau, class K>
   void kappa_row(T logit, Tau&& tau, K&& k) const {
-    const T ln_u = T(std::log(opt_.U)), s = T(opt_.c) * logit;
-    tau = detail::tanh_array(bias_.array() + s * alpha_.array());
+    const T ln_u = T(std::log(opt_.U)), s = scaled_logit(logit);
+    tau = array::tanh(bias_.array() + s * alpha_.array());
     k = (ln_u * tau).exp().min(T(opt_.U)).max(T(1.0 / opt_.U));
   }
 
@@ -372,23 +320,7 @@ class KappaSwiGLU {
   RowVector<T> bias_grad_;   ///< 1 × f
 };
 
-/// Sets U on every routed expert of an MoE layer (`MoEFFN<T, KappaSwiGLU<T>>`).
-template <class MoE>
-void set_kappa_U(MoE& moe, double U) {
-  for (auto& e : moe.experts()) e.set_U(U);
-}
-
-/// The layer-wide regulariser w·(mean(b²) + mean(α²)), means over all E×f
-/// entries (the mean of the experts' regularizer()), with its gradient added
-/// into every expert's α and b. Add the returned value to the loss.
-template <class MoE>
-auto add_kappa_regularizer_grad(MoE& moe) {
-  using T = typename MoE::Scalar;
-  auto& experts = moe.experts();
-  const T scale = experts.empty() ? T(0) : T(1) / T(experts.size());
-  T total = T(0);
-  for (auto& e : experts) total += e.add_regularizer_grad(scale);
-  return total;
-}
-
 }  // namespace apex
+
+// Helpers over a whole MoE layer of κ experts, for code that includes this header only.
+#include "kappa_moe.hpp"

@@ -1,6 +1,6 @@
 #pragma once
 /// \file load_balancer.hpp
-/// Auxiliary-loss-free, bias-based load balancing (reference §14, SPEC).
+/// Auxiliary-loss-free, bias-based load balancing (docs/math.md#load-balancer).
 ///
 /// Per expert, over the tokens routed since the last update:
 ///     f_e = c_e / (N·K),  τ = 1/E,  b_e ← clamp(b_e + α·sign(τ − f_e), −1, 1).
@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "checked_size.hpp"
 #include "errors.hpp"
 #include "types.hpp"
 
@@ -55,8 +56,9 @@ class LoadBalancer {
 
   /// Adds one micro-batch: `n_tokens` ≥ 0 tokens whose K choices gave
   /// `counts` (length E, each in [0, n_tokens] — a token picks K distinct
-  /// experts — summing to n_tokens·K). Throws ShapeError (length) or
-  /// ValueError and then counts nothing.
+  /// experts — summing to n_tokens·K). Throws ShapeError (length),
+  /// ValueError, or ConfigError if the window's E·tokens would not fit an
+  /// Index (update compares E·c_e with tokens·K), and then counts nothing.
   void observe(const std::vector<Index>& counts, Index n_tokens) {
     constexpr const char* where = "LoadBalancer::observe";
     if (Index(counts.size()) != n_experts())
@@ -65,8 +67,13 @@ class LoadBalancer {
     if (n_tokens < 0)
       throw ValueError(std::string(where) + ": argument 'n_tokens' is " + std::to_string(n_tokens) +
                        ", expected a value >= 0");
+    // Every product update forms (tokens·K, E·c_e with c_e ≤ tokens) fits if
+    // E·tokens of the window does; n_tokens·K then fits too (K ≤ E).
+    detail::checked_product(where, "n_experts*tokens of the window",
+                            {n_experts(), detail::checked_sum(where, "tokens of the window", tokens_, n_tokens)});
     // A negative count or one above n_tokens could still sum to N·K and would
-    // turn an expert's load negative or above 1/K.
+    // turn an expert's load negative or above 1/K. Each count is ≤ n_tokens,
+    // so the running total stays ≤ E·n_tokens, which fits.
     Index total = 0;
     for (std::size_t e = 0; e < counts.size(); ++e) {
       const Index c = counts[e];

@@ -1,12 +1,14 @@
 #pragma once
 /// \file moe.hpp
-/// Mixture-of-Experts FFN (reference §13, tutorial "MoEFFN", SPEC):
+/// Mixture-of-Experts FFN (docs/math.md#mixture-of-experts):
 ///
 ///     MoE(X) = Σ_s Shared_s(X) + Σ_k g_k · Expert_{e_k}(X)
 ///
-/// with a top-K Router, the bias LoadBalancer, and grouped dispatch:
+/// with a top-K Router, the bias LoadBalancer, and grouped dispatch
+/// (dispatch.hpp moves every row; this file only orchestrates):
 ///  1. route, then counting-sort the N·K (token, slot) pairs by expert
-///     (DispatchPlan) and gather X into that order;
+///     (DispatchPlan) and gather X — and the experts' side input, if their
+///     type declares one (expert_contract.hpp) — into that order;
 ///  2. every expert processes its contiguous block of rows with whole-block
 ///     matrix products (fused gate+up, then down), tiled into tasks that
 ///     threads share; experts no token chose cost nothing;
@@ -14,15 +16,18 @@
 ///     for any thread count.
 /// Backward replays the same plan; each expert task writes only its own
 /// weight gradients and its own sorted rows, so nothing is reduced across
-/// threads.
+/// threads. Any type meeting the expert contract (expert_contract.hpp) can be
+/// the routed expert.
 
 #include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "checked_size.hpp"
 #include "dispatch.hpp"
 #include "errors.hpp"
+#include "expert_contract.hpp"
 #include "init.hpp"
 #include "load_balancer.hpp"
 #include "moe_config.hpp"
@@ -42,9 +47,13 @@ struct MoESharedDxTag;  ///< backward workspace: the shared experts' ∂L/∂x
 }  // namespace detail
 
 /// MoE layer. `Expert` is the routed-expert type (SwiGLU by default,
-/// KappaSwiGLU for confidence-adaptive gates); shared experts are SwiGLU.
+/// KappaSwiGLU for confidence-adaptive gates, or any type meeting the expert
+/// contract); shared experts are SwiGLU.
 template <class T, class Expert = SwiGLU<T>>
 class MoEFFN {
+  static_assert(check_expert_contract<Expert, T>());
+  static_assert(std::is_same_v<typename Expert::Scalar, T>, "MoEFFN<T, Expert>: Expert::Scalar must be T");
+
  public:
   using Scalar = T;
   using ExpertType = Expert;
@@ -65,7 +74,7 @@ class MoEFFN {
     Routing<T> routing;                 ///< logits N × E, experts N × K, weights N × K
     DispatchPlan plan;                  ///< sorted order of the N·K pairs
     Matrix<T> x_sorted;                 ///< NK × d: x[token[r]]
-    Vector<T> logit_sorted;             ///< NK: ℓ[token[r], expert of r] (experts that read it only)
+    Vector<T> side_sorted;              ///< NK (or 0 without one): the experts' side input per sorted row
     Matrix<T> work;                     ///< NK × expert.work_cols()
     Matrix<T> y_sorted;                 ///< NK × d: Expert_{e}(x) per sorted row, unweighted
     std::vector<Matrix<T>> shared_work; ///< per shared expert: N × work_cols()
@@ -91,7 +100,7 @@ class MoEFFN {
   void set_threads(int threads) { threads_ = threads; }
   int threads() const { return threads_; }
 
-  /// Selects routing weights from ℓ (true) or from ℓ + b (false, the reference).
+  /// Selects routing weights from ℓ (true) or from ℓ + b (false, the default).
   void set_weights_from_unbiased(bool on) { config_.weights_from_unbiased = on; }
 
   /// x: N × d → N × d. Throws ShapeError on a wrong width and ValueError on
@@ -125,23 +134,24 @@ class MoEFFN {
 
   /// Adds the routing in `cache` to the balancer's counts (call once per
   /// micro-batch in training; `balancer().update()` after the optimiser step).
-  void observe(const Cache& cache) { balancer_.observe(cache.plan.counts(), cache.plan.n_tokens); }
+  /// ShapeError if the cache was not filled by a forward of a layer of this
+  /// configuration (as backward).
+  void observe(const Cache& cache) {
+    check_cache("MoEFFN::observe", cache);
+    balancer_.observe(cache.plan.counts(), cache.plan.n_tokens);
+  }
 
   /// As observe(cache), counting only tokens t with token_counted[t] (e.g.
-  /// the tokens a skip gate kept).
+  /// the tokens a skip gate kept). ShapeError as observe(cache), or if
+  /// token_counted does not have one entry per token of the cache.
   void observe(const Cache& cache, const std::vector<bool>& token_counted) {
-    const Index n = cache.routing.experts.rows();
+    check_cache("MoEFFN::observe", cache);
+    const Index n = cache.plan.n_tokens;
     if (Index(token_counted.size()) != n)
       throw ShapeError("MoEFFN::observe: argument 'token_counted' has length " +
                        std::to_string(token_counted.size()) + ", expected " + std::to_string(n));
-    std::vector<Index> counts(config_.n_experts, 0);
-    Index tokens = 0;
-    for (Index t = 0; t < n; ++t) {
-      if (!token_counted[t]) continue;
-      ++tokens;
-      for (Index k = 0; k < config_.n_active; ++k) ++counts[cache.routing.experts(t, k)];
-    }
-    balancer_.observe(counts, tokens);
+    const Index tokens = Index(std::count(token_counted.begin(), token_counted.end(), true));
+    balancer_.observe(cache.plan.counts(token_counted), tokens);
   }
 
   Router<T>& router() { return router_; }
@@ -170,61 +180,44 @@ class MoEFFN {
   }
 
  private:
+  using Side = expert_side_input_t<Expert>;
+
   /// forward's body; x and y checked by the caller.
   void compute(const ConstMatrixRef<T>& x, MatrixRef<T> y, Cache* cache) const {
     // Without a cache the buffers still come from a Cache: one per thread,
     // reused across calls, so a forward does not map and fault in tens of MB
     // of fresh pages every time (glibc serves blocks > 32 MB with mmap).
     Cache& c = cache ? *cache : thread_scratch();
-    const Index n = x.rows(), d = d_model(), k_count = config_.n_active;
+    const Index n = x.rows(), d = d_model();
     const int threads = resolve_threads(threads_);
 
+    // route → plan → gather
     detail::serial([&] { router_.route(x, balancer_.bias(), config_.weights_from_unbiased, c.routing); });
     c.plan.build(c.routing.experts, config_.n_experts);
-    const DispatchPlan& plan = c.plan;
-    const Index rows = plan.rows();
+    dispatch::gather_rows(c.plan, x, c.x_sorted, threads);
+    dispatch::gather_side_input(Side{}, c.plan, c.routing, c.side_sorted);
 
-    gather(x, c, threads);
-    c.work.resize(rows, work_cols());
-    c.y_sorted.resize(rows, d);
-
-    // Tasks: (expert, tile) for routed experts, then (shared expert, tile).
-    const std::vector<Task> tasks = forward_tasks(plan, n);
+    // experts: tasks (expert, tile) for routed experts, then (shared expert, tile)
+    c.work.resize(c.plan.rows(), work_cols());
+    c.y_sorted.resize(c.plan.rows(), d);
     c.shared_work.resize(shared_.size());
     c.shared_y.resize(shared_.size());
     for (auto& w : c.shared_work) w.resize(n, shared_work_cols());
     for (auto& ys : c.shared_y) ys.resize(n, d);
-    auto& shared_y = c.shared_y;
+    const std::vector<Task> tasks = forward_tasks(c.plan, n);
     detail::parallel_for(Index(tasks.size()), threads, [&](Index i) {
-      const Task& task = tasks[i];
-      const Index b = task.begin, m = task.rows;
-      if (task.shared) {
-        shared_[task.id].forward_block(x.middleRows(b, m), no_logit(m), c.shared_work[task.id].middleRows(b, m),
-                                       shared_y[task.id].middleRows(b, m));
-      } else {
-        experts_[task.id].forward_block(c.x_sorted.middleRows(b, m), logit_block(c, b, m),
-                                        c.work.middleRows(b, m), c.y_sorted.middleRows(b, m));
-      }
+      const Index id = tasks[i].id, b = tasks[i].begin, m = tasks[i].rows;
+      if (tasks[i].shared)
+        shared_[id].forward_block(x.middleRows(b, m), c.shared_work[id].middleRows(b, m),
+                                  c.shared_y[id].middleRows(b, m));
+      else
+        detail::expert_forward(experts_[id], c.x_sorted.middleRows(b, m), c.side_sorted, b, m, c.work.middleRows(b, m),
+                               c.y_sorted.middleRows(b, m));
     });
 
     if (cache) c.x = x;  // the last read of x: y may alias it
-    // Combine per token in fixed order: shared experts, then slots 0..K−1
-    // (the first term assigns, so y is written once per term, never cleared).
-    detail::parallel_for(token_blocks(n), threads, [&](Index blk) {
-      const Index t0 = blk * kTokenBlock, t1 = std::min(n, t0 + kTokenBlock);
-      for (Index t = t0; t < t1; ++t) {
-        auto yt = y.row(t);
-        Index k = 0;
-        if (shared_y.empty()) {
-          yt = c.routing.weights(t, 0) * c.y_sorted.row(plan.row_of[t * k_count]);
-          k = 1;
-        } else {
-          yt = shared_y.front().row(t);
-          for (std::size_t s = 1; s < shared_y.size(); ++s) yt += shared_y[s].row(t);
-        }
-        for (; k < k_count; ++k) yt += c.routing.weights(t, k) * c.y_sorted.row(plan.row_of[t * k_count + k]);
-      }
-    });
+    // combine: shared experts, then slots 0..K−1, per token in fixed order
+    dispatch::combine(c.plan, c.routing.weights, c.y_sorted, c.shared_y, y, threads);
   }
 
   /// ShapeError naming the cache unless it holds a forward of a layer of
@@ -232,94 +225,63 @@ class MoEFFN {
   void check_cache(const char* where, const Cache& c) const {
     const Index n = c.x.rows(), rows = c.plan.rows(), e_count = config_.n_experts;
     detail::check_shape(where, "cache.x", c.x, detail::kAny, d_model());
-    if (c.plan.n_tokens != n || c.plan.n_active != config_.n_active || c.plan.n_experts != e_count ||
-        Index(c.plan.offset.size()) != e_count + 1 || Index(c.plan.row_of.size()) != rows ||
-        Index(c.plan.token.size()) != rows || Index(c.plan.slot.size()) != rows)
-      throw ShapeError(std::string(where) + ": argument 'cache' holds a dispatch plan for " +
-                       std::to_string(c.plan.n_tokens) + " tokens, K = " + std::to_string(c.plan.n_active) +
-                       ", E = " + std::to_string(c.plan.n_experts) + ", expected " + std::to_string(n) +
-                       " tokens, K = " + std::to_string(config_.n_active) + ", E = " + std::to_string(e_count));
+    dispatch::check_plan(where, "cache", c.plan, n, config_.n_active, e_count);
     detail::check_shape(where, "cache.routing.weights", c.routing.weights, n, config_.n_active);
     detail::check_shape(where, "cache.routing.experts", c.routing.experts, n, config_.n_active);
     detail::check_shape(where, "cache.routing.logits", c.routing.logits, n, e_count);
     detail::check_shape(where, "cache.x_sorted", c.x_sorted, rows, d_model());
     detail::check_shape(where, "cache.work", c.work, rows, work_cols());
     detail::check_shape(where, "cache.y_sorted", c.y_sorted, rows, d_model());
-    if constexpr (Expert::uses_router_logit) detail::check_shape(where, "cache.logit_sorted", c.logit_sorted, rows, 1);
+    detail::check_shape(where, "cache.side_sorted", c.side_sorted, rows * expert_side_cols<Expert>, 1);
     if (c.shared_work.size() != shared_.size() || c.shared_y.size() != shared_.size())
       throw ShapeError(std::string(where) + ": argument 'cache' holds " + std::to_string(c.shared_work.size()) +
                        " shared-expert workspaces, expected " + std::to_string(shared_.size()));
     for (const auto& w : c.shared_work) detail::check_shape(where, "cache.shared_work", w, n, shared_work_cols());
   }
 
-  /// backward's body; dy and the cache checked by the caller.
+  /// backward's body; dy and the cache checked by the caller. The mirror of
+  /// compute: combine → experts → gather → route.
   Matrix<T> backward_unchecked(const ConstMatrixRef<T>& dy, const Cache& c) {
-    const Index n = dy.rows(), d = d_model(), k_count = config_.n_active;
-    const DispatchPlan& plan = c.plan;
-    const Index rows = plan.rows();
+    const Index n = dy.rows(), d = d_model(), rows = c.plan.rows(), n_shared = Index(shared_.size());
     const int threads = resolve_threads(threads_);
 
-    // ∂L/∂g_{t,k} = dy_t · Expert_{e_k}(x_t);   ∂L/∂y_sorted[r] = g_{t,k} · dy_t
-    // The large scratch is per-thread workspace, reused across steps (workspace.hpp).
-    Matrix<T> d_weights(n, k_count);                                                    // N × K
+    // combine: ∂L/∂g (N × K) and g·dy in sorted order. The large scratch is
+    // per-thread workspace, reused across steps (workspace.hpp).
+    Matrix<T> d_weights;                                                             // N × K
     auto dy_sorted = detail::thread_workspace<T, detail::MoEDySortedTag>(rows, d);  // NK × d
-    detail::parallel_for(token_blocks(n), threads, [&](Index blk) {
-      const Index t0 = blk * kTokenBlock, t1 = std::min(n, t0 + kTokenBlock);
-      for (Index t = t0; t < t1; ++t)
-        for (Index k = 0; k < k_count; ++k) {
-          const Index r = plan.row_of[t * k_count + k];
-          d_weights(t, k) = dy.row(t).dot(c.y_sorted.row(r));
-          dy_sorted.row(r) = c.routing.weights(t, k) * dy.row(t);
-        }
-    });
+    dispatch::combine_backward(c.plan, c.routing.weights, dy, c.y_sorted, d_weights, dy_sorted, threads);
 
-    // Expert backward, one task per non-empty expert (its gradients are its
-    // own), shared experts as further tasks.
+    // experts: one task per non-empty expert (its gradients are its own),
+    // shared experts as further tasks, largest first as in forward_tasks.
     auto dx_sorted = detail::thread_workspace<T, detail::MoEDxSortedTag>(rows, d);  // NK × d
-    Vector<T> dlogit_sorted = Vector<T>::Zero(Expert::uses_router_logit ? rows : 0);  // NK
+    Vector<T> dside_sorted = Vector<T>::Zero(rows * expert_side_cols<Expert>);      // NK or 0
     // S·N × d: shared expert s writes rows [s·N, (s+1)·N)
-    auto shared_dx = detail::thread_workspace<T, detail::MoESharedDxTag>(Index(shared_.size()) * n, d);
-    std::vector<Task> tasks;  // largest first, as in forward_tasks
+    auto shared_dx = detail::thread_workspace<T, detail::MoESharedDxTag>(
+        detail::checked_product("MoEFFN::backward", "shared gradient rows n_shared*N", {n_shared, n}), d);
+    std::vector<Task> tasks;
     for (Index e = 0; e < config_.n_experts; ++e)
-      if (plan.count(e) > 0) tasks.push_back({false, e, plan.offset[e], plan.count(e)});
-    for (Index s = 0; s < Index(shared_.size()); ++s)
+      if (c.plan.count(e) > 0) tasks.push_back({false, e, c.plan.offset[e], c.plan.count(e)});
+    for (Index s = 0; s < n_shared; ++s)
       if (n > 0) tasks.push_back({true, s, 0, n});
     largest_first(tasks);
     detail::parallel_for(Index(tasks.size()), threads, [&](Index i) {
-      const Task& task = tasks[i];
-      const Index b = task.begin, m = task.rows;
-      if (task.shared) {
-        Vector<T> unused;
-        shared_[task.id].backward_block(c.x, no_logit(m), c.shared_work[task.id], dy,
-                                        shared_dx.middleRows(task.id * n, n), unused);
-      } else {
-        auto dl = Expert::uses_router_logit ? dlogit_sorted.segment(b, m) : dlogit_sorted.segment(0, 0);
-        experts_[task.id].backward_block(c.x_sorted.middleRows(b, m), logit_block(c, b, m),
-                                         c.work.middleRows(b, m), dy_sorted.middleRows(b, m),
-                                         dx_sorted.middleRows(b, m), dl);
-      }
+      const Index id = tasks[i].id, b = tasks[i].begin, m = tasks[i].rows;
+      if (tasks[i].shared)
+        shared_[id].backward_block(c.x, c.shared_work[id], dy, shared_dx.middleRows(id * n, n));
+      else
+        detail::expert_backward(experts_[id], c.x_sorted.middleRows(b, m), c.side_sorted, b, m,
+                                c.work.middleRows(b, m), dy_sorted.middleRows(b, m), dx_sorted.middleRows(b, m),
+                                dside_sorted);
     });
 
-    // ∂L/∂ℓ: the routing softmax, plus what experts that read ℓ send back.
-    Matrix<T> d_logits = Matrix<T>::Zero(n, config_.n_experts);  // N × E
-    router_.softmax_backward(c.routing, d_weights, d_logits);
-    if constexpr (Expert::uses_router_logit) {
-      for (Index t = 0; t < n; ++t)
-        for (Index k = 0; k < k_count; ++k)
-          d_logits(t, c.routing.experts(t, k)) += dlogit_sorted(plan.row_of[t * k_count + k]);
-    }
-    Matrix<T> dx;
-    detail::serial([&] { dx = router_.backward(c.x, d_logits); });
+    // route: ∂L/∂ℓ from the softmax and from the side input, into W_router and x.
+    Matrix<T> d_pair_logits;  // N × K, or 0 × 0 without a side input
+    dispatch::scatter_side_grad(Side{}, c.plan, dside_sorted, d_pair_logits);
+    Matrix<T> dx;  // N × d
+    detail::serial([&] { dx = router_.backward(c.x, c.routing, d_weights, d_pair_logits); });
 
-    // Combine ∂L/∂x per token in fixed order: router, shared, slots 0..K−1.
-    detail::parallel_for(token_blocks(n), threads, [&](Index blk) {
-      const Index t0 = blk * kTokenBlock, t1 = std::min(n, t0 + kTokenBlock);
-      for (Index t = t0; t < t1; ++t) {
-        auto dxt = dx.row(t);
-        for (Index s = 0; s < Index(shared_.size()); ++s) dxt += shared_dx.row(s * n + t);
-        for (Index k = 0; k < k_count; ++k) dxt += dx_sorted.row(plan.row_of[t * k_count + k]);
-      }
-    });
+    // gather: ∂L/∂x per token in fixed order: router, shared, slots 0..K−1.
+    dispatch::gather_backward(c.plan, dx_sorted, shared_dx, n_shared, dx, threads);
     return dx;
   }
 
@@ -327,9 +289,6 @@ class MoEFFN {
     bool shared;
     Index id, begin, rows;
   };
-  static constexpr Index kTokenBlock = 64;  ///< tokens per combine task
-
-  static Index token_blocks(Index n) { return (n + kTokenBlock - 1) / kTokenBlock; }
   Index work_cols() const { return experts_.empty() ? 0 : experts_.front().work_cols(); }
   Index shared_work_cols() const { return shared_.empty() ? 0 : shared_.front().work_cols(); }
 
@@ -357,35 +316,9 @@ class MoEFFN {
     return tasks;
   }
 
-  /// x_sorted[r] = x[token[r]]; for experts that read it, ℓ of the row's expert.
-  void gather(const ConstMatrixRef<T>& x, Cache& c, int threads) const {
-    const DispatchPlan& plan = c.plan;
-    c.x_sorted.resize(plan.rows(), d_model());
-    detail::parallel_for(token_blocks(plan.rows()), threads, [&](Index blk) {
-      const Index r0 = blk * kTokenBlock, r1 = std::min(plan.rows(), r0 + kTokenBlock);
-      for (Index r = r0; r < r1; ++r) c.x_sorted.row(r) = x.row(plan.token[r]);
-    });
-    if constexpr (Expert::uses_router_logit) {
-      c.logit_sorted.resize(plan.rows());
-      for (Index r = 0; r < plan.rows(); ++r)
-        c.logit_sorted(r) = c.routing.logits(plan.token[r], c.routing.experts(plan.token[r], plan.slot[r]));
-    } else {
-      c.logit_sorted.resize(0);
-    }
-  }
-
   static Cache& thread_scratch() {
     thread_local Cache scratch;
     return scratch;
-  }
-
-  static ConstVectorRef<T> no_logit(Index) {
-    static const Vector<T> empty;
-    return empty;
-  }
-  static ConstVectorRef<T> logit_block(const Cache& c, Index begin, Index rows) {
-    if constexpr (Expert::uses_router_logit) return c.logit_sorted.segment(begin, rows);
-    else return no_logit(rows);
   }
 
   MoEConfig config_;

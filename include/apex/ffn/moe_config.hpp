@@ -18,7 +18,7 @@ struct MoEConfig {
   Index n_active = 0;   ///< experts per token K, 1 ≤ K ≤ E
   Index n_shared = 0;   ///< always-active shared experts, ≥ 0
   /// Routing weights from the unbiased logits ℓ (DeepSeek-V3) instead of the
-  /// biased r = ℓ + b of the reference; the bias then only steers selection.
+  /// biased r = ℓ + b (the default); the bias then only steers selection.
   bool weights_from_unbiased = false;
   double balancer_alpha = 1e-3;  ///< bias step α of the load balancer
 
@@ -36,9 +36,9 @@ struct MoEConfig {
   }
 };
 
-/// Whole-model sizes of the APEX-1 code's presets (SPEC "Router and routed
-/// experts"). The reference's §13.3 table differs (Small 4/2/1, Medium 64/8/2,
-/// Large 256/8/2): an erratum; these are the code's values.
+/// Whole-model sizes of the APEX-1 code's presets (docs/math.md#router). An
+/// older table lists other expert counts (Small 4/2/1, Medium 64/8/2, Large
+/// 256/8/2): an erratum (docs/math.md#errata); these are the code's values.
 struct ModelPreset {
   const char* name;
   Index d_model, n_layers, d_ffn, n_experts, n_active, n_shared, skip_hidden;

@@ -1,6 +1,6 @@
 #pragma once
 /// \file router.hpp
-/// Top-K router (reference §13.2, SPEC "Router and routed experts").
+/// Top-K router (docs/math.md#router).
 ///
 ///     ℓ = X·W_routerᵀ          (N × E, no bias: the raw logits)
 ///     r = ℓ + b                (b: the load balancer's bias, not trained)
@@ -14,6 +14,7 @@
 #include <cmath>
 #include <string>
 
+#include "checked_size.hpp"
 #include "errors.hpp"
 #include "init.hpp"
 #include "linear.hpp"
@@ -40,6 +41,7 @@ class Router {
     detail::require_config(d_model > 0, "Router", "d_model must be positive");
     detail::require_config(n_experts >= 1, "Router", "n_experts must be >= 1");
     detail::require_config(n_active >= 1 && n_active <= n_experts, "Router", "need 1 <= n_active <= n_experts");
+    detail::checked_product("Router", "weight size n_experts*d_model", {n_experts, d_model});
     weight_.resize(n_experts, d_model);
     init_linear(weight_, rng);
     weight_grad_ = Matrix<T>::Zero(n_experts, d_model);
@@ -91,37 +93,42 @@ class Router {
     }
   }
 
-  /// Adds the softmax backward into d_logits (N × E):
-  ///     ∂L/∂s_k = g_k (∂L/∂g_k − Σ_j g_j ∂L/∂g_j),  scattered to column e_k.
-  /// ∂r/∂ℓ = 1 whichever scores the softmax read, so this is ∂L/∂ℓ.
-  /// `routing` must come from this router's `route` (its logits N × E and
-  /// weights N × K are checked), `d_weights` is N × K. Throws ShapeError.
-  void softmax_backward(const Routing<T>& routing, const ConstMatrixRef<T>& d_weights, Matrix<T>& d_logits) const {
-    constexpr const char* where = "Router::softmax_backward";
-    const Index n = routing.weights.rows();
-    // A routing of another router (other E or K) would scatter out of bounds.
-    detail::check_shape(where, "routing.weights", routing.weights, detail::kAny, k_);
-    detail::check_shape(where, "routing.experts", routing.experts, n, k_);
-    detail::check_shape(where, "routing.logits", routing.logits, n, n_experts());
-    detail::check_shape(where, "d_weights", d_weights, n, k_);
-    detail::check_shape(where, "d_logits", d_logits, n, n_experts());
-    for (Index t = 0; t < routing.weights.rows(); ++t) {
-      const auto g = routing.weights.row(t).array();
-      const auto dg = d_weights.row(t).array();
-      const T inner = (g * dg).sum();
-      for (Index k = 0; k < k_; ++k) d_logits(t, routing.experts(t, k)) += g(k) * (dg(k) - inner);
-    }
+  /// The whole backward of route, given ∂L/∂g (d_weights, N × K) and,
+  /// optionally, gradients that reach the selected logits by another path
+  /// (d_pair_logits, N × K: ∂L/∂ℓ[t, e_k], e.g. from experts that read ℓ;
+  /// pass an empty 0 × 0 matrix for none). With s the softmax's scores:
+  ///     ∂L/∂ℓ[t, e_k] = g_k (∂L/∂g_k − Σ_j g_j ∂L/∂g_j) + d_pair_logits(t, k)
+  /// (∂s/∂ℓ = 1 whichever scores the softmax read; every other ∂L/∂ℓ is 0),
+  /// then ∂L/∂W_router += (∂L/∂ℓ)ᵀ·X (E × d); returns ∂L/∂X = (∂L/∂ℓ)·W_router
+  /// (N × d). docs/math.md#router. `routing` must come from a route of this
+  /// router on x (shapes and expert ids are checked). Throws ShapeError or ValueError.
+  Matrix<T> backward(const ConstMatrixRef<T>& x, const Routing<T>& routing, const ConstMatrixRef<T>& d_weights,
+                     const ConstMatrixRef<T>& d_pair_logits = Matrix<T>()) {
+    constexpr const char* where = "Router::backward";
+    detail::check_shape(where, "x", x, detail::kAny, d_model());
+    check_routing(where, routing, x.rows());
+    detail::check_shape(where, "d_weights", d_weights, x.rows(), k_);
+    const bool extra = d_pair_logits.rows() != 0 || d_pair_logits.cols() != 0;  // 0 × 0: none
+    if (extra) detail::check_shape(where, "d_pair_logits", d_pair_logits, x.rows(), k_);
+    Matrix<T> d_logits = Matrix<T>::Zero(x.rows(), n_experts());  // N × E
+    add_softmax_backward(routing, d_weights, d_logits);
+    if (extra)
+      for (Index t = 0; t < x.rows(); ++t)
+        for (Index k = 0; k < k_; ++k) d_logits(t, routing.experts(t, k)) += d_pair_logits(t, k);
+    Matrix<T> dx(x.rows(), d_model());                                    // N × d
+    detail::linear_nt_backward(d_logits, x, weight_, weight_grad_, dx);  // ℓ = X·Wᵀ
+    return dx;
   }
 
-  /// Given x (N × d) and ∂L/∂ℓ (N × E): adds ∂L/∂W_router = (∂L/∂ℓ)ᵀ·X and
-  /// returns ∂L/∂X = (∂L/∂ℓ)·W_router. Throws ShapeError.
-  Matrix<T> backward(const ConstMatrixRef<T>& x, const ConstMatrixRef<T>& d_logits) {
-    detail::check_shape("Router::backward", "x", x, detail::kAny, d_model());
-    detail::check_shape("Router::backward", "d_logits", d_logits, x.rows(), n_experts());
-    weight_grad_.noalias() += d_logits.transpose() * x;  // E × d
-    Matrix<T> dx(x.rows(), d_model());
-    dx.noalias() = d_logits * weight_;  // N × d
-    return dx;
+  /// The softmax part alone: adds ∂L/∂ℓ = g_k (∂L/∂g_k − Σ_j g_j ∂L/∂g_j)
+  /// at column e_k into d_logits (N × E), for a caller that combines it with
+  /// other logit gradients itself. d_weights: N × K. Throws ShapeError or ValueError.
+  void softmax_backward(const Routing<T>& routing, const ConstMatrixRef<T>& d_weights, Matrix<T>& d_logits) const {
+    constexpr const char* where = "Router::softmax_backward";
+    check_routing(where, routing, detail::kAny);
+    detail::check_shape(where, "d_weights", d_weights, routing.weights.rows(), k_);
+    detail::check_shape(where, "d_logits", d_logits, routing.weights.rows(), n_experts());
+    add_softmax_backward(routing, d_weights, d_logits);
   }
 
   ParamList<T> params() {
@@ -137,6 +144,32 @@ class Router {
   const Matrix<T>& weight_grad() const { return weight_grad_; }
 
  private:
+  /// ShapeError unless `routing` is a routing of this router (logits N × E,
+  /// experts and weights N × K), ValueError for an expert id outside [0, E):
+  /// a routing of another router would scatter past d_logits.
+  void check_routing(const char* where, const Routing<T>& routing, Index n) const {
+    detail::check_shape(where, "routing.weights", routing.weights, n, k_);
+    n = routing.weights.rows();
+    detail::check_shape(where, "routing.experts", routing.experts, n, k_);
+    detail::check_shape(where, "routing.logits", routing.logits, n, n_experts());
+    for (Index t = 0; t < n; ++t)
+      for (Index k = 0; k < k_; ++k)
+        if (routing.experts(t, k) < 0 || routing.experts(t, k) >= n_experts())
+          throw ValueError(std::string(where) + ": argument 'routing.experts' has expert id " +
+                           std::to_string(routing.experts(t, k)) + " at (" + std::to_string(t) + ", " +
+                           std::to_string(k) + "), expected a value in [0, " + std::to_string(n_experts()) + ")");
+  }
+
+  /// d_logits(t, e_k) += g_k (∂L/∂g_k − Σ_j g_j ∂L/∂g_j); shapes checked by the caller.
+  void add_softmax_backward(const Routing<T>& routing, const ConstMatrixRef<T>& d_weights, Matrix<T>& d_logits) const {
+    for (Index t = 0; t < routing.weights.rows(); ++t) {
+      const auto g = routing.weights.row(t).array();
+      const auto dg = d_weights.row(t).array();
+      const T inner = (g * dg).sum();
+      for (Index k = 0; k < k_; ++k) d_logits(t, routing.experts(t, k)) += g(k) * (dg(k) - inner);
+    }
+  }
+
   Index k_;
   Matrix<T> weight_;       ///< E × d
   Matrix<T> weight_grad_;  ///< E × d

@@ -1,11 +1,11 @@
 #pragma once
 /// \file swiglu.hpp
-/// SwiGLU feed-forward network (reference §12, SPEC "SwiGLU"):
+/// SwiGLU feed-forward network (docs/math.md#swiglu):
 ///
 ///     FFN(X) = (SiLU(X·W_gateᵀ) ⊙ (X·W_upᵀ)) · W_downᵀ
 ///
 /// with weights in PyTorch layout: `w_gate`, `w_up` are `f × d`, `w_down` is
-/// `d × f` (the reference's `W_gate ∈ R^{d×f}` is `w_gate` transposed). No biases.
+/// `d × f` (the math's `W_gate ∈ R^{d×f}` is `w_gate` transposed). No biases.
 ///
 /// `w_gate` and `w_up` live in one `2f × d` buffer (gate rows first), so the
 /// gate and value branches are one matrix product `X·W_guᵀ`.
@@ -14,6 +14,7 @@
 #include <string>
 
 #include "activations.hpp"
+#include "checked_size.hpp"
 #include "errors.hpp"
 #include "init.hpp"
 #include "linear.hpp"
@@ -24,23 +25,27 @@
 namespace apex {
 
 /// The default hidden width: ⌈8d/3⌉ rounded up to a multiple of 32.
+/// ConfigError for a negative d_model or one whose 8·d does not fit an Index.
 inline Index default_ffn_width(Index d_model) {
-  const Index f = (8 * d_model + 2) / 3;
-  return ((f + 31) / 32) * 32;
+  constexpr const char* where = "default_ffn_width";
+  const Index eight_d = detail::checked_product(where, "8*d_model", {8, d_model});
+  const Index f = detail::checked_sum(where, "8*d_model + 2", eight_d, 2) / 3;
+  return (detail::checked_sum(where, "d_ffn + 31", f, 31) / 32) * 32;
 }
 
 namespace detail {
 struct SwiGLUWorkTag;      ///< workspace of a cacheless forward: [G | U | A]
-struct SwiGLUGateGradTag;  ///< workspace of backward_block: [dG | dU]
+struct SwiGLUGateGradTag;  ///< workspace of the gated backward (also κ-SwiGLU's): [dG | dU]
 }  // namespace detail
+
+template <class T>
+class KappaSwiGLU;
 
 /// Dense SwiGLU FFN. Also the default routed and shared expert of MoEFFN.
 template <class T>
 class SwiGLU {
  public:
   using Scalar = T;
-  /// Routed experts of this type ignore the router logit (contrast KappaSwiGLU).
-  static constexpr bool uses_router_logit = false;
 
   /// Activations kept for backward.
   struct Cache {
@@ -51,6 +56,9 @@ class SwiGLU {
   SwiGLU(Index d_model, Index d_ffn, Rng& rng) : d_(d_model), f_(d_ffn) {
     detail::require_config(d_model > 0, "SwiGLU", "d_model must be positive, got " + std::to_string(d_model));
     detail::require_config(d_ffn > 0, "SwiGLU", "d_ffn must be positive, got " + std::to_string(d_ffn));
+    // Sizes checked before anything is allocated (d_model·d_ffn of w_down follows from 2·d_ffn·d_model).
+    detail::checked_product("SwiGLU", "w_gate_up size 2*d_ffn*d_model", {2, d_ffn, d_model});
+    detail::checked_product("SwiGLU", "work_cols 3*d_ffn", {3, d_ffn});
     w_gate_up_.resize(2 * f_, d_);
     w_down_.resize(d_, f_);
     init_linear(w_gate_up_, rng);
@@ -74,11 +82,11 @@ class SwiGLU {
     if (cache) {
       cache->x = x;
       cache->work.resize(x.rows(), work_cols());
-      forward_block(x, no_logit(), cache->work, y);
+      forward_block(x, cache->work, y);
     } else {
       // Per-thread workspace reused across calls (workspace.hpp): a fresh
       // N × 3f buffer over glibc's mmap ceiling would be faulted in every time.
-      forward_block(x, no_logit(), detail::thread_workspace<T, detail::SwiGLUWorkTag>(x.rows(), work_cols()), y);
+      forward_block(x, detail::thread_workspace<T, detail::SwiGLUWorkTag>(x.rows(), work_cols()), y);
     }
     return y;
   }
@@ -90,57 +98,42 @@ class SwiGLU {
     check_cache("SwiGLU::backward", cache);
     detail::check_shape("SwiGLU::backward", "dy", dy, cache.x.rows(), d_);
     Matrix<T> dx(dy.rows(), d_);
-    Vector<T> unused;
-    backward_block(cache.x, no_logit(), cache.work, dy, dx, unused);
+    backward_block(cache.x, cache.work, dy, dx);
     return dx;
   }
 
-  /// \name Block interface used by MoEFFN's grouped dispatch
+  /// \name Block interface: the expert contract of MoEFFN (expert_contract.hpp)
   /// The caller owns every buffer; shapes are not re-checked here.
-  /// `logit` (one router logit per row) is ignored by SwiGLU.
   ///@{
 
   /// x: n × d, work: n × 3f (filled), y: n × d (written).
   template <class Work, class Y>
-  void forward_block(const ConstMatrixRef<T>& x, const ConstVectorRef<T>& /*logit*/,
-                     const Eigen::MatrixBase<Work>& work_, const Eigen::MatrixBase<Y>& y) const {
-    auto& work = const_cast<Eigen::MatrixBase<Work>&>(work_);
-    auto gu = work.leftCols(2 * f_);  // n × 2f: [G | U]
-    detail::linear_nt(x, w_gate_up_, gu, false);
+  void forward_block(const ConstMatrixRef<T>& x, const Eigen::MatrixBase<Work>& work,
+                     const Eigen::MatrixBase<Y>& y) const {
     // A = SiLU(G) ⊙ U = G · σ(G) ⊙ U
-    const auto g = work.leftCols(f_).array();
-    work.rightCols(f_).array() = g * array::sigmoid(g) * work.middleCols(f_, f_).array();
-    detail::linear_nt(work.rightCols(f_), w_down_, y, false);
+    gated_forward(x, work, y, [](auto&& g, auto&& u, auto&& a) { a = g * array::sigmoid(g) * u; });
   }
 
   /// Backward of forward_block. dy: n × d, dx: n × d (written); adds into
-  /// the weight gradients. `dlogit` is left untouched.
-  template <class DX, class DL>
-  void backward_block(const ConstMatrixRef<T>& x, const ConstVectorRef<T>& /*logit*/, const ConstMatrixRef<T>& work,
-                      const ConstMatrixRef<T>& dy, const Eigen::MatrixBase<DX>& dx,
-                      const Eigen::MatrixBase<DL>& /*dlogit*/) {
-    const Index n = x.rows();
-    const auto g = work.leftCols(f_);        // n × f
-    const auto u = work.middleCols(f_, f_);  // n × f
-    const auto a = work.rightCols(f_);       // n × f
-    // ∂L/∂W_down += dYᵀ·A      (d × f)
-    w_down_grad_.noalias() += dy.transpose() * a;
-    auto dh = detail::thread_workspace<T, detail::SwiGLUGateGradTag>(n, 2 * f_);  // n × 2f: [dG | dU]
-    // ∂L/∂A = dY·W_down        (n × f), held in the dU half until dU replaces it
-    dh.rightCols(f_).noalias() = dy * w_down_;
-    // dG = dA ⊙ U ⊙ SiLU'(G),  SiLU'(G) = σ(G)(1 + G·σ(−G));  dU = dA ⊙ SiLU(G) = dA ⊙ G·σ(G).
-    // A row at a time, σ(G) and σ(−G) from one exponential (array::sigmoid_pair).
-    array::Row<T> s(f_), sm(f_), e(f_);  // 1 × f: σ(g), σ(−g), scratch
-    for (Index t = 0; t < n; ++t) {
-      const auto gt = g.row(t).array();
-      array::sigmoid_pair(gt, s, sm, e);
-      auto da = dh.row(t).tail(f_).array();
-      dh.row(t).head(f_).array() = da * u.row(t).array() * s * (T(1) + gt * sm);
-      da = da * gt * s;
-    }
-    // ∂L/∂W_gu += dHᵀ·X (2f × d);  ∂L/∂X = dH·W_gu (n × d)
-    w_gate_up_grad_.noalias() += dh.transpose() * x;
-    const_cast<Eigen::MatrixBase<DX>&>(dx).noalias() = dh * w_gate_up_;
+  /// the weight gradients.
+  template <class DX>
+  void backward_block(const ConstMatrixRef<T>& x, const ConstMatrixRef<T>& work, const ConstMatrixRef<T>& dy,
+                      const Eigen::MatrixBase<DX>& dx) {
+    gated_backward(x, work, dy, dx, [&](auto& dh) {
+      const Index n = x.rows();
+      const auto g = work.leftCols(f_);        // n × f
+      const auto u = work.middleCols(f_, f_);  // n × f
+      // dG = dA ⊙ U ⊙ SiLU'(G),  SiLU'(G) = σ(G)(1 + G·σ(−G));  dU = dA ⊙ SiLU(G) = dA ⊙ G·σ(G).
+      // A row at a time, σ(G) and σ(−G) from one exponential (array::sigmoid_pair).
+      array::Row<T> s(f_), sm(f_), e(f_);  // 1 × f: σ(g), σ(−g), scratch
+      for (Index t = 0; t < n; ++t) {
+        const auto gt = g.row(t).array();
+        array::sigmoid_pair(gt, s, sm, e);
+        auto da = dh.row(t).tail(f_).array();
+        dh.row(t).head(f_).array() = da * u.row(t).array() * s * (T(1) + gt * sm);
+        da = da * gt * s;
+      }
+    });
   }
   ///@}
 
@@ -165,12 +158,6 @@ class SwiGLU {
   const Matrix<T>& w_down() const { return w_down_; }
   /// 2f × d: gate rows then up rows.
   const Matrix<T>& w_gate_up() const { return w_gate_up_; }
-  /// Gradient buffers (2f × d and d × f), in the layout of the weights;
-  /// backward adds into them, zero_grad clears them.
-  Matrix<T>& w_gate_up_grad() { return w_gate_up_grad_; }
-  Matrix<T>& w_down_grad() { return w_down_grad_; }
-  const Matrix<T>& w_gate_up_grad() const { return w_gate_up_grad_; }
-  const Matrix<T>& w_down_grad() const { return w_down_grad_; }
 
  private:
   /// ShapeError unless `cache` holds a forward of this layer: x is N × d and
@@ -180,9 +167,34 @@ class SwiGLU {
     detail::check_shape(where, "cache.work", cache.work, cache.x.rows(), work_cols());
   }
 
-  static ConstVectorRef<T> no_logit() {
-    static const Vector<T> empty;
-    return empty;
+  // κ-SwiGLU is this network with another gate activation: it runs the
+  // skeleton below with its own kernels (and so adds into these gradients).
+  friend class KappaSwiGLU<T>;
+
+  /// The gated-FFN forward every SwiGLU variant shares (docs/math.md#swiglu):
+  ///     [G | U] = x·W_guᵀ (n × 2f),  activation(G, U, A) fills A (n × f),  y = A·W_downᵀ (n × d)
+  /// G, U and A are the three column blocks of work (n × 3f), passed as arrays.
+  template <class Work, class Y, class Act>
+  void gated_forward(const ConstMatrixRef<T>& x, const Eigen::MatrixBase<Work>& work_, const Eigen::MatrixBase<Y>& y,
+                     Act&& activation) const {
+    auto& work = const_cast<Eigen::MatrixBase<Work>&>(work_);
+    detail::linear_nt(x, w_gate_up_, work.leftCols(2 * f_), false);
+    activation(work.leftCols(f_).array(), work.middleCols(f_, f_).array(), work.rightCols(f_).array());
+    detail::linear_nt(work.rightCols(f_), w_down_, y, false);
+  }
+
+  /// The gated-FFN backward every SwiGLU variant shares: the two linear
+  /// backwards around `gate_grad(dh)`, which must turn dh (n × 2f workspace
+  /// whose right half holds ∂L/∂A) into [∂L/∂G | ∂L/∂U] row by row.
+  template <class DX, class GateGrad>
+  void gated_backward(const ConstMatrixRef<T>& x, const ConstMatrixRef<T>& work, const ConstMatrixRef<T>& dy,
+                      const Eigen::MatrixBase<DX>& dx, GateGrad&& gate_grad) {
+    auto dh = detail::thread_workspace<T, detail::SwiGLUGateGradTag>(x.rows(), 2 * f_);  // n × 2f: [dG | dU]
+    // ∂L/∂W_down += dYᵀ·A (d × f);  ∂L/∂A = dY·W_down (n × f), held in the dU half until dU replaces it
+    detail::linear_nt_backward(dy, work.rightCols(f_), w_down_, w_down_grad_, dh.rightCols(f_));
+    gate_grad(dh);
+    // ∂L/∂W_gu += dHᵀ·X (2f × d);  ∂L/∂X = dH·W_gu (n × d)
+    detail::linear_nt_backward(dh, x, w_gate_up_, w_gate_up_grad_, dx);
   }
 
   Index d_, f_;
