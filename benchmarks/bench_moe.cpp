@@ -5,7 +5,7 @@
 //                   same GEMM engine (Eigen): M = N·(K+S) rows, d → 3f
 //                   (forward; forward+backward, with 3× the FLOPs, is
 //                   compared with three such products);
-//   (b) x_loop    — the tutorial's plain per-expert loop (scan all tokens,
+//   (b) x_loop    — the plain per-expert loop (scan all tokens,
 //                   gather, expert product, scatter-add), forward only;
 //   (c) bw_frac   — for N ≤ 16 (decode): (weight bytes the layer must read)
 //                   / (DRAM read bandwidth measured here) divided by the
@@ -17,7 +17,7 @@
 // loop and the decode baselines are measured once per configuration. Counters: tokens/s, GFLOP/s (active), x_dense, x_loop,
 // bw_frac, and for forward+backward fb_over_f (total / forward time).
 //
-// Shapes: small (SPEC preset 512/1376/E8/K2/S1), medium (2048/5504/E64/K4/S2),
+// Shapes: small (preset 512/1376/E8/K2/S1), medium (2048/5504/E64/K4/S2),
 // fine (1024/512/E64/K8/S2), coarse (1024/3584/E8/K2/S0).
 #include <apex/ffn/moe.hpp>
 
@@ -94,7 +94,7 @@ void set_routing(MoEFFN<T>& moe, RoutingKind routing) {
   moe.balancer().set_bias(b);
 }
 
-// The tutorial's dispatch (reference tutorial `MoEFFN.forward`), in C++.
+// The plain per-expert dispatch (docs/math.md#mixture-of-experts), in C++.
 Matrix<T> plain_loop(const MoEFFN<T>& moe, const Matrix<T>& x) {
   Routing<T> routing;
   moe.router().route(x, moe.balancer().bias(), false, routing);

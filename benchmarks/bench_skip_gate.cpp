@@ -2,7 +2,7 @@
 // the same weights, at skip rates 0 %, 30 % and 60 %, for a dense SwiGLU and
 // for an MoE layer (the `small` preset: d = 512, f = 1376, h = 64; MoE with
 // E = 8, K = 2, one shared expert). One thread, so the figures are the
-// arithmetic of reference §15.5 and not a thread-scheduling effect.
+// arithmetic of docs/math.md#skip-gate and not a thread-scheduling effect.
 //
 // The gate's output bias b₂ is set so that exactly round(p·N) tokens of the
 // batch fall below τ (the tokens with the smallest W₂-term), so the skip rate
