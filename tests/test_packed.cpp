@@ -255,8 +255,8 @@ TEMPLATE_TEST_CASE("every kernel path matches the double reference on odd sizes"
           if (isa == Isa::avx512_bf16 && dtype == Dtype::bf16) {
             const Matrix<float> yp = forward(e, x, {isa, Bf16Products::paired});
             CHECK(bound_ratio(yp, paired) <= 1.0);
-            // automatic: widened up to kSmallRows rows, paired above.
-            CHECK(forward(e, x, {isa, Bf16Products::automatic}) == (m > kSmallRows ? yp : y));
+            // automatic chooses widened products (the faster on the CPUs measured).
+            CHECK(forward(e, x, {isa, Bf16Products::automatic}) == y);
           }
         }
       }
@@ -283,7 +283,7 @@ TEST_CASE("the error bound catches a dropped term", "[packed]") {
   CHECK(bound_ratio(forward(PackedExpert(dropped.wg, dropped.wu, dropped.wd, Dtype::f32), x, {Isa::scalar}), r) > 1.0);
 }
 
-TEST_CASE("bf16 weights against float weights: relative error near 4e-3", "[packed]") {
+TEST_CASE("bf16 weights against float weights: relative error near 3e-3", "[packed]") {
   // A realistic shape (weights U(±1/√in), inputs U(±1)): the normwise relative
   // error of the bf16 expert against the float expert, widened and paired.
   const Index d = 256, f = 512, m = 64;
@@ -297,8 +297,8 @@ TEST_CASE("bf16 weights against float weights: relative error near 4e-3", "[pack
       const Matrix<float> y = forward(e, x, {isa, products});
       const double rel = (y.cast<double>() - ref.y).norm() / ref.y.norm();
       INFO("path " << isa_name(isa) << (products == Bf16Products::paired ? " paired" : " widened") << ": rel " << rel);
-      CHECK(rel > 5e-4);  // bf16 rounding is really there
-      CHECK(rel < (products == Bf16Products::paired ? 8e-3 : 5e-3));
+      CHECK(rel > 1e-3);  // bf16 rounding is really there (measured ≈ 2.7e-3 widened, 3.8e-3 paired)
+      CHECK(rel < (products == Bf16Products::paired ? 5e-3 : 3.5e-3));  // truncation instead of rounding fails it
     }
   }
 }

@@ -51,6 +51,7 @@ APEX_TARGET_AVX2 void tile_f32_avx2(const float* w, Index K, const float* x, Ind
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
   for (Index k = 0; k < K; ++k) {
+    prefetch_slab(w + 32 * k);
     __m256 wv[4];
     for (int v = 0; v < 4; ++v) wv[v] = _mm256_load_ps(w + 32 * k + 8 * v);
 #pragma GCC unroll 16
@@ -72,6 +73,7 @@ APEX_TARGET_AVX2 void tile_w16_avx2(const bf16* w, Index K, const float* x, Inde
     for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
   const Index pairs = (K + 1) / 2;
   for (Index kk = 0; kk < pairs; ++kk) {
+    prefetch_slab(w + 64 * kk);
     __m256i raw[4];  // lanes 8v…8v+7, each lane (k even | k odd << 16)
     for (int v = 0; v < 4; ++v) raw[v] = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + 64 * kk + 16 * v));
     __m256 wv[4];

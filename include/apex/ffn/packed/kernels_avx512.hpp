@@ -58,6 +58,7 @@ APEX_TARGET_AVX512 void tile_f32_avx512(const float* w, Index K, const float* x,
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
   for (Index k = 0; k < K; ++k) {
+    prefetch_slab(w + 32 * k);
     const __m512 w0 = _mm512_load_ps(w + 32 * k), w1 = _mm512_load_ps(w + 32 * k + 16);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
@@ -78,6 +79,7 @@ APEX_TARGET_AVX512 void tile_w16_avx512(const bf16* w, Index K, const float* x, 
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
   const Index pairs = (K + 1) / 2;
   for (Index kk = 0; kk < pairs; ++kk) {
+    prefetch_slab(w + 64 * kk);
     const __m512i v0 = _mm512_load_si512(w + 64 * kk), v1 = _mm512_load_si512(w + 64 * kk + 32);
     __m512 w0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16)), w1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));
 #pragma GCC unroll 16
@@ -109,6 +111,7 @@ APEX_TARGET_AVX512BF16 void tile_dot_avx512(const bf16* w, Index K, const bf16* 
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
   const Index pairs = (K + 1) / 2;
   for (Index kk = 0; kk < pairs; ++kk) {
+    prefetch_slab(w + 64 * kk);
     const __m512bh v0 = (__m512bh)_mm512_load_si512(w + 64 * kk);
     const __m512bh v1 = (__m512bh)_mm512_load_si512(w + 64 * kk + 32);
 #pragma GCC unroll 16

@@ -32,6 +32,10 @@
 #include <memory>
 #include <new>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #include "../checked_size.hpp"
 #include "../errors.hpp"
 #include "../types.hpp"
@@ -49,15 +53,27 @@ namespace detail {
 
 /// Zero-initialised array of a trivial type on a 64-byte boundary (the
 /// kernels' aligned loads need it; `std::vector` guarantees only 16).
+///
+/// Arrays of 2 MiB or more are placed on 2 MiB boundaries and, on Linux,
+/// offered to transparent huge pages (`madvise`; a no-op where THP is off).
+/// A decode step streams every expert's weights once: with 4 KiB pages that
+/// is one TLB miss per 4 KiB, and hardware prefetchers stop at each 4 KiB
+/// boundary, which costs a measurable share of the memory bandwidth.
 template <class T>
 class AlignedArray {
  public:
   static constexpr std::size_t kAlign = 64;
+  static constexpr std::size_t kHugePage = std::size_t(2) << 20;
   AlignedArray() = default;
   explicit AlignedArray(Index n) : n_(n) {
     if (n == 0) return;
-    void* raw = ::operator new(std::size_t(n) * sizeof(T), std::align_val_t(kAlign));
-    p_.reset(static_cast<T*>(raw));
+    const std::size_t bytes = std::size_t(n) * sizeof(T);
+    const std::size_t align = bytes >= kHugePage ? kHugePage : kAlign;
+    void* raw = ::operator new(bytes, std::align_val_t(align));
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (align == kHugePage) ::madvise(raw, bytes / kHugePage * kHugePage, MADV_HUGEPAGE);  // advice only
+#endif
+    p_ = std::unique_ptr<T, Free>(static_cast<T*>(raw), Free{align});
     std::uninitialized_value_construct_n(p_.get(), std::size_t(n));  // zeros
   }
   AlignedArray(const AlignedArray& o) : AlignedArray(o.n_) {
@@ -75,7 +91,8 @@ class AlignedArray {
 
  private:
   struct Free {
-    void operator()(T* p) const { ::operator delete(p, std::align_val_t(kAlign)); }
+    std::size_t align = kAlign;
+    void operator()(T* p) const { ::operator delete(p, std::align_val_t(align)); }
   };
   std::unique_ptr<T, Free> p_;
   Index n_ = 0;
