@@ -88,12 +88,11 @@ TEST_CASE("the block interface of SwiGLU and kappa-SwiGLU computes what forward 
   SwiGLU<double>::Cache c;
   const Matrix<double> y = ffn.forward(x, &c);
   Matrix<double> work(n, ffn.work_cols()), yb(n, d), dxb(n, d);
-  ffn.forward_block(x, Vector<double>(), work, yb);
+  ffn.forward_block(x, work, yb);
   CHECK(yb == y);
   CHECK(work == c.work);
   const Matrix<double> dx = ffn.backward(dy, c);
-  Vector<double> unused;
-  ffn.backward_block(x, Vector<double>(), work, dy, dxb, unused);
+  ffn.backward_block(x, work, dy, dxb);
   CHECK(dxb == dx);
 
   KappaSwiGLU<double>::Cache kc;
@@ -357,8 +356,8 @@ TEST_CASE("Router::softmax_backward and Router::backward check their shapes", "[
   // backward(x, d_logits) checked nothing; d_weights that is not N × K,
   // d_logits that is not N × E or x that is not N × d failed eigen_asserts or
   // read and wrote out of bounds. Fixed: softmax_backward checks the routing,
-  // d_weights (N × K) and d_logits (N × E); backward checks x (N × d) and
-  // d_logits (N × E).
+  // d_weights (N × K) and d_logits (N × E); backward (now one call from ∂L/∂g)
+  // checks x (N × d), the routing, d_weights and d_pair_logits (N × K).
   const auto setup = [] {
     Rng rng(0);
     Router<double> router(6, 4, 2, rng);
@@ -380,12 +379,12 @@ TEST_CASE("Router::softmax_backward and Router::backward check their shapes", "[
          "ShapeError", {"Router::softmax_backward", "'d_logits'"});
   expect(outcome_isolated([&] {
            auto [router, r] = setup();
-           router.backward(Matrix<double>::Ones(3, 6), Matrix<double>::Zero(3, 3));
+           router.backward(Matrix<double>::Ones(3, 6), r, Matrix<double>::Zero(3, 2), Matrix<double>::Zero(3, 3));
          }),
-         "ShapeError", {"Router::backward", "'d_logits'"});
+         "ShapeError", {"Router::backward", "'d_pair_logits'"});
   expect(outcome_isolated([&] {
            auto [router, r] = setup();
-           router.backward(Matrix<double>::Ones(3, 5), Matrix<double>::Zero(3, 4));
+           router.backward(Matrix<double>::Ones(3, 5), r, Matrix<double>::Zero(3, 2));
          }),
          "ShapeError", {"Router::backward", "'x'"});
   // A routing made by a router of another K or E would scatter past d_logits.
