@@ -61,6 +61,15 @@ template <class F>
 struct has_observe<F, std::void_t<decltype(std::declval<F&>().observe(std::declval<const typename F::Cache&>()))>>
     : std::true_type {};
 
+/// FFN types whose forward, backward and observe are collective across
+/// processes (`static constexpr bool kCollective = true`, e.g. the
+/// expert-parallel MoE of mpi/): every process must make the same calls, so
+/// the sublayer calls them also with 0 rows where it would otherwise skip.
+template <class F, class = void>
+struct is_collective : std::false_type {};
+template <class F>
+struct is_collective<F, std::enable_if_t<F::kCollective>> : std::true_type {};
+
 /// out: rows.size() × d, out_i = m_{rows_i}.
 template <class T>
 Matrix<T> gather(const ConstMatrixRef<T>& m, const std::vector<Index>& rows) {
@@ -156,6 +165,8 @@ class FFNSublayer {
 
     // y = x + m ⊙ F(RMSNorm(x)):  ∂L/∂F_t = m_t · ∂L/∂y_t, the residual passes dy.
     Matrix<T> dx = dy;  // N × d
+    if (n_kept == 0 && collective)  // the other processes' backward needs this one's part of the exchange
+      (void)ffn_.backward(Matrix<T>(0, d_model()), cache.ffn);
     if (n_kept > 0) {
       Matrix<T> dxn;  // N × d: ∂L/∂RMSNorm(x)
       if (n_kept == n) {
@@ -181,7 +192,7 @@ class FFNSublayer {
   template <class F = FFN, std::enable_if_t<detail::sublayer::has_observe<F>::value, int> = 0>
   void observe(const Cache& cache) {
     check_provenance("FFNSublayer::observe", cache);
-    if (cache.ffn_ran) ffn_.observe(cache.ffn);
+    if (cache.ffn_ran || collective) ffn_.observe(cache.ffn);
   }
 
   /// `norm.weight`, `ffn.…`, then (gated) `skip_gate.w1.weight`, ….
@@ -239,18 +250,24 @@ class FFNSublayer {
   Matrix<T> run(const ConstMatrixRef<T>& x, const Decision& d, bool train, Cache* cache, Matrix<T>& f) const {
     const Index n = x.rows();
     const Index n_kept = Index(d.kept.size());
-    if (n_kept == 0 && !train) return x;  // every token skipped: no norm, no FFN
     typename FFN::Cache* ffn_cache = cache ? &cache->ffn : nullptr;
+    if (n_kept == 0 && !train) {  // every token skipped: no norm, no FFN (a collective FFN sees 0 rows)
+      if constexpr (collective) (void)ffn_.forward(Matrix<T>(0, d_model()), ffn_cache);
+      return x;
+    }
     const Matrix<T> xn = norm_.forward(x, train ? &cache->norm : nullptr);  // N × d
     if (d.skipped.empty()) {
       // The ungated computation exactly: one FFN call on all rows.
       Matrix<T> fk = ffn_.forward(xn, ffn_cache);  // N × d
+      // A collective FFN: processes that skipped tokens make a second call for them.
+      if constexpr (collective)
+        if (train && gate_) (void)ffn_.forward(Matrix<T>(0, d_model()));
       Matrix<T> y = x + fk;
       if (train && gate_) f = std::move(fk);
       return y;
     }
     Matrix<T> fk;  // n_kept × d
-    if (n_kept > 0) fk = ffn_.forward(detail::sublayer::gather<T>(xn, d.kept), ffn_cache);
+    if (n_kept > 0 || collective) fk = ffn_.forward(detail::sublayer::gather<T>(xn, d.kept), ffn_cache);
     Matrix<T> y = x;
     for (Index i = 0; i < n_kept; ++i) {
       const Index t = d.kept[std::size_t(i)];
@@ -313,6 +330,8 @@ class FFNSublayer {
                                  std::to_string(d_model()));
     }
   }
+
+  static constexpr bool collective = detail::sublayer::is_collective<FFN>::value;
 
   RMSNorm<T> norm_;
   FFN ffn_;
