@@ -1,0 +1,74 @@
+#pragma once
+/// \file mpi/config_agreement.hpp
+/// Checks at construction that every rank builds the same layer.
+///
+/// Ranks that disagree on d_model, E, K or the scalar type would exchange
+/// rows of different widths or counts for experts that do not exist: at best
+/// an MPI truncation error, at worst silently wrong numbers or a hang in a
+/// later collective. So a layer describes itself as text (`fingerprint`:
+/// library version, layer, scalar type, expert type, every MoEConfig field,
+/// doubles as exact hex), every rank allgathers every description, and each
+/// rank compares all of them to rank 0's. Every rank reaches the same
+/// verdict, so on a mismatch every rank throws the same ConfigError naming
+/// the first rank that differs and both descriptions. Cost: two small
+/// allgathers, once per construction.
+
+#include <mpi.h>
+
+#include <cstdio>
+#include <string>
+#include <typeinfo>
+#include <vector>
+
+#include "../errors.hpp"
+#include "../moe_config.hpp"
+#include "../version.hpp"
+#include "communicator.hpp"
+
+namespace apex::mpi {
+
+/// The exact text of a double (hex float), so 1e-3 and 1.0000000000000002e-3 differ.
+inline std::string exact(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%a", v);
+  return buf;
+}
+
+/// A description of an MoE layer: equal on two ranks iff they build the same
+/// layer. `extra` is appended (e.g. expert options).
+template <class T, class Expert>
+std::string fingerprint(const char* layer, const MoEConfig& c, const std::string& extra = {}) {
+  return std::string("apex-ffn ") + std::to_string(APEX_FFN_VERSION) + "; layer " + layer + "; scalar " +
+         typeid(T).name() + " (" + std::to_string(sizeof(T)) + " bytes); expert " + typeid(Expert).name() +
+         "; d_model " + std::to_string(c.d_model) + "; d_ffn " + std::to_string(c.d_ffn) + "; n_experts " +
+         std::to_string(c.n_experts) + "; n_active " + std::to_string(c.n_active) + "; n_shared " +
+         std::to_string(c.n_shared) + "; weights_from_unbiased " + (c.weights_from_unbiased ? "1" : "0") +
+         "; balancer_alpha " + exact(c.balancer_alpha) + (extra.empty() ? "" : "; " + extra);
+}
+
+/// Allgathers every rank's `text` (collective) and throws ConfigError on
+/// every rank if any differs from rank 0's.
+inline void agree_on_config(const Communicator& comm, const char* where, const std::string& text) {
+  const int p = comm.size();
+  const int len = int(text.size());
+  std::vector<int> lens(static_cast<std::size_t>(p)), displs(static_cast<std::size_t>(p));
+  detail::check(MPI_Allgather(&len, 1, MPI_INT, lens.data(), 1, MPI_INT, comm.get()), "MPI_Allgather (config)");
+  int total = 0;
+  for (int r = 0; r < p; ++r) {
+    displs[std::size_t(r)] = total;
+    total += lens[std::size_t(r)];
+  }
+  std::string all(std::size_t(total), '\0');
+  detail::check(MPI_Allgatherv(text.data(), len, MPI_CHAR, all.data(), lens.data(), displs.data(), MPI_CHAR,
+                               comm.get()),
+                "MPI_Allgatherv (config)");
+  const std::string first = all.substr(0, std::size_t(lens[0]));
+  for (int r = 1; r < p; ++r) {
+    const std::string other = all.substr(std::size_t(displs[std::size_t(r)]), std::size_t(lens[std::size_t(r)]));
+    if (other != first)
+      throw ConfigError(std::string(where) + ": the configuration differs between ranks: rank " + std::to_string(r) +
+                        " has '" + other + "', rank 0 has '" + first + "'");
+  }
+}
+
+}  // namespace apex::mpi

@@ -1,0 +1,207 @@
+// ExpertParallelMoE against the single-process MoEFFN on the concatenation of
+// every rank's tokens: outputs, dx, every gradient, top-K and the balancer
+// bias, for whatever number of ranks the test runs on (CTest: 1 to 4).
+#include <apex/ffn/ffn_sublayer.hpp>
+#include <apex/ffn/kappa_swiglu.hpp>
+#include <apex/ffn/moe.hpp>
+#include <apex/ffn/mpi/expert_parallel_moe.hpp>
+#include <apex/ffn/mpi/fixed_order_sum.hpp>
+#include <apex/ffn/skip_gate.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "mpi_fixtures.hpp"
+
+using namespace apex;
+using apex::mpi::Communicator;
+using apex::mpi::ExpertParallelMoE;
+
+namespace {
+
+constexpr double kTol = 1e-12;  // double: relative, per tensor
+
+/// Balancing bias that sends every token to the experts of the last rank:
+/// +1 there, −1 elsewhere (router logits of inputs of scale 0.1 stay < 1).
+RowVector<double> bias_to_last_rank(Index n_experts, Index first_of_last) {
+  RowVector<double> b(n_experts);
+  for (Index e = 0; e < n_experts; ++e) b(e) = e >= first_of_last ? 1.0 : -1.0;
+  return b;
+}
+
+struct Scenario {
+  std::string name;
+  MoEConfig config;
+  std::vector<Index> sizes;  ///< tokens of rank r: sizes[r % size]
+  double scale = 1.0;        ///< input scale
+  bool to_last_rank = false; ///< balancing bias sends every token to the last rank's experts
+};
+
+/// Runs one scenario: forward, backward, observe + update twice (the second
+/// forward routes with the updated bias), each compared with the reference,
+/// and the whole step again to check it is bitwise repeatable.
+template <class Expert>
+void run_scenario(const Scenario& sc, const std::function<void(std::vector<Expert>&)>& prepare = {}) {
+  INFO("scenario " << sc.name);
+  Communicator comm;
+  const MoEConfig& cfg = sc.config;
+  const test::Slice s = test::slice_of(comm, sc.sizes);
+  const Matrix<double> x_all = test::random_matrix(s.total, cfg.d_model, 11, sc.scale);
+  const Matrix<double> dy_all = test::random_matrix(s.total, cfg.d_model, 12);
+  const Matrix<double> x = x_all.middleRows(s.begin, s.rows), dy = dy_all.middleRows(s.begin, s.rows);
+
+  MoEFFN<double, Expert> ref(cfg, 5);
+  ExpertParallelMoE<double, Expert> ep(cfg, comm, 5);
+  if (prepare) prepare(ref.experts());
+  test::copy_values(ref.params(), ep.params());
+  if (prepare) prepare(ep.experts());  // options that are not parameters (κ's U)
+  if (sc.to_last_rank) {
+    const auto b = bias_to_last_rank(cfg.n_experts, ep.shard().first(comm.size() - 1));
+    ref.balancer().set_bias(b);
+    ep.balancer().set_bias(b);
+  }
+
+  std::vector<Matrix<double>> first_y, first_dx, first_grads;
+  for (int run = 0; run < 2; ++run) {
+    ref.zero_grad();
+    ep.zero_grad();
+    for (int step = 0; step < 2; ++step) {
+      INFO("run " << run << " step " << step);
+      typename MoEFFN<double, Expert>::Cache rc;
+      typename ExpertParallelMoE<double, Expert>::Cache c;
+      const Matrix<double> y_ref = ref.forward(x_all, &rc);
+      const Matrix<double> y = ep.forward(x, &c);
+      CHECK(c.routing.experts == rc.routing.experts.middleRows(s.begin, s.rows));  // identical top-K
+      CHECK(test::rel_error(y, y_ref.middleRows(s.begin, s.rows)) <= kTol);
+      const Matrix<double> dx_ref = ref.backward(dy_all, rc);
+      const Matrix<double> dx = ep.backward(dy, c);
+      CHECK(test::rel_error(dx, dx_ref.middleRows(s.begin, s.rows)) <= kTol);
+      test::check_params_match(ep.params(), ref.params(), kTol);
+      ref.observe(rc);
+      ep.observe(c);
+      ref.balancer().update();
+      ep.balancer().update();
+      CHECK(ep.balancer().bias() == ref.balancer().bias());  // the same bias on every rank, exactly
+      if (run == 0) {
+        first_y.push_back(y);
+        first_dx.push_back(dx);
+      } else {  // bitwise repeatable
+        CHECK(y == first_y[std::size_t(step)]);
+        CHECK(dx == first_dx[std::size_t(step)]);
+      }
+    }
+    const auto grads = test::grads_of(ep.params());
+    if (run == 0) first_grads = grads;
+    else
+      for (std::size_t i = 0; i < grads.size(); ++i) CHECK(grads[i] == first_grads[i]);
+    // The second run starts from the first run's initial bias again.
+    if (sc.to_last_rank) {
+      const auto b = bias_to_last_rank(cfg.n_experts, ep.shard().first(comm.size() - 1));
+      ref.balancer().set_bias(b);
+      ep.balancer().set_bias(b);
+    } else {
+      ref.balancer().set_bias(RowVector<double>::Zero(cfg.n_experts));
+      ep.balancer().set_bias(RowVector<double>::Zero(cfg.n_experts));
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("ExpertParallelMoE equals MoEFFN on the concatenated batch", "[mpi]") {
+  const int p = Communicator().size();
+  std::vector<Scenario> scenarios = {
+      {"uneven batches, a rank with 0 tokens", test::moe_config(8, 2, 1, 8, 12), {7, 0, 12, 4}},
+      {"E = 7 not divisible by P", test::moe_config(7, 3, 2, 6, 10), {5, 9, 1}},
+      {"no shared experts, K = 1", test::moe_config(5, 1, 0, 6, 7), {4, 6}},
+      {"one rank's batch far larger", test::moe_config(8, 2, 1, 8, 12), {300, 2, 3, 1}},
+      {"every token to the last rank's experts", test::moe_config(8, 2, 1, 8, 12), {40, 0, 25, 9}, 0.1, true},
+      {"tiled expert blocks (> 1024 rows)", test::moe_config(8, 2, 1, 8, 6), {1100, 5}, 0.1, true},
+  };
+  for (const auto& sc : scenarios) run_scenario<SwiGLU<double>>(sc);
+  (void)p;
+}
+
+TEST_CASE("ExpertParallelMoE with weights_from_unbiased and kappa-SwiGLU experts", "[mpi]") {
+  Scenario sc{"kappa-SwiGLU", test::moe_config(6, 2, 1, 8, 10), {9, 3, 0, 14}};
+  sc.config.weights_from_unbiased = true;
+  run_scenario<KappaSwiGLU<double>>(sc, [](std::vector<KappaSwiGLU<double>>& experts) {
+    // Non-zero α and b, so κ ≠ 1 and the logit path carries gradient.
+    for (auto& e : experts) {
+      e.kappa_alpha() = test::random_matrix(1, e.d_ffn(), 31, 0.5);
+      e.kappa_bias() = test::random_matrix(1, e.d_ffn(), 32, 0.5);
+      e.set_U(3.0);
+    }
+  });
+}
+
+TEST_CASE("ExpertParallelMoE in float agrees with the float MoEFFN", "[mpi]") {
+  Communicator comm;
+  const MoEConfig cfg = test::moe_config(6, 2, 1, 8, 12);
+  const test::Slice s = test::slice_of(comm, {10, 3, 7});
+  const Matrix<float> x_all = test::rnd<float>(s.total, cfg.d_model, 3);
+  MoEFFN<float> ref(cfg, 9);
+  ExpertParallelMoE<float> ep(cfg, comm, 9);
+  typename MoEFFN<float>::Cache rc;
+  typename ExpertParallelMoE<float>::Cache c;
+  const Matrix<float> y_ref = ref.forward(x_all, &rc);
+  const Matrix<float> y = ep.forward(x_all.middleRows(s.begin, s.rows), &c);
+  CHECK(test::rel_error(y, y_ref.middleRows(s.begin, s.rows)) <= 1e-5);
+  const Matrix<float> dx = ep.backward(Matrix<float>::Ones(s.rows, cfg.d_model), c);
+  const Matrix<float> dx_ref = ref.backward(Matrix<float>::Ones(s.total, cfg.d_model), rc);
+  CHECK(test::rel_error(dx, dx_ref.middleRows(s.begin, s.rows)) <= 1e-5);
+  test::check_params_match(ep.params(), ref.params(), 1e-4);
+}
+
+TEST_CASE("ExpertParallelMoE inside FFNSublayer with the skip gate", "[mpi]") {
+  Communicator comm;
+  const MoEConfig cfg = test::moe_config(6, 2, 1, 8, 10);
+  const Index d = cfg.d_model;
+  SkipGateConfig gc = test::gate_config(d, 4, 0.9);  // g ≈ 0.9 at initialisation: about half skipped
+  const test::Slice s = test::slice_of(comm, {12, 0, 9, 5});
+  const Matrix<double> x_all = test::random_matrix(s.total, d, 21);
+  const Matrix<double> dy_all = test::random_matrix(s.total, d, 22);
+  const Matrix<double> x = x_all.middleRows(s.begin, s.rows), dy = dy_all.middleRows(s.begin, s.rows);
+
+  FFNSublayer<double, MoEFFN<double>> ref(d, MoEFFN<double>(cfg, 4), SkipGate<double>(gc, 8));
+  FFNSublayer<double, ExpertParallelMoE<double>> ep(d, ExpertParallelMoE<double>(cfg, comm, 4),
+                                                    SkipGate<double>(gc, 8));
+  // Tokens skipped somewhere, kept somewhere: both paths of the sublayer run.
+  typename FFNSublayer<double, MoEFFN<double>>::Cache rc;
+  const Matrix<double> y_ref = ref.forward(x_all, &rc);
+  REQUIRE(rc.skipped() > 0);
+  REQUIRE(rc.kept.size() > 0);
+
+  typename FFNSublayer<double, ExpertParallelMoE<double>>::Cache c;
+  const Matrix<double> y = ep.forward(x, &c);
+  CHECK(test::rel_error(y, y_ref.middleRows(s.begin, s.rows)) <= kTol);
+  const Matrix<double> dx_ref = ref.backward(dy_all, rc);
+  const Matrix<double> dx = ep.backward(dy, c);
+  CHECK(test::rel_error(dx, dx_ref.middleRows(s.begin, s.rows)) <= kTol);
+  // The sublayer's own parameters (norm, gate) are data parallel: sum them.
+  ParamList<double> outside;
+  for (const auto& prm : ep.params())
+    if (prm.name.rfind("ffn.", 0) != 0) outside.push_back(prm);
+  mpi::sum_gradients(comm, outside);
+  test::check_params_match(ep.params(), ref.params(), kTol);
+
+  ref.observe(rc);
+  ep.observe(c);
+  CHECK(ep.ffn().balancer().report().counts == ref.ffn().balancer().report().counts);
+  ref.ffn().balancer().update();
+  ep.ffn().balancer().update();
+  CHECK(ep.ffn().balancer().bias() == ref.ffn().balancer().bias());
+
+  // Inference: only kept tokens are routed (and sent); the same y.
+  typename FFNSublayer<double, ExpertParallelMoE<double>>::Cache ci;
+  typename FFNSublayer<double, MoEFFN<double>>::Cache rci;
+  const Matrix<double> yi_ref = ref.forward(x_all, SublayerMode::inference, &rci);
+  const Matrix<double> yi = ep.forward(x, SublayerMode::inference, &ci);
+  CHECK(test::rel_error(yi, yi_ref.middleRows(s.begin, s.rows)) <= kTol);
+  CHECK(ci.ffn.plan.n_tokens == Index(ci.kept.size()));
+  // Without a cache too (no second call for skipped tokens).
+  CHECK(test::rel_error(ep.forward(x, SublayerMode::inference, nullptr), yi_ref.middleRows(s.begin, s.rows)) <= kTol);
+}
