@@ -132,6 +132,14 @@ class ExpertParallelMoE {
   /// Global id of this rank's first routed expert (experts()[j] is expert first_expert() + j).
   Index first_expert() const { return shard_.first(comm_.rank()); }
   void set_threads(int threads) { threads_ = threads; }
+  /// Largest count of one MPI call in the exchanges (alltoallv.hpp); lower
+  /// it to test or to bound staging memory. ValueError outside [1, 2³¹ − 1].
+  void set_exchange_limit(Index limit) {
+    if (limit < 1 || limit > kMaxIntCount)
+      throw ValueError("ExpertParallelMoE::set_exchange_limit: argument 'limit' is " + std::to_string(limit) +
+                       ", expected a value in [1, " + std::to_string(kMaxIntCount) + "]");
+    limit_ = limit;
+  }
   const PhaseTimes& phase_times() const { return times_; }
   void reset_phase_times() { times_ = {}; }
 
@@ -355,7 +363,7 @@ class ExpertParallelMoE {
       rc[r] = recv_rows[r] * width;
       if (Index(r) != comm_.rank()) times_.bytes_sent += double(sc[r]) * sizeof(T);
     }
-    alltoallv(comm_, send, sc, recv, rc);
+    alltoallv(comm_, send, sc, recv, rc, limit_);
   }
 
   /// Step 4: experts on the expert-major rows, shared experts on x; y_recv
@@ -503,6 +511,7 @@ class ExpertParallelMoE {
   std::vector<Expert> experts_;
   std::vector<SharedType> shared_;
   int threads_ = 0;
+  Index limit_ = kMaxIntCount;
   mutable PhaseTimes times_;
 };
 
