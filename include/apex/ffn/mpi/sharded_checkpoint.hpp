@@ -1,0 +1,219 @@
+#pragma once
+/// \file mpi/sharded_checkpoint.hpp
+/// Checkpoints of an ExpertParallelMoE: a sharded save (each rank writes its
+/// experts, rank 0 also the replicated tensors and the index, Hugging Face's
+/// `model.safetensors.index.json`) and a load from a sharded checkpoint
+/// written by any number of ranks or from a single-process file, so a
+/// checkpoint moves between P ranks, P′ ranks and one process.
+/// Needs apex::mpi and apex::checkpoint. The folder must be one file system
+/// that every rank sees (a local folder on one machine, a shared file system
+/// on a cluster).
+///
+/// Tensor names are MoEFFN's (`router.weight`, `experts.{e}.…`,
+/// `shared_experts.{s}.…`) plus the balancing bias `expert_bias` [E], as
+/// docs/checkpoints.md saves it, so `load_sharded_checkpoint(folder, params)`
+/// of sharded_checkpoint.hpp loads the result into a single-process layer.
+///
+/// Atomic save, in three agreed steps: (1) every rank writes its shard under
+/// a name no earlier save used (`model-<tag>-0000r-of-0000P.safetensors`,
+/// the tag from rank 0's clock and pid); (2) if any rank failed, every rank
+/// removes its new file and throws — the previous index and its files are
+/// untouched; (3) rank 0 writes the new index atomically (the commit point),
+/// and only then removes the files the previous index named. A crash before
+/// (3) leaves the previous checkpoint whole, plus unreferenced new files.
+
+#include <mpi.h>
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "../checkpoint.hpp"
+#include "../errors.hpp"
+#include "../sharded_checkpoint.hpp"
+#include "communicator.hpp"
+#include "expert_parallel_moe.hpp"
+
+namespace apex::mpi {
+
+namespace detail {
+
+/// This rank's tensors: its params() and, on every rank, a view of `bias`
+/// named `expert_bias` (only rank 0 saves it).
+template <class T, class Expert>
+ParamList<T> state_of(ExpertParallelMoE<T, Expert>& layer, RowVector<T>& bias) {
+  ParamList<T> state = layer.params();
+  state.push_back(Param<T>{"expert_bias", bias.data(), nullptr, 1, bias.cols()});
+  return state;
+}
+
+/// Collects every rank's `text` on rank 0, in rank order (collective).
+inline std::vector<std::string> gather_text(const Communicator& comm, const std::string& text) {
+  const int p = comm.size(), len = int(text.size());
+  std::vector<int> lens(static_cast<std::size_t>(p)), displs(static_cast<std::size_t>(p));
+  check(MPI_Gather(&len, 1, MPI_INT, lens.data(), 1, MPI_INT, 0, comm.get()), "MPI_Gather (checkpoint)");
+  int total = 0;
+  for (int r = 0; r < p; ++r) {
+    displs[std::size_t(r)] = total;
+    total += lens[std::size_t(r)];
+  }
+  std::string all(std::size_t(comm.rank() == 0 ? total : 0), '\0');
+  check(MPI_Gatherv(text.data(), len, MPI_CHAR, all.data(), lens.data(), displs.data(), MPI_CHAR, 0, comm.get()),
+        "MPI_Gatherv (checkpoint)");
+  std::vector<std::string> out;
+  if (comm.rank() == 0)
+    for (int r = 0; r < p; ++r) out.push_back(all.substr(std::size_t(displs[std::size_t(r)]), std::size_t(lens[std::size_t(r)])));
+  return out;
+}
+
+}  // namespace detail
+
+/// Saves `layer` as a sharded checkpoint in `folder` (which must exist):
+/// one safetensors file per rank and the index. Collective. `options` as
+/// save_checkpoint (dtype, metadata; `expert_bias` is saved 1-D). On any
+/// rank's failure every rank throws (FormatError for I/O, the errors of
+/// save_checkpoint) and the previous checkpoint in `folder` is intact.
+template <class T, class Expert>
+void save_checkpoint(const std::string& folder, ExpertParallelMoE<T, Expert>& layer, const SaveOptions& options = {}) {
+  namespace fs = std::filesystem;
+  constexpr const char* where = "apex::mpi::save_checkpoint";
+  const Communicator& comm = layer.comm();
+  const int p = comm.size(), me = comm.rank();
+
+  char tag[32] = {};  // rank 0's clock and pid: a name no earlier save used
+  if (me == 0)
+    std::snprintf(tag, sizeof tag, "%llx%x",
+                  static_cast<unsigned long long>(std::chrono::system_clock::now().time_since_epoch().count()),
+                  static_cast<unsigned>(::getpid()));
+  detail::check(MPI_Bcast(tag, int(sizeof tag), MPI_CHAR, 0, comm.get()), "MPI_Bcast (checkpoint tag)");
+  char file[96];
+  std::snprintf(file, sizeof file, "model-%s-%05d-of-%05d.safetensors", tag, me + 1, p);
+  const fs::path path = fs::path(folder) / file;
+
+  // 1. every rank writes its shard under a fresh name
+  RowVector<T> bias = layer.balancer().bias();
+  ParamList<T> state = detail::state_of(layer, bias);
+  if (me != 0) {  // replicated tensors: rank 0 only
+    ParamList<T> mine;
+    for (const auto& prm : state)
+      if (prm.name.rfind("experts.", 0) == 0) mine.push_back(prm);
+    state = mine;
+  }
+  std::string names;
+  std::uint64_t bytes = 0;
+  bool written = false;
+  const auto remove_mine = [&] {
+    if (written) ::unlink(path.c_str());
+  };
+  try {
+    comm.step(where, [&] {
+      SaveOptions o = options;
+      if (me == 0) o.shapes["expert_bias"] = {std::uint64_t(bias.cols())};
+      apex::save_checkpoint(path.string(), state, o);
+      written = true;
+      const std::size_t item = safetensors::dtype_size(o.dtype.value_or(safetensors::dtype_of<T>()));
+      for (const auto& prm : state) {
+        names += prm.name + "\n";
+        bytes += std::uint64_t(prm.size()) * item;
+      }
+    });
+    // 2. rank 0 learns every rank's tensors, then 3. commits the index
+    const std::vector<std::string> all = detail::gather_text(comm, names);
+    std::uint64_t total = 0;
+    detail::check(MPI_Reduce(&bytes, &total, 1, MPI_UINT64_T, MPI_SUM, 0, comm.get()), "MPI_Reduce (checkpoint)");
+    std::set<std::string> previous;
+    comm.step(where, [&] {
+      if (me != 0) return;
+      const std::string index_path = (fs::path(folder) / kShardIndexName).string();
+      std::error_code ec;
+      if (fs::exists(index_path, ec)) try {
+          for (const auto& f : read_shard_index(index_path).files()) previous.insert(f);
+        } catch (const FormatError&) {
+          // an unreadable old index: its files are left alone
+        }
+      ShardIndex index;
+      index.total_size = total;
+      index.metadata["format"] = "apex-ffn";
+      index.metadata["ranks"] = std::to_string(p);
+      for (const auto& [k, v] : options.metadata) index.metadata[k] = v;
+      for (int r = 0; r < p; ++r) {
+        char f[96];
+        std::snprintf(f, sizeof f, "model-%s-%05d-of-%05d.safetensors", tag, r + 1, p);
+        std::string list = all[std::size_t(r)];
+        for (std::size_t at = 0, nl; (nl = list.find('\n', at)) != std::string::npos; at = nl + 1)
+          index.weight_map[list.substr(at, nl - at)] = f;
+      }
+      write_shard_index(index_path, index);
+    });
+    // The new checkpoint is committed: the previous index's files go (best effort).
+    if (me == 0)
+      for (const auto& f : previous) {
+        bool still_used = false;
+        for (int r = 0; r < p && !still_used; ++r) {
+          char g[96];
+          std::snprintf(g, sizeof g, "model-%s-%05d-of-%05d.safetensors", tag, r + 1, p);
+          still_used = f == g;
+        }
+        if (!still_used) ::unlink((fs::path(folder) / f).c_str());
+      }
+  } catch (...) {
+    remove_mine();
+    throw;
+  }
+}
+
+/// Loads `layer` from `path`: a sharded checkpoint (its folder or index,
+/// written by any number of ranks) or one safetensors file (a single-process
+/// save, every rank reading the tensors it holds). `expert_bias`, if
+/// present, sets the balancer's bias. Collective and all-or-nothing across
+/// ranks: every rank reads into staging copies, all agree, then all commit;
+/// on any rank's failure every rank throws and no layer changes. Errors as
+/// load_checkpoint (strict: every parameter of this rank must be there).
+template <class T, class Expert>
+LoadResult load_checkpoint(const std::string& path, ExpertParallelMoE<T, Expert>& layer,
+                           const LoadOptions& options = {}) {
+  namespace fs = std::filesystem;
+  constexpr const char* where = "apex::mpi::load_checkpoint";
+  RowVector<T> bias = layer.balancer().bias();
+  ParamList<T> params = layer.params();
+  LoadResult result;
+  std::optional<apex::detail::Staged<T>> staged;
+  bool has_bias = false;
+  layer.comm().step(where, [&] {
+    std::error_code ec;
+    const bool sharded =
+        fs::is_directory(path, ec) || (path.size() >= 5 && path.compare(path.size() - 5, 5, ".json") == 0);
+    ParamList<T> wanted = params;
+    if (sharded) {
+      const std::string index_path = shard_index_path(path);
+      const ShardIndex index = read_shard_index(index_path);
+      has_bias = index.weight_map.count("expert_bias") > 0;
+      if (has_bias) wanted.push_back(Param<T>{"expert_bias", bias.data(), nullptr, 1, bias.cols()});
+      staged.emplace(wanted);
+      result = apex::detail::load_shards_into(index_path, index, staged->views, options);
+    } else {
+      const safetensors::Reader file(path, options.limits);
+      has_bias = file.header().find("expert_bias") != nullptr;
+      if (has_bias) wanted.push_back(Param<T>{"expert_bias", bias.data(), nullptr, 1, bias.cols()});
+      staged.emplace(wanted);
+      LoadOptions o = options;
+      o.allow_unexpected = true;  // the other ranks' experts
+      result = apex::load_checkpoint(file, staged->views, o);
+    }
+    if (has_bias) apex::detail::check_finite(where, "expert_bias", staged->values.back());
+  });
+  // Every rank has its tensors staged: commit.
+  ParamList<T> target = params;
+  if (has_bias) target.push_back(Param<T>{"expert_bias", bias.data(), nullptr, 1, bias.cols()});
+  staged->commit(target, result.loaded);
+  if (has_bias) layer.balancer().set_bias(bias);
+  return result;
+}
+
+}  // namespace apex::mpi

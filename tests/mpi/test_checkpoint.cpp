@@ -1,0 +1,170 @@
+// Sharded checkpoints of the expert-parallel layer: round trips, loads into
+// a single-process layer and from one, resharding to fewer ranks, and
+// atomicity when one rank fails.
+#include <apex/ffn/checkpoint.hpp>
+#include <apex/ffn/moe.hpp>
+#include <apex/ffn/mpi/sharded_checkpoint.hpp>
+#include <apex/ffn/sharded_checkpoint.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cstdlib>
+#include <filesystem>
+#include <set>
+#include <string>
+
+#include "mpi_fixtures.hpp"
+
+using namespace apex;
+using apex::mpi::Communicator;
+using EP = apex::mpi::ExpertParallelMoE<double>;
+namespace fs = std::filesystem;
+
+namespace {
+
+/// A fresh folder every rank sees (rank 0 creates it), removed at the end.
+struct SharedFolder {
+  Communicator comm;
+  std::string path;
+  SharedFolder() {
+    char buf[256] = {};
+    if (comm.rank() == 0) {
+      std::string tmpl = (fs::temp_directory_path() / "apex_mpi_ckpt_XXXXXX").string();
+      REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
+      tmpl.copy(buf, sizeof buf - 1);
+    }
+    MPI_Bcast(buf, int(sizeof buf), MPI_CHAR, 0, comm.get());
+    path = buf;
+  }
+  ~SharedFolder() {
+    comm.barrier();
+    if (comm.rank() == 0) fs::remove_all(path);
+  }
+  std::set<std::string> files() const {
+    std::set<std::string> s;
+    for (const auto& e : fs::directory_iterator(path)) s.insert(e.path().filename().string());
+    return s;
+  }
+};
+
+/// Values of every parameter by name.
+std::map<std::string, Matrix<double>> values_of(const ParamList<double>& params) {
+  std::map<std::string, Matrix<double>> m;
+  for (const auto& p : params) m[p.name] = p.value();
+  return m;
+}
+
+/// Changes every parameter and the bias; a replicated tensor the same way on
+/// every rank (the seed depends on its name only).
+void perturb(EP& ep, std::uint64_t seed) {
+  for (const auto& p : ep.params()) {
+    std::uint64_t h = seed;
+    for (char ch : p.name) h = h * 131 + std::uint64_t(ch);
+    p.value() += test::random_matrix(p.rows, p.cols, h, 0.1);
+  }
+  RowVector<double> b = test::random_matrix(1, ep.config().n_experts, seed, 0.5);
+  ep.balancer().set_bias(b);
+}
+
+}  // namespace
+
+TEST_CASE("A sharded checkpoint round-trips and loads into a single-process layer", "[mpi]") {
+  SharedFolder dir;
+  const Communicator& comm = dir.comm;
+  const MoEConfig cfg = test::moe_config(7, 2, 1, 6, 8);
+  EP ep(cfg, comm, 1);
+  perturb(ep, 50);
+  mpi::save_checkpoint(dir.path, ep);
+  if (comm.rank() == 0) {
+    // The index names every tensor once; one file per rank.
+    const ShardIndex index = read_shard_index(dir.path + "/" + kShardIndexName);
+    CHECK(index.weight_map.size() == MoEFFN<double>(cfg).params().size() + 1);  // and expert_bias
+    CHECK(index.files().size() == std::size_t(comm.size()));
+    CHECK(index.metadata.at("ranks") == std::to_string(comm.size()));
+    CHECK(index.total_size > 0);
+  }
+
+  // Round trip into a fresh layer on the same ranks.
+  EP back(cfg, comm, 99);
+  mpi::load_checkpoint(dir.path, back);
+  CHECK(values_of(back.params()) == values_of(ep.params()));
+  CHECK(back.balancer().bias() == ep.balancer().bias());
+
+  // Into a single-process MoEFFN (with the bias, as docs/checkpoints.md carries it).
+  MoEFFN<double> single(cfg, 7);
+  RowVector<double> bias(cfg.n_experts);
+  ParamList<double> state = single.params();
+  state.push_back({"expert_bias", bias.data(), nullptr, 1, bias.cols()});
+  const LoadResult r = load_sharded_checkpoint(dir.path, state);
+  CHECK(r.loaded.size() == state.size());
+  CHECK(bias == ep.balancer().bias());
+  const auto all = values_of(single.params());
+  for (const auto& [name, value] : values_of(ep.params())) CHECK(all.at(name) == value);
+}
+
+TEST_CASE("A single-process checkpoint loads into any number of ranks, a sharded one into fewer", "[mpi]") {
+  SharedFolder dir;
+  const Communicator& comm = dir.comm;
+  const MoEConfig cfg = test::moe_config(8, 2, 2, 6, 8);
+  MoEFFN<double> single(cfg, 3);  // the same on every rank
+  for (const auto& p : single.params()) p.value() *= 1.5;
+  const std::string file = dir.path + "/single.safetensors";
+  if (comm.rank() == 0) save_checkpoint(file, single.params());
+  comm.barrier();
+  EP ep(cfg, comm, 42);
+  mpi::load_checkpoint(file, ep);
+  const auto all = values_of(single.params());
+  for (const auto& [name, value] : values_of(ep.params())) CHECK(all.at(name) == value);
+
+  // Resharding: the P-rank checkpoint into layers of 1 rank and of ⌈P/2⌉ ranks.
+  mpi::save_checkpoint(dir.path + "", ep);
+  for (int groups : {comm.size(), 2}) {
+    MPI_Comm sub;
+    MPI_Comm_split(comm.get(), comm.rank() % groups, comm.rank(), &sub);
+    {
+      const Communicator c(sub);
+      EP part(cfg, c, 77);
+      mpi::load_checkpoint(dir.path, part);
+      for (const auto& [name, value] : values_of(part.params())) CHECK(all.at(name) == value);
+    }
+    MPI_Comm_free(&sub);
+  }
+}
+
+TEST_CASE("A save that fails on one rank leaves the previous checkpoint whole", "[mpi]") {
+  SharedFolder dir;
+  const Communicator& comm = dir.comm;
+  const MoEConfig cfg = test::moe_config(6, 2, 1, 6, 8);
+  EP ep(cfg, comm, 1);
+  mpi::save_checkpoint(dir.path, ep);
+  comm.barrier();
+  const auto before_files = dir.files();
+  const auto saved = values_of(ep.params());
+  comm.barrier();  // every rank's snapshot before any rank starts the next save
+
+  perturb(ep, 70);
+  SaveOptions bad;
+  if (comm.rank() == comm.size() - 1) bad.dtype = safetensors::DType::I32;  // this rank cannot write
+  test::throws<ValueError>([&] { mpi::save_checkpoint(dir.path, ep, bad); }, {"I32"});
+  comm.barrier();
+  CHECK(dir.files() == before_files);  // no new shard left, none removed
+  EP back(cfg, comm, 5);
+  mpi::load_checkpoint(dir.path, back);
+  CHECK(values_of(back.params()) == saved);
+
+  // A load that fails on one rank changes no rank's layer.
+  const std::string missing = comm.rank() == 0 ? dir.path + "/nothing-here" : dir.path;
+  const auto current = values_of(ep.params());
+  test::throws<FormatError>([&] { mpi::load_checkpoint(missing, ep); });
+  CHECK(values_of(ep.params()) == current);
+
+  // A later successful save replaces the old shards.
+  mpi::save_checkpoint(dir.path, ep);
+  comm.barrier();
+  if (comm.rank() == 0) {
+    const auto now = dir.files();
+    for (const auto& f : before_files)
+      if (f != kShardIndexName) CHECK(now.count(f) == 0);
+    CHECK(now.size() == std::size_t(comm.size()) + 1);
+  }
+}
