@@ -223,10 +223,12 @@ class ExpertParallelMoE {
     exchange(dy_sorted.data(), c.send_rows, dy_recv.data(), c.recv_rows, d);
     double t2 = MPI_Wtime();
     times_.exchange += t2 - t1;
-    stash_and_zero(replicated, stash);
+    // One rank: the gradients are already the whole sum, add them directly.
+    if (p > 1) stash_and_zero(replicated, stash);
     try {
       backward_rest(c, dy, d_weights, dy_recv, dx, stash, replicated, threads, t2);
     } catch (...) {  // every rank gets here at the same step: put the replicated gradients back
+      if (p == 1) throw;  // nothing stashed (as MoEFFN: every check precedes the first gradient)
       std::size_t at = 0;
       for (const auto& prm : replicated)
         for (Index i = 0; i < prm.size(); ++i) prm.grad_data[i] = stash[at++];
@@ -264,7 +266,7 @@ class ExpertParallelMoE {
     });
     double t5 = MPI_Wtime();
     times_.route += t5 - t4;
-    sum_replicated(replicated, stash);
+    if (comm_.size() > 1) sum_replicated(replicated, stash);
     times_.reduce += MPI_Wtime() - t5;
   }
 

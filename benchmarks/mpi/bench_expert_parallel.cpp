@@ -1,0 +1,149 @@
+// Timed driver for ExpertParallelMoE (Google Benchmark does not fit MPI:
+// every rank must run the same iterations). Each rank brings `--tokens`
+// tokens (weak scaling); the driver reports, over `--reps` repetitions after
+// one warm-up, the median of each phase (routing, exchange, expert compute,
+// combine, replicated-gradient sum), the slowest rank's, for forward and for
+// forward+backward, and the bytes each rank sent to other ranks per token.
+// The baseline in the same binary is data parallelism: every rank holds all
+// experts (MoEFFN) and runs its own tokens; for training it must then sum
+// every expert's gradient across ranks (timed as MPI_Allreduce).
+//
+//     mpiexec -n 2 bench_expert_parallel --preset small --tokens 512 --reps 7
+#include <apex/ffn/moe.hpp>
+#include <apex/ffn/mpi/expert_parallel_moe.hpp>
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+using namespace apex;
+using T = float;
+
+namespace {
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+/// The slowest rank's value (collective).
+double slowest(double v) {
+  double out = 0;
+  MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return out;
+}
+
+struct Row {
+  std::vector<double> route, exchange, experts, combine, reduce, total, bytes;
+  void add(const mpi::PhaseTimes& t, double seconds) {
+    route.push_back(t.route);
+    exchange.push_back(t.exchange);
+    experts.push_back(t.experts);
+    combine.push_back(t.combine);
+    reduce.push_back(t.reduce);
+    total.push_back(seconds);
+    bytes.push_back(t.bytes_sent);
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+
+  std::string preset = "small";
+  Index tokens = 512, reps = 7;
+  Index n_experts = -1;
+  const char* label = "";
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--preset")) preset = argv[i + 1];
+    else if (!std::strcmp(argv[i], "--tokens")) tokens = std::atol(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--reps")) reps = std::atol(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--experts")) n_experts = std::atol(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--label")) label = argv[i + 1];
+  }
+  MoEConfig cfg = ModelPreset::by_name(preset).moe();
+  if (n_experts > 0) cfg.n_experts = n_experts;
+
+  {
+    mpi::Communicator comm;
+    mpi::ExpertParallelMoE<T> ep(cfg, comm, 1);
+    MoEFFN<T> dp(cfg, 1);  // data-parallel baseline: all experts on every rank
+    Rng rng(100 + std::uint64_t(rank));
+    Matrix<T> x(tokens, cfg.d_model), dy(tokens, cfg.d_model);
+    fill_uniform(x, rng, 1.0);
+    fill_uniform(dy, rng, 1.0);
+    ParamList<T> dp_params = dp.params();
+    Index expert_scalars = 0;
+    for (const auto& p : dp_params) expert_scalars += p.size();
+    std::vector<T> grads(static_cast<std::size_t>(expert_scalars));
+
+    Row fwd, step;
+    std::vector<double> dp_fwd, dp_step, dp_allreduce;
+    for (Index r = 0; r <= reps; ++r) {  // r = 0: warm-up
+      typename mpi::ExpertParallelMoE<T>::Cache c;
+      ep.reset_phase_times();
+      MPI_Barrier(MPI_COMM_WORLD);
+      double t0 = MPI_Wtime();
+      ep.forward(x, &c);
+      double t1 = MPI_Wtime();
+      if (r > 0) fwd.add(ep.phase_times(), t1 - t0);
+      ep.reset_phase_times();
+      MPI_Barrier(MPI_COMM_WORLD);
+      t0 = MPI_Wtime();
+      ep.forward(x, &c);
+      ep.backward(dy, c);
+      t1 = MPI_Wtime();
+      if (r > 0) step.add(ep.phase_times(), t1 - t0);
+
+      typename MoEFFN<T>::Cache dc;
+      MPI_Barrier(MPI_COMM_WORLD);
+      t0 = MPI_Wtime();
+      dp.forward(x, &dc);
+      t1 = MPI_Wtime();
+      dp.backward(dy, dc);
+      const double t2 = MPI_Wtime();
+      MPI_Allreduce(MPI_IN_PLACE, grads.data(), int(grads.size()), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+      const double t3 = MPI_Wtime();
+      if (r > 0) {
+        dp_fwd.push_back(t1 - t0);
+        dp_step.push_back(t3 - t0);
+        dp_allreduce.push_back(t3 - t2);
+      }
+    }
+    auto report = [&](const char* what, Row& row) {
+      const double ms = 1e3;
+      const double total = slowest(median(row.total)), route = slowest(median(row.route)),
+                   exch = slowest(median(row.exchange)), exp = slowest(median(row.experts)),
+                   comb = slowest(median(row.combine)), red = slowest(median(row.reduce));
+      const double bytes = slowest(median(row.bytes)) / double(tokens);
+      if (rank == 0)
+        std::printf("%-12s P=%d %-14s tokens/rank=%-6ld total %8.2f ms | route %7.2f exchange %7.2f experts %8.2f "
+                    "combine %7.2f grad-sum %6.2f ms | sent %8.0f B/token\n",
+                    what, size, label, long(tokens), total * ms, route * ms, exch * ms, exp * ms, comb * ms, red * ms,
+                    bytes);
+    };
+    if (rank == 0)
+      std::printf("# %s preset: d=%ld f=%ld E=%ld K=%ld S=%ld, float, OMP threads/rank=%s\n", preset.c_str(),
+                  long(cfg.d_model), long(cfg.d_ffn), long(cfg.n_experts), long(cfg.n_active), long(cfg.n_shared),
+                  std::getenv("OMP_NUM_THREADS") ? std::getenv("OMP_NUM_THREADS") : "default");
+    report("EP forward", fwd);
+    report("EP fwd+bwd", step);
+    const double f = slowest(median(dp_fwd)), s = slowest(median(dp_step)), a = slowest(median(dp_allreduce));
+    if (rank == 0)
+      std::printf("%-12s P=%d %-14s tokens/rank=%-6ld forward %8.2f ms | fwd+bwd+allreduce %8.2f ms (allreduce of %ld "
+                  "grads %7.2f ms)\n",
+                  "DP baseline", size, label, long(tokens), f * 1e3, s * 1e3, long(expert_scalars), a * 1e3);
+  }
+  MPI_Finalize();
+  return 0;
+}
