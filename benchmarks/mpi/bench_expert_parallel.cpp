@@ -138,6 +138,26 @@ int main(int argc, char** argv) {
                   std::getenv("OMP_NUM_THREADS") ? std::getenv("OMP_NUM_THREADS") : "default");
     report("EP forward", fwd);
     report("EP fwd+bwd", step);
+    // The exchange alone: one forward's rows (N·K rows of d, split evenly
+    // over the ranks) through alltoallv after a barrier, so no rank waits
+    // for another's compute. Gives the transport's bandwidth for the model.
+    {
+      const Index rows = tokens * cfg.n_active, per = rows / size;
+      std::vector<Index> counts(static_cast<std::size_t>(size), per * cfg.d_model);
+      std::vector<T> out(static_cast<std::size_t>(rows * cfg.d_model), T(1)), in(out.size());
+      std::vector<double> raw;
+      for (Index r = 0; r <= reps; ++r) {
+        MPI_Barrier(MPI_COMM_WORLD);
+        const double t0 = MPI_Wtime();
+        mpi::alltoallv(comm, out.data(), counts, in.data(), counts);
+        if (r > 0) raw.push_back(MPI_Wtime() - t0);
+      }
+      const double t = slowest(median(raw));
+      const double sent = double(per * cfg.d_model) * sizeof(T) * double(size - 1);
+      if (rank == 0)
+        std::printf("%-12s P=%d %-14s one alltoallv of %.2f MB sent per rank: %7.3f ms, %6.2f GB/s per rank\n",
+                    "exchange", size, label, sent / 1e6, t * 1e3, t > 0 ? sent / t / 1e9 : 0.0);
+    }
     const double f = slowest(median(dp_fwd)), s = slowest(median(dp_step)), a = slowest(median(dp_allreduce));
     if (rank == 0)
       std::printf("%-12s P=%d %-14s tokens/rank=%-6ld forward %8.2f ms | fwd+bwd+allreduce %8.2f ms (allreduce of %ld "
