@@ -187,7 +187,7 @@ TEST_CASE("bf16 bulk conversions equal an independent reference on random bits",
   }
   for (const Isa isa : supported_isas()) {
     INFO("path " << isa_name(isa));
-    std::vector<bf16> out{std::size_t(n), bf16{0}};
+    std::vector<bf16> out(std::size_t(n), bf16{0});
     to_bf16(in.data(), out.data(), n, isa);
     Index bad = 0;
     for (Index i = 0; i < n; ++i) bad += out[std::size_t(i)].bits != bf16_reference(in[std::size_t(i)]);

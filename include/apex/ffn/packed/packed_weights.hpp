@@ -31,6 +31,7 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <utility>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -79,7 +80,7 @@ class AlignedArray {
   AlignedArray(const AlignedArray& o) : AlignedArray(o.n_) {
     if (n_) std::memcpy(p_.get(), o.p_.get(), std::size_t(n_) * sizeof(T));
   }
-  AlignedArray(AlignedArray&&) noexcept = default;
+  AlignedArray(AlignedArray&& o) noexcept : p_(std::move(o.p_)), n_(std::exchange(o.n_, 0)) {}
   AlignedArray& operator=(AlignedArray o) noexcept {
     std::swap(p_, o.p_);
     std::swap(n_, o.n_);
