@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../param.hpp"
@@ -123,5 +124,45 @@ void sum_gradients(const Communicator& comm, const ParamList<T>& params, Index l
     at += p.size();
   }
 }
+
+/// The replicated gradients of one backward, summed across ranks while
+/// keeping what they held before (gradient accumulation over micro-batches):
+/// `begin` stashes and zeroes them, the backward adds this rank's partial,
+/// `finish` sums the partials in rank order and adds the stash back, and
+/// `restore` (a failed step, on every rank) puts the stash back. On one rank
+/// nothing needs summing and all three do nothing.
+template <class T>
+class StepGradientSum {
+ public:
+  StepGradientSum(const Communicator& comm, ParamList<T> params) : comm_(comm), params_(std::move(params)) {}
+
+  void begin() {
+    if (comm_.size() == 1) return;
+    stash_.clear();
+    for (const auto& p : params_) {
+      stash_.insert(stash_.end(), p.grad_data, p.grad_data + p.size());
+      p.grad().setZero();
+    }
+  }
+  void finish() {
+    if (comm_.size() == 1) return;
+    sum_gradients(comm_, params_);
+    add_stash(false);
+  }
+  void restore() {
+    if (comm_.size() > 1) add_stash(true);
+  }
+
+ private:
+  void add_stash(bool replace) {
+    std::size_t at = 0;
+    for (const auto& p : params_)
+      for (Index i = 0; i < p.size(); ++i, ++at) p.grad_data[i] = replace ? stash_[at] : p.grad_data[i] + stash_[at];
+  }
+
+  const Communicator& comm_;
+  ParamList<T> params_;
+  std::vector<T> stash_;
+};
 
 }  // namespace apex::mpi

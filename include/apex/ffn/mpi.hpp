@@ -1,0 +1,25 @@
+#pragma once
+/// \file mpi.hpp
+/// Expert parallelism over MPI (target apex::mpi; docs/expert_parallel.md).
+/// This umbrella includes the headers under mpi/, one per concept:
+///
+///     communicator.hpp        Communicator (a duplicated MPI_Comm), error agreement, MpiError
+///     alltoallv.hpp           alltoall_counts, alltoallv with int-count chunking
+///     fixed_order_sum.hpp     fixed_order_sum, sum_gradients, StepGradientSum (rank-order sums)
+///     config_agreement.hpp    fingerprint, agree_on_config
+///     expert_shard.hpp        ExpertShard: contiguous, near-equal expert shards
+///     exchange_plan.hpp       ExchangePlan: counts, expert-major reordering, exchange_rows
+///     local_experts.hpp       a rank's expert compute (tasks as MoEFFN's)
+///     expert_parallel_moe.hpp ExpertParallelMoE<T, Expert>
+///
+/// Sharded checkpoints (mpi/sharded_checkpoint.hpp) also need apex::checkpoint
+/// and are not included here.
+
+#include "mpi/alltoallv.hpp"
+#include "mpi/communicator.hpp"
+#include "mpi/config_agreement.hpp"
+#include "mpi/exchange_plan.hpp"
+#include "mpi/expert_parallel_moe.hpp"
+#include "mpi/expert_shard.hpp"
+#include "mpi/fixed_order_sum.hpp"
+#include "mpi/local_experts.hpp"

@@ -1,0 +1,107 @@
+#pragma once
+/// \file mpi/local_experts.hpp
+/// A rank's share of the expert compute: its routed experts on their
+/// expert-major blocks (exchange_plan.hpp) and the shared experts on its own
+/// tokens, threaded over (expert × row tile) tasks as MoEFFN threads them.
+///
+/// Forward tiles each block of m rows into ⌈m / max_tile⌉ near-equal tiles
+/// (MoEFFN::kMaxTileRows), so a routed expert sees exactly the row blocks it
+/// would see in MoEFFN on the concatenated batch; backward runs one task per
+/// non-empty expert (its weight gradients are its own) and per shared
+/// expert. Tasks write disjoint rows, so results do not depend on threads.
+
+#include <algorithm>
+#include <vector>
+
+#include "../expert_contract.hpp"
+#include "../parallel.hpp"
+#include "../types.hpp"
+#include "../workspace.hpp"
+
+namespace apex::mpi::detail {
+
+struct Task {
+  bool shared;
+  Index id, begin, rows;
+};
+
+/// Largest first, ties in creation order (longest processing time first).
+inline void largest_first(std::vector<Task>& tasks) {
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.rows > b.rows; });
+}
+
+/// Tiles of every local expert block (`offset`: S + 1) and of the n tokens
+/// of every shared expert.
+inline std::vector<Task> forward_tasks(const std::vector<Index>& offset, Index n_shared, Index n, Index max_tile) {
+  std::vector<Task> tasks;
+  const auto tile = [&](bool shared, Index id, Index begin, Index count) {
+    const Index tiles = (count + max_tile - 1) / max_tile;
+    for (Index i = 0; i < tiles; ++i) {
+      const Index b = count * i / tiles, e = count * (i + 1) / tiles;
+      tasks.push_back({shared, id, begin + b, e - b});
+    }
+  };
+  for (std::size_t j = 0; j + 1 < offset.size(); ++j) tile(false, Index(j), offset[j], offset[j + 1] - offset[j]);
+  for (Index s = 0; s < n_shared; ++s) tile(true, s, 0, n);
+  largest_first(tasks);
+  return tasks;
+}
+
+/// Forward of the local experts: y_local (R × d) from x_local (expert-major)
+/// and its side input; the shared experts' outputs shared_y[s] (n × d) from
+/// x. Fills the workspaces backward reads (work: R × w; shared_work[s]).
+template <class Expert, class Shared, class T>
+void local_forward(const std::vector<Expert>& experts, const std::vector<Shared>& shared, const ConstMatrixRef<T>& x,
+                   const Matrix<T>& x_local, const Vector<T>& side_local, const std::vector<Index>& offset,
+                   Matrix<T>& work, Matrix<T>& y_local, std::vector<Matrix<T>>& shared_work,
+                   std::vector<Matrix<T>>& shared_y, Index max_tile, int threads) {
+  const Index rows = x_local.rows(), n = x.rows(), d = x.cols();
+  work.resize(rows, experts.front().work_cols());
+  y_local.resize(rows, d);
+  shared_work.resize(shared.size());
+  shared_y.resize(shared.size());
+  for (auto& w : shared_work) w.resize(n, shared.empty() ? 0 : shared.front().work_cols());
+  for (auto& ys : shared_y) ys.resize(n, d);
+  const std::vector<Task> tasks = forward_tasks(offset, Index(shared.size()), n, max_tile);
+  apex::detail::parallel_for(Index(tasks.size()), threads, [&](Index i) {
+    const Task& t = tasks[std::size_t(i)];
+    const std::size_t id = std::size_t(t.id);
+    if (t.shared)
+      shared[id].forward_block(x.middleRows(t.begin, t.rows), shared_work[id].middleRows(t.begin, t.rows),
+                               shared_y[id].middleRows(t.begin, t.rows));
+    else
+      apex::detail::expert_forward(experts[id], x_local.middleRows(t.begin, t.rows), side_local, t.begin, t.rows,
+                                   work.middleRows(t.begin, t.rows), y_local.middleRows(t.begin, t.rows));
+  });
+}
+
+/// Backward of local_forward: dx_local (R × d) and dside_local (R or 0) from
+/// dy_local (expert-major g·dy); shared_dx (S·n × d, expert s in rows
+/// [s·n, (s+1)·n)) from dy (n × d). Adds into every local expert's and shared
+/// expert's weight gradients.
+template <class Expert, class Shared, class T, class DyLocal, class DxLocal, class SharedDx>
+void local_backward(std::vector<Expert>& experts, std::vector<Shared>& shared, const Matrix<T>& x,
+                    const ConstMatrixRef<T>& dy, const Matrix<T>& x_local, const Vector<T>& side_local,
+                    const std::vector<Index>& offset, const Matrix<T>& work, const std::vector<Matrix<T>>& shared_work,
+                    const DyLocal& dy_local, DxLocal& dx_local, Vector<T>& dside_local, SharedDx& shared_dx,
+                    int threads) {
+  const Index n = x.rows();
+  std::vector<Task> tasks;
+  for (std::size_t j = 0; j + 1 < offset.size(); ++j)
+    if (offset[j + 1] > offset[j]) tasks.push_back({false, Index(j), offset[j], offset[j + 1] - offset[j]});
+  for (Index s = 0; s < Index(shared.size()); ++s)
+    if (n > 0) tasks.push_back({true, s, 0, n});
+  largest_first(tasks);
+  apex::detail::parallel_for(Index(tasks.size()), threads, [&](Index i) {
+    const Task& t = tasks[std::size_t(i)];
+    const std::size_t id = std::size_t(t.id);
+    if (t.shared)
+      shared[id].backward_block(x, shared_work[id], dy, shared_dx.middleRows(t.id * n, n));
+    else
+      apex::detail::expert_backward(experts[id], x_local.middleRows(t.begin, t.rows), side_local, t.begin, t.rows,
+                                    work.middleRows(t.begin, t.rows), dy_local.middleRows(t.begin, t.rows),
+                                    dx_local.middleRows(t.begin, t.rows), dside_local);
+  });
+}
+
+}  // namespace apex::mpi::detail
