@@ -18,6 +18,9 @@ add_library(apex::mpi ALIAS apex_ffn_mpi)
 # MPI::MPI_CXX is an imported target: its headers are SYSTEM includes, so
 # -Wpedantic -Werror never fires inside mpi.h.
 target_link_libraries(apex_ffn_mpi INTERFACE apex_ffn MPI::MPI_CXX)
+# The layer uses MPI's C API only: skip the deprecated C++ bindings (faster to
+# compile, and they do not build warning-free with -Wextra under mpicxx).
+target_compile_definitions(apex_ffn_mpi INTERFACE OMPI_SKIP_MPICXX=1 MPICH_SKIP_MPICXX=1)
 set_target_properties(apex_ffn_mpi PROPERTIES EXPORT_NAME mpi)
 # Sharded checkpoints (mpi/sharded_checkpoint.hpp) need apex::checkpoint as well.
 
