@@ -14,8 +14,9 @@
 ///   f32 kernel on the bf16-rounded weights bit for bit.
 /// - bf16 weights, paired (AVX-512 BF16): activations rounded to bf16 and
 ///   `vdpbf16ps` accumulates x_2j·w_2j + x_2j+1·w_2j+1 per lane: two
-///   multiply-adds per instruction (twice the FMA rate), at the cost of the
-///   activation rounding (relative 2⁻⁹ per element; see kernels.hpp).
+///   multiply-adds per instruction, at the cost of the activation rounding
+///   (relative 2⁻⁹ per element). On the CPU measured it issues at half the
+///   FMA rate, so it is not faster there (see kernels.hpp).
 /// Conventions as in kernels_scalar.hpp.
 
 #include <cstdint>
