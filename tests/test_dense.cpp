@@ -1,10 +1,12 @@
 // Dense path: RMSNorm and SwiGLU — worked examples, gradients by finite
-// differences, float/double agreement, shape errors.
+// differences, float/double agreement, shape errors, and the error sweeps of
+// the dense layers (with the NaN propagation of every dense forward).
 #include <apex/ffn.hpp>
 
 #include <catch2/catch.hpp>
 
 #include "gradcheck.hpp"
+#include "sweep.hpp"
 
 using namespace apex;
 using apex::test::check_params;
@@ -13,7 +15,7 @@ using apex::test::dot_all;
 using apex::test::random_matrix;
 using Catch::Matchers::WithinAbs;
 
-TEST_CASE("RMSNorm worked example of the SPEC", "[rmsnorm][reference]") {
+TEST_CASE("RMSNorm worked example (docs/math.md#rmsnorm)", "[rmsnorm][reference]") {
   RMSNorm<double> norm(4);
   Matrix<double> x(1, 4);
   x << 2, -1, 0.5, 1.5;
@@ -22,7 +24,7 @@ TEST_CASE("RMSNorm worked example of the SPEC", "[rmsnorm][reference]") {
   for (int j = 0; j < 4; ++j) CHECK_THAT(y(0, j), WithinAbs(want[j], 5e-5));
 }
 
-TEST_CASE("SwiGLU example of reference 12.5 at its correct values", "[swiglu][reference]") {
+TEST_CASE("SwiGLU worked example (docs/math.md#swiglu) at its correct values", "[swiglu][reference]") {
   // The reference's W_gate, W_up are d × f (x·W); the library stores the
   // PyTorch layout f × d, hence the transposes.
   Matrix<double> w_gate(4, 3), w_up(4, 3);
@@ -40,7 +42,7 @@ TEST_CASE("SwiGLU example of reference 12.5 at its correct values", "[swiglu][re
   const Matrix<double> y = ffn.forward(x, &cache);
   const auto g = cache.work.leftCols(3), u = cache.work.middleCols(3, 3), a = cache.work.rightCols(3);
 
-  // Erratum (SPEC): the document prints x·W_gate = [0.69, −0.36, 0.31],
+  // Erratum (docs/math.md#errata): an older text prints x·W_gate = [0.69, −0.36, 0.31],
   // SiLU = [0.474, −0.163, 0.186], x·W_up = [0.01, 0.39, −0.23] and the
   // product [0.005, −0.064, −0.043]. Only 0.69 is right; e.g. the second gate
   // entry is 1·(−0.3) − 0.5·0.4 + 0.3·0.2 + 0.8·(−0.1) = −0.52, and SiLU(0.69)
@@ -178,4 +180,123 @@ TEST_CASE("default FFN width is 8d/3 rounded up to a multiple of 32", "[swiglu]"
   CHECK(default_ffn_width(512) == 1376);  // the `small` preset
   CHECK(default_ffn_width(96) == 256);
   CHECK(default_ffn_width(1) == 32);
+}
+
+// ---- error handling (sweeps) ----
+using namespace apex::test;  // the sweep machinery of support/sweep.hpp
+
+TEMPLATE_TEST_CASE("RMSNorm sweep: widths and eps and gradient shapes", "[sweeps][rmsnorm]", float, double) {
+  using T = TestType;
+  const Index d = 6, n = 5;
+  RMSNorm<T> norm(d);
+  typename RMSNorm<T>::Cache cache, other;
+  norm.forward(rnd<T>(n, d, 1), &cache);
+  norm.forward(rnd<T>(n + 2, d, 2), &other);
+  std::vector<Case> cases;
+  for (Index w : {Index(0), Index(-1)})
+    cases.push_back({"RMSNorm(" + std::to_string(w) + ")", [=] { (void)RMSNorm<T>(w); }, "ConfigError",
+                     {"RMSNorm", "d_model", std::to_string(w)}});
+  for (double eps : {-1e-6, 0.0, kNaN, kInf})
+    cases.push_back({"RMSNorm eps " + std::to_string(eps), [=] { (void)RMSNorm<T>(d, T(eps)); }, "ConfigError",
+                     {"RMSNorm", "eps"}});
+  add_width_cases<T>(cases, "RMSNorm::forward", "x", n, d, [&](const Matrix<T>& x) { norm.forward(x); });
+  add_grad_cases<T>(cases, "RMSNorm::backward", "dy", n, d, [&](const Matrix<T>& dy) { norm.backward(dy, cache); });
+  cases.push_back({"RMSNorm::backward with the cache of a 7-row batch",
+                   [&] { norm.backward(Matrix<T>::Ones(n, d), other); }, "ShapeError", {"RMSNorm::backward", "'dy'"}});
+  run_sweep(cases);
+}
+
+TEMPLATE_TEST_CASE("SwiGLU sweep: widths and gradient shapes", "[sweeps][swiglu]", float, double) {
+  using T = TestType;
+  const Index d = 6, f = 10, n = 5;
+  SwiGLU<T> ffn(d, f, 1);
+  typename SwiGLU<T>::Cache cache, other;
+  ffn.forward(rnd<T>(n, d, 1), &cache);
+  ffn.forward(rnd<T>(n + 2, d, 2), &other);
+  std::vector<Case> cases;
+  const std::pair<Index, Index> bad_sizes[] = {{0, 6}, {-1, 6}, {4, 0}, {4, -3}};
+  for (const auto& [dm, df] : bad_sizes)
+    cases.push_back({"SwiGLU(" + std::to_string(dm) + ", " + std::to_string(df) + ")", [=] { (void)SwiGLU<T>(dm, df); },
+                     "ConfigError", {"SwiGLU", dm <= 0 ? "d_model" : "d_ffn"}});
+  add_width_cases<T>(cases, "SwiGLU::forward", "x", n, d, [&](const Matrix<T>& x) { ffn.forward(x); });
+  add_grad_cases<T>(cases, "SwiGLU::backward", "dy", n, d, [&](const Matrix<T>& dy) { ffn.backward(dy, cache); });
+  cases.push_back({"SwiGLU::backward with the cache of a 7-row batch", [&] { ffn.backward(Matrix<T>::Ones(n, d), other); },
+                   "ShapeError", {"SwiGLU::backward", "'dy'"}});
+  run_sweep(cases);
+}
+
+TEMPLATE_TEST_CASE("dense layers propagate NaN and Inf to their own rows only", "[sweeps][nan]", float, double) {
+  using T = TestType;
+  const Index d = 6, f = 10;
+  const RMSNorm<T> norm(d);
+  const SwiGLU<T> ffn(d, f, 3);
+  KappaSwiGLU<T> kappa(d, f, 4);
+  kappa.kappa_alpha() = rnd<T>(1, f, 5);
+  kappa.kappa_bias() = rnd<T>(1, f, 6);
+  const FFNSublayer<T, SwiGLU<T>> sublayer(d, SwiGLU<T>(d, f, 7));
+  const MultiTokenHeads<T> heads(d, 9, MultiTokenOptions{}, 8);
+  // 5 rows take the matrix–vector path of linear_nt, 12 the matrix product.
+  for (Index n : {Index(5), Index(12)}) {
+    check_nan_stays_in_its_row<T>(n, d, [&](const Matrix<T>& x) { return norm.forward(x); });
+    check_nan_stays_in_its_row<T>(n, d, [&](const Matrix<T>& x) { return ffn.forward(x); });
+    const Vector<T> logit = rnd<T>(n, 1, 9);
+    check_nan_stays_in_its_row<T>(n, d, [&](const Matrix<T>& x) { return kappa.forward(x, logit); });
+    check_nan_stays_in_its_row<T>(n, d, [&](const Matrix<T>& x) { return sublayer.forward(x); });
+    check_nan_stays_in_its_row<T>(n, d, [&](const Matrix<T>& x) { return heads.forward(x); });
+  }
+}
+
+TEST_CASE("the block interface of SwiGLU and kappa-SwiGLU computes what forward does", "[sweeps][block]") {
+  // Block calls are unchecked by contract (MoEFFN sizes every buffer); with
+  // correct buffers they must agree with the checked entry points bitwise.
+  const Index d = 6, f = 10, n = 7;
+  SwiGLU<double> ffn(d, f, 1);
+  KappaSwiGLU<double> kappa(d, f, 2);
+  kappa.kappa_alpha() = random_matrix(1, f, 3);
+  kappa.kappa_bias() = random_matrix(1, f, 4);
+  const Matrix<double> x = random_matrix(n, d, 5), dy = random_matrix(n, d, 6);
+  const Vector<double> logit = random_matrix(n, 1, 7);
+
+  SwiGLU<double>::Cache c;
+  const Matrix<double> y = ffn.forward(x, &c);
+  Matrix<double> work(n, ffn.work_cols()), yb(n, d), dxb(n, d);
+  ffn.forward_block(x, work, yb);
+  CHECK(yb == y);
+  CHECK(work == c.work);
+  const Matrix<double> dx = ffn.backward(dy, c);
+  ffn.backward_block(x, work, dy, dxb);
+  CHECK(dxb == dx);
+
+  KappaSwiGLU<double>::Cache kc;
+  const Matrix<double> ky = kappa.forward(x, logit, &kc);
+  Matrix<double> kwork(n, kappa.work_cols()), kyb(n, d), kdxb(n, d);
+  Vector<double> kdl(n);
+  kappa.forward_block(x, logit, kwork, kyb);
+  CHECK(kyb == ky);
+  const auto kg = kappa.backward(dy, kc);
+  kappa.backward_block(x, logit, kwork, dy, kdxb, kdl);
+  CHECK(kdxb == kg.dx);
+  CHECK(kdl == kg.dlogit);
+}
+
+TEMPLATE_TEST_CASE("RMSNorm never turns a finite input into NaN", "[sweeps][regression][rmsnorm]", float, double) {
+  // rms_norm.hpp: eps = 0 was accepted ("eps must be finite and >= 0"); an
+  // all-zero row then gave r = 1/sqrt(0) = inf and x̂ = 0·inf = NaN, so a
+  // valid configuration turned a finite input into NaN. Fixed: eps must be
+  // > 0 (ConfigError), and any positive eps, even the smallest subnormal,
+  // keeps a zero row finite in forward and backward.
+  using T = TestType;
+  expect(outcome([] { (void)RMSNorm<T>(4, T(0)); }), "ConfigError", {"RMSNorm", "eps"});
+  expect(outcome([] { (void)RMSNorm<T>(4, -T(0)); }), "ConfigError", {"RMSNorm", "eps"});
+  for (T eps : {std::numeric_limits<T>::denorm_min(), std::numeric_limits<T>::min(), T(1e-6)}) {
+    INFO("eps " << eps);
+    RMSNorm<T> norm(4, eps);
+    typename RMSNorm<T>::Cache cache;
+    Matrix<T> x = Matrix<T>::Zero(3, 4);
+    x.row(1).setOnes();
+    const Matrix<T> y = norm.forward(x, &cache);
+    CHECK(y.allFinite());
+    CHECK(y.row(0).isZero(0));
+    CHECK(norm.backward(Matrix<T>::Ones(3, 4), cache).allFinite());
+  }
 }

@@ -1,7 +1,8 @@
 // κ-SwiGLU: reduction to SwiGLU at α = b = 0, gradients by finite differences
 // (every parameter, the input and the router-logit path), the ρ scaling, κ
 // bounds for extreme inputs, the regulariser, float against double, errors,
-// and the same inside MoEFFN.
+// the same inside MoEFFN, and the error sweep of the options, the setters and
+// the inputs.
 #include <apex/ffn/kappa_swiglu.hpp>
 #include <apex/ffn/moe.hpp>
 
@@ -10,14 +11,18 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "gradcheck.hpp"
+#include "sweep.hpp"
 
 using namespace apex;
 using apex::test::check_params;
 using apex::test::check_values;
 using apex::test::dot_all;
+using apex::test::moe_config;
 using apex::test::random_matrix;
+using apex::test::topk_margin;
 using Catch::Matchers::WithinAbs;
 using Catch::Matchers::WithinRel;
 
@@ -45,22 +50,6 @@ template <class A, class B>
 double rel_diff(const A& a, const B& b) {
   const double scale = std::max(a.template cast<double>().norm(), b.template cast<double>().norm());
   return scale == 0 ? 0.0 : (a.template cast<double>() - b.template cast<double>()).norm() / scale;
-}
-
-// Smallest gap between the K-th and (K+1)-th biased router score.
-template <class T, class Expert>
-double topk_margin(const MoEFFN<T, Expert>& moe, const Matrix<T>& x) {
-  Routing<T> r;
-  moe.router().route(x, moe.balancer().bias(), false, r);
-  const Index k = moe.config().n_active;
-  if (k == moe.config().n_experts) return 1e9;
-  double margin = 1e9;
-  for (Index t = 0; t < x.rows(); ++t) {
-    Eigen::Array<T, 1, Eigen::Dynamic> s = r.logits.row(t).array() + moe.balancer().bias().array();
-    std::sort(s.data(), s.data() + s.size(), std::greater<T>());
-    margin = std::min(margin, double(s(k - 1) - s(k)));
-  }
-  return margin;
 }
 
 }  // namespace
@@ -239,6 +228,41 @@ TEMPLATE_TEST_CASE("kappa stays in its bounds for extreme inputs", "[kappa][nume
   }
 }
 
+TEMPLATE_TEST_CASE("kappa-SwiGLU stays finite when c*logit overflows", "[kappa][numerics][regression]", float,
+                   double) {
+  // KappaOptions{c = 1e38} is in range for float, but with a logit of 10,
+  // s = c·ℓ overflowed to ∞ and α·s with α = 0 was 0·∞ = NaN, so the output
+  // was NaN where κ must be 1. Fixed: s saturates at the largest finite T.
+  using T = TestType;
+  const double c = std::is_same_v<T, float> ? 1e38 : 1e308;
+  KappaOptions opt;
+  opt.c = c;
+  KappaSwiGLU<T> kappa(6, 8, 1, opt);
+  SwiGLU<T> plain(6, 8, 1);
+  const Matrix<T> x = random_matrix(5, 6, 2).template cast<T>(), dy = random_matrix(5, 6, 3).template cast<T>();
+  Vector<T> logit(5);
+  logit << T(10), T(-10), T(1e3), T(0), T(-1);
+  // α = b = 0: κ ≡ 1, bitwise SwiGLU, and no gradient reaches ℓ.
+  CHECK((kappa.kappa(logit).array() == T(1)).all());
+  typename KappaSwiGLU<T>::Cache kc;
+  typename SwiGLU<T>::Cache pc;
+  CHECK(kappa.forward(x, logit, &kc) == plain.forward(x, &pc));
+  const auto g = kappa.backward(dy, kc);
+  CHECK(g.dx == plain.backward(dy, pc));
+  CHECK(g.dlogit.head(3).isZero());
+  for (const auto& p : kappa.params()) CHECK(p.grad().allFinite());
+  // α ≠ 0: u = b + α·s saturates and tanh gives ±1, so κ sits at U or 1/U.
+  kappa.kappa_alpha().setConstant(T(0.5));
+  const Matrix<T> k = kappa.kappa(logit);
+  CHECK(k.allFinite());
+  CHECK_THAT(double(k(0, 0)), WithinRel(opt.U, 1e-6));
+  CHECK_THAT(double(k(1, 0)), WithinRel(1.0 / opt.U, 1e-6));
+  CHECK(kappa.forward(x, logit, &kc).allFinite());
+  const auto g2 = kappa.backward(dy, kc);
+  CHECK(g2.dx.allFinite());
+  CHECK(g2.dlogit.allFinite());
+}
+
 TEST_CASE("kappa-SwiGLU regulariser value and gradient", "[kappa][regulariser]") {
   const Index f = 7;
   KappaOptions opt;
@@ -402,24 +426,10 @@ TEST_CASE("kappa-SwiGLU rejects bad options and inputs", "[kappa][errors]") {
 // ---------------------------------------------------------------------------
 // Inside MoEFFN
 
-namespace {
-
-MoEConfig kappa_config(Index n_experts, Index k, Index n_shared, Index d = 6, Index f = 5) {
-  MoEConfig c;
-  c.d_model = d;
-  c.d_ffn = f;
-  c.n_experts = n_experts;
-  c.n_active = k;
-  c.n_shared = n_shared;
-  return c;
-}
-
-}  // namespace
-
 TEST_CASE("MoE of kappa-SwiGLU experts with alpha = b = 0 equals the SwiGLU MoE", "[kappa][moe]") {
   for (const Index f : {5, 32}) {
     INFO("f = " << f);
-    const MoEConfig cfg = kappa_config(4, 2, 1, 6, f);
+    const MoEConfig cfg = moe_config(4, 2, 1, 6, f);
     MoEFFN<double> plain(cfg, 31);
     MoEFFN<double, KappaSwiGLU<double>> kappa(cfg, 31);  // same seed: same router and weights
     const Matrix<double> x = random_matrix(17, 6, 32, 1.5), r = random_matrix(17, 6, 33);
@@ -460,7 +470,7 @@ TEST_CASE("MoE of kappa-SwiGLU experts: gradients match central differences", "[
                         {"N = 0", 0, 4, 2, 1, false, 1.0}};
   for (const Case& cs : cases) {
     INFO(cs.what);
-    MoEConfig cfg = kappa_config(cs.experts, cs.k, cs.shared);
+    MoEConfig cfg = moe_config(cs.experts, cs.k, cs.shared);
     cfg.weights_from_unbiased = cs.unbiased;
     MoEFFN<double, KappaSwiGLU<double>> moe(cfg, 41);
     moe.balancer().set_bias(random_matrix(1, cs.experts, 42, 0.3));
@@ -551,7 +561,7 @@ TEST_CASE("MoE of kappa-SwiGLU experts: gradients match central differences", "[
 }
 
 TEST_CASE("MoE helpers set U and add the layer-wide regulariser", "[kappa][moe][regulariser]") {
-  MoEFFN<double, KappaSwiGLU<double>> moe(kappa_config(3, 2, 1), 1);
+  MoEFFN<double, KappaSwiGLU<double>> moe(moe_config(3, 2, 1), 1);
   set_kappa_U(moe, 2.5);
   for (const auto& e : moe.experts()) CHECK(e.U() == 2.5);
   CHECK_THROWS_AS(set_kappa_U(moe, 0.5), ConfigError);
@@ -572,4 +582,98 @@ TEST_CASE("MoE helpers set U and add the layer-wide regulariser", "[kappa][moe][
     const RowVector<double> want = 2e-2 * e.kappa_alpha() / double(count);
     CHECK((e.kappa_alpha_grad() - want).norm() <= 1e-15);
   }
+}
+
+// ---- error handling (sweeps) ----
+using namespace apex::test;  // the sweep machinery of support/sweep.hpp
+using Catch::Matchers::Equals;
+using Catch::Matchers::StartsWith;
+
+TEMPLATE_TEST_CASE("KappaSwiGLU sweep: options and setters and inputs", "[sweeps][kappa]", float, double) {
+  using T = TestType;
+  const Index d = 6, f = 8, n = 5;
+  KappaSwiGLU<T> layer(d, f, 1);
+  const Vector<T> logit = rnd<T>(n, 1, 2);
+  typename KappaSwiGLU<T>::Cache cache, other;
+  layer.forward(rnd<T>(n, d, 3), logit, &cache);
+  layer.forward(rnd<T>(n + 2, d, 4), rnd<T>(n + 2, 1, 5), &other);
+  std::vector<Case> cases;
+
+  struct Option {
+    const char* field;
+    std::function<void(KappaOptions&)> spoil;
+  };
+  const std::vector<Option> options = {
+      {"U must", [](KappaOptions& o) { o.U = 0.999; }},   {"U must", [](KappaOptions& o) { o.U = 0; }},
+      {"U must", [](KappaOptions& o) { o.U = -4; }},      {"U must", [](KappaOptions& o) { o.U = kNaN; }},
+      {"U must", [](KappaOptions& o) { o.U = kInf; }},    {"c must", [](KappaOptions& o) { o.c = kNaN; }},
+      {"c must", [](KappaOptions& o) { o.c = -kInf; }},   {"rho must", [](KappaOptions& o) { o.rho = -0.1; }},
+      {"rho must", [](KappaOptions& o) { o.rho = kNaN; }}, {"rho must", [](KappaOptions& o) { o.rho = kInf; }},
+      {"reg_weight must", [](KappaOptions& o) { o.reg_weight = -1e-2; }},
+      {"reg_weight must", [](KappaOptions& o) { o.reg_weight = kNaN; }},
+  };
+  for (const Option& op : options) {
+    KappaOptions bad;
+    op.spoil(bad);
+    cases.push_back({std::string("KappaSwiGLU with ") + op.field, [=] { (void)KappaSwiGLU<T>(d, f, 0, bad); },
+                     "ConfigError", {"KappaSwiGLU", op.field}});
+    cases.push_back({std::string("KappaSwiGLU::set_options with ") + op.field, [=, &layer] { layer.set_options(bad); },
+                     "ConfigError", {"KappaSwiGLU::set_options", op.field}});
+  }
+  for (double u : {0.5, 0.0, -1.0, kNaN, kInf})
+    cases.push_back({"KappaSwiGLU::set_U(" + std::to_string(u) + ")", [=, &layer] { layer.set_U(u); }, "ConfigError",
+                     {"KappaSwiGLU::set_options", "U must"}});
+  cases.push_back({"KappaSwiGLU(0, f)", [=] { (void)KappaSwiGLU<T>(0, f); }, "ConfigError", {"d_model"}});
+  cases.push_back({"KappaSwiGLU(d, 0)", [=] { (void)KappaSwiGLU<T>(d, 0); }, "ConfigError", {"d_ffn"}});
+
+  add_width_cases<T>(cases, "KappaSwiGLU::forward", "x", n, d, [&](const Matrix<T>& x) { layer.forward(x, logit); });
+  for (Index len : {n - 1, n + 1, Index(0)})
+    cases.push_back({"KappaSwiGLU::forward with " + std::to_string(len) + " logits for " + std::to_string(n) + " rows",
+                     [=, &layer] { layer.forward(Matrix<T>::Ones(n, d), Vector<T>::Zero(len)); }, "ShapeError",
+                     {"KappaSwiGLU::forward", "'logit'", shape(len, 1)}});
+  for (double v : {kNaN, kInf, -kInf})
+    cases.push_back({"KappaSwiGLU::forward with logit " + std::to_string(v),
+                     [=, &layer] {
+                       Vector<T> l = Vector<T>::Zero(n);
+                       l(1) = T(v);
+                       layer.forward(Matrix<T>::Ones(n, d), l);
+                     },
+                     "ValueError", {"KappaSwiGLU::forward", "'logit'", "NaN or Inf"}});
+  add_grad_cases<T>(cases, "KappaSwiGLU::backward", "dy", n, d, [&](const Matrix<T>& dy) { layer.backward(dy, cache); });
+  cases.push_back({"KappaSwiGLU::backward with the cache of a 7-row batch",
+                   [&] { layer.backward(Matrix<T>::Ones(n, d), other); }, "ShapeError", {"KappaSwiGLU::backward", "'dy'"}});
+
+  // Inside an MoE layer.
+  MoEFFN<T, KappaSwiGLU<T>> moe(moe_config(4, 2, 1, d, f), 6);
+  cases.push_back({"set_kappa_U(moe, 0.5)", [&] { set_kappa_U(moe, 0.5); }, "ConfigError", {"U must"}});
+  cases.push_back({"kappa MoE forward with NaN", [&] {
+                     Matrix<T> x = rnd<T>(n, d, 7);
+                     x(0, 0) = T(kNaN);
+                     moe.forward(x);
+                   },
+                   "ValueError", {"not finite"}});
+  add_width_cases<T>(cases, "MoEFFN::forward", "x", n, d, [&](const Matrix<T>& x) { moe.forward(x); });
+  run_sweep(cases);
+
+  // Rejected options change nothing.
+  CHECK(layer.U() == 4.0);
+  CHECK(layer.options().rho == 0.1);
+  for (const auto& ex : moe.experts()) CHECK(ex.U() == 4.0);
+}
+
+TEST_CASE("KappaSwiGLU of float rejects options beyond the range of float", "[sweeps][regression][kappa]") {
+  // kappa_swiglu.hpp: KappaOptions::validate checked U and c for finiteness
+  // as doubles; KappaSwiGLU<float> converts them with T(opt_.c), T(opt_.U).
+  // c = 1e39 is finite as a double but inf as a float, so s = c·ℓ was inf
+  // (NaN for ℓ = 0), u = b + α·s = 0·inf = NaN and the output NaN for a
+  // finite input. Fixed: the constructor and set_options also require the
+  // options to lie within the range of T.
+  const std::string got = outcome([] {
+    KappaOptions o;
+    o.c = 1e39;
+    const KappaSwiGLU<float> layer(4, 6, 0, o);
+    const Matrix<float> y = layer.forward(Matrix<float>::Ones(2, 4), Vector<float>::Zero(2));
+    if (!y.allFinite()) throw std::runtime_error("NaN output from a finite input");
+  });
+  CHECK_THAT(got, Equals("returned") || StartsWith("ConfigError: "));
 }

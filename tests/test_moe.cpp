@@ -1,6 +1,9 @@
-// MoEFFN: router (reference §13.5), load balancer (§14.5), grouped dispatch
-// against the tutorial's plain per-expert loop, gradients by finite
-// differences, determinism across runs and thread counts, balancing.
+// MoEFFN: router and load balancer worked examples (docs/math.md#router,
+// docs/math.md#load-balancer), grouped dispatch against a plain per-expert loop, gradients by finite
+// differences, determinism across runs and thread counts, balancing, and
+// the error sweeps and regression tests of the router, the load balancer,
+// MoEConfig and MoEFFN.
+#include <apex/ffn/kappa_swiglu.hpp>
 #include <apex/ffn/moe.hpp>
 
 #include <catch2/catch.hpp>
@@ -8,6 +11,7 @@
 #include <algorithm>
 
 #include "gradcheck.hpp"
+#include "sweep.hpp"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -17,22 +21,17 @@ using namespace apex;
 using apex::test::check_params;
 using apex::test::check_values;
 using apex::test::dot_all;
+using apex::test::expect;
+using apex::test::outcome;
+using apex::test::outcome_isolated;
+using apex::test::moe_config;
 using apex::test::random_matrix;
+using apex::test::topk_margin;
 using Catch::Matchers::WithinAbs;
 
 namespace {
 
-MoEConfig small_config(Index n_experts = 4, Index k = 2, Index n_shared = 1, Index d = 6, Index f = 5) {
-  MoEConfig c;
-  c.d_model = d;
-  c.d_ffn = f;
-  c.n_experts = n_experts;
-  c.n_active = k;
-  c.n_shared = n_shared;
-  return c;
-}
-
-// The tutorial's dispatch, written plainly: for each expert, scan all tokens
+// The plain dispatch: for each expert, scan all tokens
 // for those that chose it, gather them, run the expert, scatter-add g·out.
 template <class T, class Expert>
 Matrix<T> plain_loop(const MoEFFN<T, Expert>& moe, const Matrix<T>& x) {
@@ -57,25 +56,9 @@ Matrix<T> plain_loop(const MoEFFN<T, Expert>& moe, const Matrix<T>& x) {
   return out;
 }
 
-// Smallest gap between the K-th and (K+1)-th biased score over all tokens.
-template <class T, class Expert>
-double topk_margin(const MoEFFN<T, Expert>& moe, const Matrix<T>& x) {
-  Routing<T> r;
-  moe.router().route(x, moe.balancer().bias(), false, r);
-  const Index k = moe.config().n_active;
-  if (k == moe.config().n_experts) return 1e9;
-  double margin = 1e9;
-  for (Index t = 0; t < x.rows(); ++t) {
-    Eigen::Array<T, 1, Eigen::Dynamic> s = r.logits.row(t).array() + moe.balancer().bias().array();
-    std::sort(s.data(), s.data() + s.size(), std::greater<T>());
-    margin = std::min(margin, double(s(k - 1) - s(k)));
-  }
-  return margin;
-}
-
 }  // namespace
 
-TEST_CASE("router example of reference 13.5", "[moe][router][reference]") {
+TEST_CASE("router worked example (docs/math.md#router)", "[moe][router][reference]") {
   Rng rng(0);
   Router<double> router(2, 4, 2, rng);
   // x = [0.5, −0.3]; rows of W (E × d) chosen so x·W_eᵀ = [1.2, −0.3, 0.8, 0.1].
@@ -114,7 +97,7 @@ TEST_CASE("router breaks ties toward the lower expert index", "[moe][router]") {
   CHECK_THAT(r.weights(0, 0), WithinAbs(1.0 / 3, 1e-15));
 }
 
-TEST_CASE("load balancer step of reference 14.5", "[moe][balancer][reference]") {
+TEST_CASE("load balancer worked step (docs/math.md#load-balancer)", "[moe][balancer][reference]") {
   LoadBalancer<double> lb(4, 2, 0.1);
   // 8 tokens, K = 2: experts got 5, 4, 3, 4 of the 16 assignments — observed
   // in two micro-batches to exercise accumulation.
@@ -153,7 +136,7 @@ TEST_CASE("grouped dispatch equals the plain per-expert loop", "[moe][dispatch]"
                         {"several tiles", 2500, 4, 1, 1, 5.0}};
   for (const Case& cs : cases) {
     INFO(cs.what);
-    MoEFFN<double> moe(small_config(cs.experts, cs.k, cs.shared, 8, 12), 3);
+    MoEFFN<double> moe(moe_config(cs.experts, cs.k, cs.shared, 8, 12), 3);
     // Skew: pull expert 0's router row toward the mean input direction.
     moe.router().weight().row(0).array() += cs.skew;
     const Matrix<double> x = random_matrix(cs.n, 8, 4) + Matrix<double>::Constant(cs.n, 8, 0.3);
@@ -166,7 +149,7 @@ TEST_CASE("grouped dispatch equals the plain per-expert loop", "[moe][dispatch]"
 
 TEST_CASE("zero, one and all tokens on one expert", "[moe][dispatch]") {
   // BUG-08 class: the dispatch must handle any count per expert.
-  MoEFFN<double> moe(small_config(4, 1, 1), 5);
+  MoEFFN<double> moe(moe_config(4, 1, 1), 5);
   moe.router().weight().setZero();
   const Matrix<double> x = random_matrix(9, 6, 6);
   for (int target = 0; target < 4; ++target) {
@@ -195,7 +178,7 @@ TEST_CASE("zero, one and all tokens on one expert", "[moe][dispatch]") {
 }
 
 TEST_CASE("forward_into writes the forward's output into a caller's buffer, also in place", "[moe][dispatch]") {
-  MoEFFN<double> moe(small_config(6, 2, 1, 8, 12), 11);
+  MoEFFN<double> moe(moe_config(6, 2, 1, 8, 12), 11);
   const Matrix<double> x = random_matrix(40, 8, 12);
   MoEFFN<double>::Cache want_cache;
   const Matrix<double> want = moe.forward(x, &want_cache);
@@ -230,7 +213,7 @@ TEST_CASE("MoE gradients match central differences", "[moe][gradcheck]") {
                         {"N = 0", 0, 4, 2, 1, false}};
   for (const Case& cs : cases) {
     INFO(cs.what);
-    MoEConfig cfg = small_config(cs.experts, cs.k, cs.shared);
+    MoEConfig cfg = moe_config(cs.experts, cs.k, cs.shared);
     cfg.weights_from_unbiased = cs.unbiased;
     MoEFFN<double> moe(cfg, 21);
     RowVector<double> bias = random_matrix(1, cs.experts, 22, 0.3);
@@ -256,7 +239,7 @@ TEST_CASE("MoE gradients match central differences", "[moe][gradcheck]") {
 }
 
 TEST_CASE("MoE params are named like a PyTorch state_dict", "[moe]") {
-  MoEFFN<float> moe(small_config(3, 2, 2), 0);
+  MoEFFN<float> moe(moe_config(3, 2, 2), 0);
   const auto ps = moe.params();
   REQUIRE(ps.size() == 1 + 3 * 3 + 2 * 3);
   CHECK(ps[0].name == "router.weight");
@@ -269,7 +252,7 @@ TEST_CASE("MoE params are named like a PyTorch state_dict", "[moe]") {
 }
 
 TEST_CASE("MoE output is bitwise identical across runs and thread counts", "[moe][determinism]") {
-  MoEFFN<float> moe(small_config(6, 2, 1, 32, 48), 8);
+  MoEFFN<float> moe(moe_config(6, 2, 1, 32, 48), 8);
   // One busy expert: its block and the shared expert's span several row tiles
   // (kMaxTileRows = 1024), so 1 and 2 threads split them differently.
   moe.router().weight().row(2).array() += 0.5f;
@@ -302,7 +285,7 @@ TEST_CASE("MoE output is bitwise identical across runs and thread counts", "[moe
 }
 
 TEST_CASE("bias balancing drives a skewed router to even load", "[moe][balancer]") {
-  MoEConfig cfg = small_config(8, 2, 0, 16, 8);
+  MoEConfig cfg = moe_config(8, 2, 0, 16, 8);
   cfg.balancer_alpha = 0.01;
   MoEFFN<double> moe(cfg, 30);
   const Matrix<double> x = random_matrix(512, 16, 31) + Matrix<double>::Constant(512, 16, 0.2);
@@ -325,7 +308,7 @@ TEST_CASE("bias balancing drives a skewed router to even load", "[moe][balancer]
 }
 
 TEST_CASE("observe with a token mask counts only those tokens", "[moe][balancer]") {
-  MoEFFN<double> moe(small_config(4, 2, 0), 1);
+  MoEFFN<double> moe(moe_config(4, 2, 0), 1);
   const Matrix<double> x = random_matrix(10, 6, 2);
   MoEFFN<double>::Cache cache;
   moe.forward(x, &cache);
@@ -340,17 +323,87 @@ TEST_CASE("observe with a token mask counts only those tokens", "[moe][balancer]
   CHECK_THROWS_AS(moe.observe(cache, std::vector<bool>(3, true)), ShapeError);
 }
 
-TEST_CASE("MoE configuration is validated", "[moe][errors]") {
-  CHECK_NOTHROW(small_config().validate());
-  CHECK_THROWS_AS(MoEFFN<double>(small_config(4, 5)), ConfigError);  // K > E
-  CHECK_THROWS_WITH(MoEFFN<double>(small_config(4, 5)), Catch::Contains("n_active"));
-  CHECK_THROWS_AS(MoEFFN<double>(small_config(0, 1)), ConfigError);
-  CHECK_THROWS_AS(MoEFFN<double>(small_config(4, 0)), ConfigError);
-  CHECK_THROWS_AS(MoEFFN<double>(small_config(4, 2, -1)), ConfigError);
-  CHECK_THROWS_AS(MoEFFN<double>(small_config(4, 2, 1, 0)), ConfigError);
-  CHECK_THROWS_AS(MoEFFN<double>(small_config(4, 2, 1, 6, 0)), ConfigError);
+TEST_CASE("observe with and without a mask rejects a cache of a layer of another E or K",
+          "[moe][balancer][regression]") {
+  // moe.hpp, observe(cache, token_counted) trusted the cache: one filled by a
+  // layer with more experts (E = 8 into E = 4) made `++counts[expert]` write
+  // past `counts`, one of another K read past the routing matrix. Fixed: both
+  // overloads check the cache against the layer as backward does.
+  struct Other {
+    Index e, k;
+  };
+  for (const Other o : {Other{8, 2}, Other{4, 3}, Other{4, 1}}) {
+    INFO("cache of a layer with E = " << o.e << ", K = " << o.k);
+    for (const bool masked : {true, false}) {
+      INFO("masked " << masked);
+      expect(outcome_isolated([o, masked] {
+               MoEFFN<double> moe(moe_config(4, 2, 1), 1), other(moe_config(o.e, o.k, 1), 2);
+               moe.set_threads(1);
+               other.set_threads(1);
+               MoEFFN<double>::Cache cache;
+               other.forward(random_matrix(12, 6, 3), &cache);
+               if (masked)
+                 moe.observe(cache, std::vector<bool>(12, true));
+               else
+                 moe.observe(cache);
+             }),
+             "ShapeError", {"MoEFFN::observe", "'cache'"});
+    }
+  }
+  // An unfilled cache with a mask of its (zero) length is rejected too.
+  MoEFFN<double> moe(moe_config(4, 2, 1), 1);
+  expect(outcome([&] { moe.observe(MoEFFN<double>::Cache{}, std::vector<bool>()); }), "ShapeError",
+         {"MoEFFN::observe", "'cache"});
+  CHECK(moe.balancer().report().tokens == 0);
+}
 
-  MoEFFN<double> moe(small_config(), 0);
+TEST_CASE("constructors with sizes near the Index limit raise ConfigError, not overflow",
+          "[moe][errors][regression]") {
+  // A size product that does not fit an Index (2·f·d of SwiGLU, 8·d of the
+  // default width, E·d of the router, E·tokens of a balancer window) was
+  // signed overflow: undefined behaviour, in practice a wrapped size. Each
+  // is now a ConfigError naming the product, before any allocation.
+  const Index huge = Index(1) << 62;
+  auto config = [](Index d, Index f) {
+    MoEConfig c = moe_config(4, 2, 1);
+    c.d_model = d;
+    c.d_ffn = f;
+    return c;
+  };
+  struct Probe {
+    const char* what;
+    std::function<void()> call;
+    std::vector<std::string> names;
+  };
+  const std::vector<Probe> probes = {
+      {"SwiGLU d = 2^62", [=] { SwiGLU<float>(huge, 4, 0); }, {"SwiGLU", "2*d_ffn*d_model"}},
+      {"SwiGLU f = 2^62", [=] { SwiGLU<float>(4, huge, 0); }, {"SwiGLU", "2*d_ffn*d_model"}},
+      {"KappaSwiGLU d = 2^62", [=] { KappaSwiGLU<float>(huge, 4, 0); }, {"SwiGLU", "2*d_ffn*d_model"}},
+      {"default_ffn_width", [=] { (void)default_ffn_width(huge); }, {"default_ffn_width", "8*d_model"}},
+      {"Router d = 2^62", [=] { Rng rng(0); Router<float>(huge, 4, 2, rng); }, {"Router", "n_experts*d_model"}},
+      {"MoEFFN d = 2^62", [=] { MoEFFN<float>(config(huge, 4)); }, {"Router", "n_experts*d_model"}},
+      {"MoEFFN f = 2^62", [=] { MoEFFN<float>(config(4, huge)); }, {"SwiGLU", "2*d_ffn*d_model"}},
+      {"LoadBalancer::observe N = 2^62",
+       [=] { LoadBalancer<float>(4, 2).observe({huge, huge, 0, 0}, huge); },
+       {"LoadBalancer::observe", "n_experts*tokens"}},
+  };
+  for (const Probe& p : probes) {
+    INFO(p.what);
+    expect(outcome_isolated(p.call), "ConfigError", p.names);
+  }
+}
+
+TEST_CASE("MoE configuration is validated", "[moe][errors]") {
+  CHECK_NOTHROW(moe_config().validate());
+  CHECK_THROWS_AS(MoEFFN<double>(moe_config(4, 5)), ConfigError);  // K > E
+  CHECK_THROWS_WITH(MoEFFN<double>(moe_config(4, 5)), Catch::Contains("n_active"));
+  CHECK_THROWS_AS(MoEFFN<double>(moe_config(0, 1)), ConfigError);
+  CHECK_THROWS_AS(MoEFFN<double>(moe_config(4, 0)), ConfigError);
+  CHECK_THROWS_AS(MoEFFN<double>(moe_config(4, 2, -1)), ConfigError);
+  CHECK_THROWS_AS(MoEFFN<double>(moe_config(4, 2, 1, 0)), ConfigError);
+  CHECK_THROWS_AS(MoEFFN<double>(moe_config(4, 2, 1, 6, 0)), ConfigError);
+
+  MoEFFN<double> moe(moe_config(), 0);
   CHECK_THROWS_AS(moe.forward(Matrix<double>::Zero(3, 5)), ShapeError);
   Matrix<double> bad = Matrix<double>::Zero(3, 6);
   bad(1, 2) = std::numeric_limits<double>::quiet_NaN();
@@ -372,7 +425,7 @@ TEST_CASE("APEX-1 presets and the odd-layer rule", "[moe][config]") {
   CHECK(s.n_shared == 1);
   const ModelPreset m = ModelPreset::by_name("medium");
   CHECK(m.n_experts == 64);
-  CHECK(m.n_active == 4);  // the reference's §13.3 table says 8: an erratum
+  CHECK(m.n_active == 4);  // an older table says 8: an erratum (docs/math.md#errata)
   CHECK(m.n_shared == 2);
   CHECK(ModelPreset::large().n_experts == 256);
   CHECK(ModelPreset::tiny().skip_hidden == 16);
@@ -382,4 +435,303 @@ TEST_CASE("APEX-1 presets and the odd-layer rule", "[moe][config]") {
   CHECK(ModelPreset::is_moe_layer(1));
   CHECK_FALSE(ModelPreset::is_moe_layer(2));
   CHECK(ModelPreset::is_moe_layer(35));
+}
+
+// ---- error handling (sweeps) ----
+using namespace apex::test;  // the sweep machinery of support/sweep.hpp
+
+TEMPLATE_TEST_CASE("Router and LoadBalancer sweep: configurations and setters and inputs",
+                   "[sweeps][router][balancer]", float, double) {
+  using T = TestType;
+  const Index d = 6, e = 4, k = 2;
+  Rng rng(1);
+  const Router<T> router(d, e, k, rng);
+  LoadBalancer<T> balancer(e, k, 0.01);
+  RowVector<T> bias(e);
+  bias << T(0.5), T(-0.25), T(0), T(1);
+  balancer.set_bias(bias);
+  Routing<T> routing;
+  std::vector<Case> cases;
+
+  struct Shape3 {
+    Index d, e, k;
+    const char* field;
+  };
+  for (const Shape3& s : {Shape3{0, 4, 2, "d_model"}, Shape3{-1, 4, 2, "d_model"}, Shape3{6, 0, 1, "n_experts"},
+                          Shape3{6, -1, 1, "n_experts"}, Shape3{6, 4, 0, "n_active"}, Shape3{6, 4, 5, "n_active"},
+                          Shape3{6, 4, -1, "n_active"}})
+    cases.push_back({"Router(" + std::to_string(s.d) + ", " + std::to_string(s.e) + ", " + std::to_string(s.k) + ")",
+                     [=] {
+                       Rng r(0);
+                       (void)Router<T>(s.d, s.e, s.k, r);
+                     },
+                     "ConfigError", {"Router", s.field}});
+  for (double v : {kNaN, kInf, -kInf})
+    for (Index rows : {Index(3), Index(12)})
+      cases.push_back({"Router::route with " + std::to_string(v) + " in x of " + std::to_string(rows) + " rows",
+                       [=, &router, &routing, &bias] {
+                         Matrix<T> x = rnd<T>(rows, d, 2);
+                         x(rows - 1, 2) = T(v);
+                         router.route(x, bias, false, routing);
+                       },
+                       "ValueError", {"Router::route", "not finite"}});
+
+  const std::pair<Index, Index> bad_balancers[] = {{0, 1}, {4, 0}, {4, 5}, {4, -2}};
+  for (const auto& [be, bk] : bad_balancers)
+    cases.push_back({"LoadBalancer(" + std::to_string(be) + ", " + std::to_string(bk) + ")",
+                     [=] { (void)LoadBalancer<T>(be, bk); }, "ConfigError", {"LoadBalancer", be < 1 ? "n_experts" : "n_active"}});
+  for (double a : {-1e-3, kNaN, kInf}) {
+    cases.push_back({"LoadBalancer alpha " + std::to_string(a), [=] { (void)LoadBalancer<T>(e, k, a); }, "ConfigError",
+                     {"LoadBalancer", "alpha"}});
+    cases.push_back({"LoadBalancer::set_alpha(" + std::to_string(a) + ")", [=, &balancer] { balancer.set_alpha(a); },
+                     "ConfigError", {"LoadBalancer::set_alpha", "alpha"}});
+  }
+  for (Index len : {e - 1, e + 1, Index(0)})
+    cases.push_back({"LoadBalancer::set_bias of length " + std::to_string(len),
+                     [=, &balancer] { balancer.set_bias(RowVector<T>::Zero(len)); }, "ShapeError",
+                     {"LoadBalancer::set_bias", "'bias'", shape(1, len)}});
+  for (double v : {kNaN, kInf, -kInf})
+    cases.push_back({"LoadBalancer::set_bias with " + std::to_string(v),
+                     [=, &balancer] {
+                       RowVector<T> b = RowVector<T>::Zero(e);
+                       b(2) = T(v);
+                       balancer.set_bias(b);
+                     },
+                     "ValueError", {"LoadBalancer::set_bias", "'bias'", "NaN or Inf"}});
+  for (std::size_t len : {std::size_t(e - 1), std::size_t(e + 1), std::size_t(0)})
+    cases.push_back({"LoadBalancer::observe with " + std::to_string(len) + " counts",
+                     [=, &balancer] { balancer.observe(std::vector<Index>(len, 1), 1); }, "ShapeError",
+                     {"LoadBalancer::observe", "'counts'"}});
+  cases.push_back({"LoadBalancer::observe with counts not summing to N*K",
+                   [&] { balancer.observe({1, 1, 1, 0}, 1); }, "ValueError", {"LoadBalancer::observe", "counts", "N*K"}});
+  run_sweep(cases);
+
+  // A rejected call changes nothing.
+  CHECK(balancer.bias() == bias);
+  CHECK(balancer.alpha() == 0.01);
+  CHECK(balancer.report().tokens == 0);
+}
+
+TEMPLATE_TEST_CASE("MoEConfig and MoEFFN sweep: fields and inputs and caches", "[sweeps][moe]", float, double) {
+  using T = TestType;
+  const Index d = 6, f = 5, n = 5;
+  MoEFFN<T> moe(moe_config(4, 2, 1, d, f), 1);
+  moe.set_threads(2);
+  typename MoEFFN<T>::Cache cache, other;
+  moe.forward(rnd<T>(n, d, 2), &cache);
+  moe.forward(rnd<T>(n + 2, d, 3), &other);
+  std::vector<Case> cases;
+
+  struct Field {
+    const char* field;
+    std::function<void(MoEConfig&)> spoil;
+  };
+  const std::vector<Field> fields = {
+      {"d_model", [](MoEConfig& c) { c.d_model = 0; }},
+      {"d_model", [](MoEConfig& c) { c.d_model = -3; }},
+      {"d_ffn", [](MoEConfig& c) { c.d_ffn = 0; }},
+      {"n_experts", [](MoEConfig& c) { c.n_experts = 0; }},
+      {"n_experts", [](MoEConfig& c) { c.n_experts = -1; }},
+      {"n_active", [](MoEConfig& c) { c.n_active = 0; }},
+      {"n_active", [](MoEConfig& c) { c.n_active = 5; }},  // K > E
+      {"n_shared", [](MoEConfig& c) { c.n_shared = -1; }},
+      {"balancer_alpha", [](MoEConfig& c) { c.balancer_alpha = -0.1; }},
+      {"balancer_alpha", [](MoEConfig& c) { c.balancer_alpha = kNaN; }},
+      {"balancer_alpha", [](MoEConfig& c) { c.balancer_alpha = kInf; }},
+  };
+  for (const Field& fl : fields) {
+    MoEConfig bad = moe_config(4, 2, 1, d, f);
+    fl.spoil(bad);
+    cases.push_back({std::string("MoEConfig::validate with a bad ") + fl.field, [=] { bad.validate(); }, "ConfigError",
+                     {"MoEConfig", fl.field}});
+    cases.push_back({std::string("MoEFFN with a bad ") + fl.field, [=] { (void)MoEFFN<T>(bad); }, "ConfigError",
+                     {"MoEFFN", fl.field}});
+  }
+  cases.push_back({"ModelPreset::by_name(\"huge\")", [] { (void)ModelPreset::by_name("huge"); }, "ConfigError",
+                   {"ModelPreset::by_name", "huge"}});
+
+  add_width_cases<T>(cases, "MoEFFN::forward", "x", n, d, [&](const Matrix<T>& x) { moe.forward(x); });
+  for (double v : {kNaN, kInf, -kInf})
+    cases.push_back({"MoEFFN::forward with " + std::to_string(v) + " in x",
+                     [=, &moe] {
+                       Matrix<T> x = rnd<T>(n, d, 4);
+                       x(2, 3) = T(v);
+                       moe.forward(x);
+                     },
+                     "ValueError", {"not finite"}});
+  add_grad_cases<T>(cases, "MoEFFN::backward", "dy", n, d, [&](const Matrix<T>& dy) { moe.backward(dy, cache); });
+  cases.push_back({"MoEFFN::backward with the cache of a 7-row batch", [&] { moe.backward(Matrix<T>::Ones(n, d), other); },
+                   "ShapeError", {"MoEFFN::backward", "'dy'"}});
+  for (std::size_t len : {std::size_t(n - 1), std::size_t(n + 1), std::size_t(0)})
+    cases.push_back({"MoEFFN::observe with a mask of " + std::to_string(len),
+                     [=, &moe, &cache] { moe.observe(cache, std::vector<bool>(len, true)); }, "ShapeError",
+                     {"MoEFFN::observe", "'token_counted'"}});
+  run_sweep(cases);
+  CHECK(moe.balancer().report().tokens == 0);  // no rejected observe counted anything
+}
+
+TEST_CASE("LoadBalancer with a negative expert count raises ConfigError", "[sweeps][regression][balancer]") {
+  // load_balancer.hpp, constructor: the member initialisers built
+  // `bias_(RowVector<T>::Zero(n_experts))` and `counts_(n_experts, 0)` before
+  // the body's require_config ran, so n_experts = -1 tripped Eigen's size
+  // assertion (abort; undefined behaviour with NDEBUG) instead of raising
+  // ConfigError. Fixed: the first member initialiser validates every argument.
+  expect(outcome_isolated([] { (void)LoadBalancer<double>(-1, 1); }), "ConfigError", {"LoadBalancer", "n_experts"});
+  expect(outcome_isolated([] { (void)LoadBalancer<double>(-5, -6); }), "ConfigError", {"LoadBalancer", "n_experts"});
+}
+
+TEST_CASE("Router::route checks the width of x and the bias", "[sweeps][regression][router]") {
+  // router.hpp, Router::route: neither `x` (N × d) nor `bias` (1 × E) was
+  // checked. A wrong width of x failed an eigen_assert in linear_nt (abort;
+  // out-of-bounds reads with NDEBUG); a short bias was read past its end
+  // (`bias(e)`); a NaN bias silently yielded NaN routing weights. route is
+  // public (the tests and the plain-loop reference call it). Fixed: route
+  // checks the shapes of x and bias and that the bias is finite.
+  const auto route = [](Index rows, Index cols, Index bias_len, double bias_value) {
+    return [=] {
+      Rng rng(0);
+      const Router<double> router(6, 4, 2, rng);
+      Routing<double> out;
+      RowVector<double> bias = RowVector<double>::Zero(bias_len);
+      if (bias_len > 0) bias(0) = bias_value;
+      router.route(Matrix<double>::Ones(rows, cols), bias, false, out);
+    };
+  };
+  for (Index rows : {Index(3), Index(20)})  // both paths of linear_nt
+    for (Index cols : {Index(5), Index(7), Index(0)}) {
+      INFO("x " << shape(rows, cols));
+      expect(outcome_isolated(route(rows, cols, 4, 0)), "ShapeError", {"Router::route", "'x'"});
+    }
+  for (Index len : {Index(3), Index(0), Index(5)}) {
+    INFO("bias of length " << len);
+    expect(outcome_isolated(route(3, 6, len, 0)), "ShapeError", {"Router::route", "'bias'"});
+  }
+  for (double b : {kNaN, kInf}) {
+    INFO("bias " << b);
+    expect(outcome_isolated(route(3, 6, 4, b)), "ValueError", {"Router::route", "'bias'"});
+  }
+}
+
+TEST_CASE("Router::softmax_backward and Router::backward check their shapes", "[sweeps][regression][router]") {
+  // router.hpp: softmax_backward(routing, d_weights, d_logits) and
+  // backward(x, d_logits) checked nothing; d_weights that is not N × K,
+  // d_logits that is not N × E or x that is not N × d failed eigen_asserts or
+  // read and wrote out of bounds. Fixed: softmax_backward checks the routing,
+  // d_weights (N × K) and d_logits (N × E); backward (now one call from ∂L/∂g)
+  // checks x (N × d), the routing, d_weights and d_pair_logits (N × K).
+  const auto setup = [] {
+    Rng rng(0);
+    Router<double> router(6, 4, 2, rng);
+    Routing<double> r;
+    router.route(random_matrix(3, 6, 1), RowVector<double>::Zero(4), false, r);
+    return std::make_pair(router, r);
+  };
+  expect(outcome_isolated([&] {
+           auto [router, r] = setup();
+           Matrix<double> dl = Matrix<double>::Zero(3, 4);
+           router.softmax_backward(r, Matrix<double>::Zero(2, 2), dl);
+         }),
+         "ShapeError", {"Router::softmax_backward", "'d_weights'"});
+  expect(outcome_isolated([&] {
+           auto [router, r] = setup();
+           Matrix<double> dl = Matrix<double>::Zero(3, 3);
+           router.softmax_backward(r, Matrix<double>::Zero(3, 2), dl);
+         }),
+         "ShapeError", {"Router::softmax_backward", "'d_logits'"});
+  expect(outcome_isolated([&] {
+           auto [router, r] = setup();
+           router.backward(Matrix<double>::Ones(3, 6), r, Matrix<double>::Zero(3, 2), Matrix<double>::Zero(3, 3));
+         }),
+         "ShapeError", {"Router::backward", "'d_pair_logits'"});
+  expect(outcome_isolated([&] {
+           auto [router, r] = setup();
+           router.backward(Matrix<double>::Ones(3, 5), r, Matrix<double>::Zero(3, 2));
+         }),
+         "ShapeError", {"Router::backward", "'x'"});
+  // A routing made by a router of another K or E would scatter past d_logits.
+  for (const auto& [e, k] : {std::pair<Index, Index>{5, 2}, std::pair<Index, Index>{4, 3}}) {
+    INFO("routing of a router with E = " << e << " and K = " << k);
+    expect(outcome_isolated([e = e, k = k] {
+             Rng rng(0);
+             Router<double> router(6, 4, 2, rng), other(6, e, k, rng);
+             Routing<double> r;
+             other.route(random_matrix(3, 6, 1), RowVector<double>::Zero(e), false, r);
+             Matrix<double> dl = Matrix<double>::Zero(3, 4);
+             router.softmax_backward(r, Matrix<double>::Zero(3, 2), dl);
+           }),
+           "ShapeError", {"Router::softmax_backward", "'routing."});
+  }
+}
+
+TEST_CASE("LoadBalancer::observe rejects negative counts and token numbers", "[sweeps][regression][balancer]") {
+  // load_balancer.hpp, observe: only the length of `counts` and its sum
+  // (= n_tokens·K) were checked. {−2, 4, 0, 0} for one token with K = 2 sums
+  // to 2 and was accepted, making expert 0's load −1; {−1, −1, 0, 0} with
+  // n_tokens = −1 was accepted too, and the next update() moved the bias
+  // from a window of −1 tokens. Fixed: ValueError unless n_tokens ≥ 0 and
+  // every count is in [0, n_tokens] (a token picks K distinct experts).
+  LoadBalancer<double> balancer(4, 2);
+  expect(outcome([&] { balancer.observe({-2, 4, 0, 0}, 1); }), "ValueError", {"LoadBalancer::observe", "counts"});
+  expect(outcome([&] { balancer.observe({-1, -1, 0, 0}, -1); }), "ValueError", {"LoadBalancer::observe", "n_tokens"});
+  expect(outcome([&] { balancer.observe({3, 0, 0, 1}, 2); }), "ValueError", {"LoadBalancer::observe", "counts"});
+  CHECK(balancer.report().tokens == 0);  // a rejected observe counts nothing
+  // The bounds are inclusive: one expert may take every token, and an empty batch counts nothing.
+  CHECK_NOTHROW(balancer.observe({2, 2, 0, 0}, 2));
+  CHECK_NOTHROW(balancer.observe({0, 0, 0, 0}, 0));
+  CHECK(balancer.report().tokens == 2);
+  balancer = LoadBalancer<double>(4, 2);
+  CHECK(balancer.update().tokens == 0);
+  CHECK(balancer.bias().isZero(0));
+}
+
+TEST_CASE("SwiGLU and KappaSwiGLU and MoEFFN backward reject a cache that no forward filled",
+          "[sweeps][regression][cache]") {
+  // The same defect, before the fix:
+  //  - swiglu.hpp SwiGLU::backward and kappa_swiglu.hpp KappaSwiGLU::backward:
+  //    work.leftCols(f) of a 0 × 0 work failed an eigen_assert;
+  //  - moe.hpp MoEFFN::backward: plan.count(e) indexed the empty plan.offset (null dereference).
+  // Fixed: each backward checks its cache's own shapes (cache.x columns = d,
+  // work columns = work_cols(), for MoEFFN the plan against E), raising
+  // ShapeError naming 'cache'.
+  const Index d = 4;
+  const Matrix<double> dy = Matrix<double>::Zero(0, d);
+  expect_cache_rejected(
+      {
+          {"SwiGLU", [&] { SwiGLU<double>(d, 6).backward(dy, SwiGLU<double>::Cache{}); }},
+          {"KappaSwiGLU", [&] { KappaSwiGLU<double>(d, 6).backward(dy, KappaSwiGLU<double>::Cache{}); }},
+          {"MoEFFN",
+           [&] {
+             MoEFFN<double> moe(moe_config(4, 2, 1, d, 6));
+             moe.set_threads(1);
+             moe.backward(dy, MoEFFN<double>::Cache{});
+           }},
+      },
+      "an unfilled cache and an empty batch");
+}
+
+TEST_CASE("backward rejects a cache filled by a layer of another shape", "[sweeps][regression][cache]") {
+  // Caches are plain structs, so one layer's cache can reach another
+  // layer's backward. With the same batch size the dy check passes, and
+  // before the fix:
+  //  - swiglu.hpp SwiGLU::backward with the cache of a SwiGLU whose d_ffn is
+  //    6 (work 3 × 18) in a layer with d_ffn 8 read columns 0–8, 8–16 and
+  //    10–18 of that work as G, U and A: no error, wrong gradients;
+  //  - moe.hpp MoEFFN::backward with the cache of an MoE of 4 experts in one
+  //    of 6 read plan.offset[5] and [6] past the end, then took blocks of
+  //    the sorted buffers at those garbage offsets (an eigen_assert in a
+  //    debug build, a heap-buffer-overflow under AddressSanitizer).
+  // Fixed: as in the previous test, the cache's shapes are checked against the layer.
+  expect(outcome_isolated([] {
+           SwiGLU<double> a(4, 6, 1), b(4, 8, 2);
+           SwiGLU<double>::Cache c;
+           a.forward(Matrix<double>::Ones(3, 4), &c);
+           b.backward(Matrix<double>::Ones(3, 4), c);
+         }),
+         "ShapeError", {"SwiGLU::backward", "cache"});
+  MoEFFN<double> a(moe_config(4, 2, 1, 4, 6), 1), b(moe_config(6, 2, 1, 4, 6), 2);
+  MoEFFN<double>::Cache c;
+  a.forward(Matrix<double>::Ones(3, 4), &c);
+  b.set_threads(1);
+  expect(outcome_isolated([&] { b.backward(Matrix<double>::Ones(3, 4), c); }), "ShapeError",
+         {"MoEFFN::backward", "cache"});
 }
