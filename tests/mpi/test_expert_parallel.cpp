@@ -6,6 +6,7 @@
 #include <apex/ffn/moe.hpp>
 #include <apex/ffn/mpi/expert_parallel_moe.hpp>
 #include <apex/ffn/mpi/fixed_order_sum.hpp>
+#include <apex/ffn/mpi/kappa_moe.hpp>
 #include <apex/ffn/skip_gate.hpp>
 
 #include <catch2/catch.hpp>
@@ -204,4 +205,36 @@ TEST_CASE("ExpertParallelMoE inside FFNSublayer with the skip gate", "[mpi]") {
   CHECK(ci.ffn.plan.n_tokens == Index(ci.kept.size()));
   // Without a cache too (no second call for skipped tokens).
   CHECK(test::rel_error(ep.forward(x, SublayerMode::inference, nullptr), yi_ref.middleRows(s.begin, s.rows)) <= kTol);
+}
+
+TEST_CASE("The kappa regulariser of an expert-parallel layer is the layer-wide one", "[mpi]") {
+  Communicator comm;
+  const MoEConfig cfg = test::moe_config(7, 2, 1, 6, 8);
+  MoEFFN<double, KappaSwiGLU<double>> ref(cfg, 3);
+  mpi::ExpertParallelMoE<double, KappaSwiGLU<double>> ep(cfg, comm, 3);
+  for (auto& e : ref.experts()) {
+    e.kappa_alpha() = test::random_matrix(1, e.d_ffn(), 61, 0.5);
+    e.kappa_bias() = test::random_matrix(1, e.d_ffn(), 62, 0.5);
+  }
+  test::copy_values(ref.params(), ep.params());
+  const double r_ref = add_kappa_regularizer_grad(ref);
+  const double r = mpi::add_kappa_regularizer_grad(ep);
+  CHECK(std::abs(r - r_ref) <= 1e-14 * std::abs(r_ref));
+  test::check_params_match(ep.params(), ref.params(), 1e-15);
+}
+
+TEST_CASE("ExpertParallelMoE gives the same bits on 1 and 2 threads per rank", "[mpi]") {
+  Communicator comm;
+  const MoEConfig cfg = test::moe_config(6, 2, 2, 8, 10);
+  const test::Slice s = test::slice_of(comm, {1500, 40, 0});
+  const Matrix<double> x = test::random_matrix(s.total, cfg.d_model, 8).middleRows(s.begin, s.rows);
+  mpi::ExpertParallelMoE<double> a(cfg, comm, 2), b(cfg, comm, 2);
+  a.set_threads(1);
+  b.set_threads(2);
+  typename mpi::ExpertParallelMoE<double>::Cache ca, cb;
+  CHECK(a.forward(x, &ca) == b.forward(x, &cb));
+  const Matrix<double> dy = test::random_matrix(s.rows, cfg.d_model, 9);
+  CHECK(a.backward(dy, ca) == b.backward(dy, cb));
+  const auto pa = a.params(), pb = b.params();
+  for (std::size_t i = 0; i < pa.size(); ++i) CHECK(pa[i].grad() == pb[i].grad());
 }

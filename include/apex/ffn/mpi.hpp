@@ -11,6 +11,7 @@
 ///     exchange_plan.hpp       ExchangePlan: counts, expert-major reordering, exchange_rows
 ///     local_experts.hpp       a rank's expert compute (tasks as MoEFFN's)
 ///     expert_parallel_moe.hpp ExpertParallelMoE<T, Expert>
+///     kappa_moe.hpp           κ-SwiGLU's layer-wide regulariser across ranks
 ///
 /// Sharded checkpoints (mpi/sharded_checkpoint.hpp) also need apex::checkpoint
 /// and are not included here.
@@ -22,4 +23,5 @@
 #include "mpi/expert_parallel_moe.hpp"
 #include "mpi/expert_shard.hpp"
 #include "mpi/fixed_order_sum.hpp"
+#include "mpi/kappa_moe.hpp"
 #include "mpi/local_experts.hpp"
