@@ -8,6 +8,7 @@
 #include "ffn/dispatch.hpp"
 #include "ffn/errors.hpp"
 #include "ffn/expert_contract.hpp"
+#include "ffn/expert_tasks.hpp"
 #include "ffn/ffn_sublayer.hpp"
 #include "ffn/init.hpp"
 #include "ffn/kappa_moe.hpp"

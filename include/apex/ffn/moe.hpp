@@ -28,6 +28,7 @@
 #include "dispatch.hpp"
 #include "errors.hpp"
 #include "expert_contract.hpp"
+#include "expert_tasks.hpp"
 #include "init.hpp"
 #include "load_balancer.hpp"
 #include "moe_config.hpp"
@@ -204,7 +205,7 @@ class MoEFFN {
     c.shared_y.resize(shared_.size());
     for (auto& w : c.shared_work) w.resize(n, shared_work_cols());
     for (auto& ys : c.shared_y) ys.resize(n, d);
-    const std::vector<Task> tasks = forward_tasks(c.plan, n);
+    const auto tasks = detail::forward_tasks(c.plan.offset, Index(shared_.size()), n, kMaxTileRows);
     detail::parallel_for(Index(tasks.size()), threads, [&](Index i) {
       const Index id = tasks[i].id, b = tasks[i].begin, m = tasks[i].rows;
       if (tasks[i].shared)
@@ -252,18 +253,13 @@ class MoEFFN {
     dispatch::combine_backward(c.plan, c.routing.weights, dy, c.y_sorted, d_weights, dy_sorted, threads);
 
     // experts: one task per non-empty expert (its gradients are its own),
-    // shared experts as further tasks, largest first as in forward_tasks.
+    // shared experts as further tasks (expert_tasks.hpp).
     auto dx_sorted = detail::thread_workspace<T, detail::MoEDxSortedTag>(rows, d);  // NK × d
     Vector<T> dside_sorted = Vector<T>::Zero(rows * expert_side_cols<Expert>);      // NK or 0
     // S·N × d: shared expert s writes rows [s·N, (s+1)·N)
     auto shared_dx = detail::thread_workspace<T, detail::MoESharedDxTag>(
         detail::checked_product("MoEFFN::backward", "shared gradient rows n_shared*N", {n_shared, n}), d);
-    std::vector<Task> tasks;
-    for (Index e = 0; e < config_.n_experts; ++e)
-      if (c.plan.count(e) > 0) tasks.push_back({false, e, c.plan.offset[e], c.plan.count(e)});
-    for (Index s = 0; s < n_shared; ++s)
-      if (n > 0) tasks.push_back({true, s, 0, n});
-    largest_first(tasks);
+    const auto tasks = detail::backward_tasks(c.plan.offset, n_shared, n);
     detail::parallel_for(Index(tasks.size()), threads, [&](Index i) {
       const Index id = tasks[i].id, b = tasks[i].begin, m = tasks[i].rows;
       if (tasks[i].shared)
@@ -285,36 +281,8 @@ class MoEFFN {
     return dx;
   }
 
-  struct Task {
-    bool shared;
-    Index id, begin, rows;
-  };
   Index work_cols() const { return experts_.empty() ? 0 : experts_.front().work_cols(); }
   Index shared_work_cols() const { return shared_.empty() ? 0 : shared_.front().work_cols(); }
-
-  /// Orders tasks by rows, largest first, ties in creation order.
-  static void largest_first(std::vector<Task>& tasks) {
-    std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.rows > b.rows; });
-  }
-
-  /// Forward tasks, largest first: with a dynamic schedule the big tiles
-  /// start early and the small ones fill the gaps at the end (longest
-  /// processing time first). Order never affects results: tasks write
-  /// disjoint rows.
-  std::vector<Task> forward_tasks(const DispatchPlan& plan, Index n) const {
-    std::vector<Task> tasks;
-    auto tile = [&](bool shared, Index id, Index begin, Index count) {
-      const Index tiles = (count + kMaxTileRows - 1) / kMaxTileRows;
-      for (Index i = 0; i < tiles; ++i) {
-        const Index b = count * i / tiles, e = count * (i + 1) / tiles;
-        tasks.push_back({shared, id, begin + b, e - b});
-      }
-    };
-    for (Index e = 0; e < config_.n_experts; ++e) tile(false, e, plan.offset[e], plan.count(e));
-    for (Index s = 0; s < Index(shared_.size()); ++s) tile(true, s, 0, n);
-    largest_first(tasks);
-    return tasks;
-  }
 
   static Cache& thread_scratch() {
     thread_local Cache scratch;
