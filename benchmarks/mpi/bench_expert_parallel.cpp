@@ -11,6 +11,7 @@
 //     mpiexec -n 2 bench_expert_parallel --preset small --tokens 512 --reps 7
 #include <apex/ffn/moe.hpp>
 #include <apex/ffn/mpi/expert_parallel_moe.hpp>
+#include <apex/ffn/mpi/fixed_order_sum.hpp>
 
 #include <mpi.h>
 
@@ -157,6 +158,32 @@ int main(int argc, char** argv) {
       if (rank == 0)
         std::printf("%-12s P=%d %-14s one alltoallv of %.2f MB sent per rank: %7.3f ms, %6.2f GB/s per rank\n",
                     "exchange", size, label, sent / 1e6, t * 1e3, t > 0 ? sent / t / 1e9 : 0.0);
+    }
+    // The replicated gradients' sum alone: fixed rank order against
+    // MPI_Allreduce on the same buffer (router + shared experts).
+    {
+      Index n = 0;
+      for (const auto& p : ep.replicated_params()) n += p.size();
+      std::vector<T> a(static_cast<std::size_t>(n), T(1)), b(a);
+      std::vector<double> fixed, any;
+      for (Index r = 0; r <= reps; ++r) {
+        MPI_Barrier(MPI_COMM_WORLD);
+        double t0 = MPI_Wtime();
+        mpi::fixed_order_sum(comm, a.data(), n);
+        const double t1 = MPI_Wtime();
+        MPI_Barrier(MPI_COMM_WORLD);
+        const double t2 = MPI_Wtime();
+        MPI_Allreduce(MPI_IN_PLACE, b.data(), int(n), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+        const double t3 = MPI_Wtime();
+        if (r > 0) {
+          fixed.push_back(t1 - t0);
+          any.push_back(t3 - t2);
+        }
+      }
+      const double tf = slowest(median(fixed)), ta = slowest(median(any));
+      if (rank == 0)
+        std::printf("%-12s P=%d %-14s %.2f MB: fixed_order_sum %7.3f ms, MPI_Allreduce %7.3f ms\n", "grad sum", size,
+                    label, double(n) * sizeof(T) / 1e6, tf * 1e3, ta * 1e3);
     }
     const double f = slowest(median(dp_fwd)), s = slowest(median(dp_step)), a = slowest(median(dp_allreduce));
     if (rank == 0)

@@ -204,7 +204,7 @@ class ExpertParallelMoE {
     Matrix<T> d_weights, dy_sorted, dy_recv, dx_recv, dx_sorted, d_pair, dx;
     Vector<T> dside_local, dside_recv, dside_sorted;
     std::vector<std::int64_t> peer_rows;
-    StepGradientSum<T> replicated(comm_, replicated_params());
+    StepGradientSum<T> replicated(comm_, replicated_params(), grad_stash_);
     Clock clock;
 
     comm_.step(where, [&] {  // combine → g·dy in plan order
@@ -380,6 +380,7 @@ class ExpertParallelMoE {
   std::vector<SharedType> shared_;
   int threads_ = 0;
   Index limit_ = kMaxIntCount;
+  std::vector<T> grad_stash_;  ///< the replicated gradients before a backward (StepGradientSum)
   mutable PhaseTimes times_;
 };
 

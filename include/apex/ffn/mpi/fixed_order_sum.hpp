@@ -94,9 +94,12 @@ void fixed_order_sum(const Communicator& comm, T* data, Index n, Index limit = k
   }
   const Index me = comm.rank(), mine = chunk[me];
   // 1. chunk i of every rank to rank i: P partials of my chunk, rank order.
-  std::vector<T> partials(static_cast<std::size_t>(p * mine));
+  // The buffers are the thread's, reused: a fresh buffer of many MB would be
+  // mapped and faulted in on every step.
+  thread_local std::vector<T> partials, sum;
+  partials.resize(static_cast<std::size_t>(p * mine));
   alltoallv(comm, data, chunk, partials.data(), std::vector<Index>(p, mine), limit);
-  std::vector<T> sum(partials.begin(), partials.begin() + mine);
+  sum.assign(partials.begin(), partials.begin() + mine);
   for (Index r = 1; r < p; ++r)
     for (Index j = 0; j < mine; ++j) sum[j] += partials[r * mine + j];
   // 2. every summed chunk to every rank.
@@ -111,7 +114,8 @@ template <class T>
 void sum_gradients(const Communicator& comm, const ParamList<T>& params, Index limit = kMaxIntCount) {
   Index n = 0;
   for (const auto& p : params) n += p.size();
-  std::vector<T> flat(static_cast<std::size_t>(n));
+  thread_local std::vector<T> flat;  // reused across calls, as in fixed_order_sum
+  flat.resize(static_cast<std::size_t>(n));
   Index at = 0;
   for (const auto& p : params) {
     std::copy(p.grad_data, p.grad_data + p.size(), flat.data() + at);
@@ -134,7 +138,10 @@ void sum_gradients(const Communicator& comm, const ParamList<T>& params, Index l
 template <class T>
 class StepGradientSum {
  public:
-  StepGradientSum(const Communicator& comm, ParamList<T> params) : comm_(comm), params_(std::move(params)) {}
+  /// `stash` is the caller's buffer (kept between steps, so it is not
+  /// allocated afresh every step).
+  StepGradientSum(const Communicator& comm, ParamList<T> params, std::vector<T>& stash)
+      : comm_(comm), params_(std::move(params)), stash_(stash) {}
 
   void begin() {
     if (comm_.size() == 1) return;
@@ -162,7 +169,7 @@ class StepGradientSum {
 
   const Communicator& comm_;
   ParamList<T> params_;
-  std::vector<T> stash_;
+  std::vector<T>& stash_;
 };
 
 }  // namespace apex::mpi
