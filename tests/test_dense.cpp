@@ -5,6 +5,9 @@
 
 #include <catch2/catch.hpp>
 
+#include <limits>
+#include <type_traits>
+
 #include "gradcheck.hpp"
 #include "sweep.hpp"
 
@@ -108,6 +111,37 @@ TEST_CASE("RMSNorm gradients match central differences", "[rmsnorm][gradcheck]")
     APEX_CHECK_GRADS(check_params(norm.params(), loss), 1e-6);
     APEX_CHECK_GRADS(std::vector{check_values("x", x.data(), dx.data(), x.size(), loss)}, 1e-6);
   }
+}
+
+TEMPLATE_TEST_CASE("RMSNorm of rows whose mean square overflows equals the scaled-down row",
+                   "[rmsnorm][regression]", float, double) {
+  // RMSNorm is scale-invariant up to ε: y(c·x) = y(x), ∂L/∂x at c·x = (∂L/∂x at x)/c.
+  // Before the scaled fallback, a finite row with mean(x²) beyond the type's
+  // range (float: |x| ≳ 1.8e19) normalised to 0 and had a 0 gradient.
+  using T = TestType;
+  const T c = std::is_same<T, float>::value ? T(1e20) : T(1e200);
+  const Index d = 37;
+  const Matrix<T> x = random_matrix(3, d, 17).cast<T>();
+  Matrix<T> big = x;
+  big.row(1) *= c;  // only row 1 overflows; rows 0 and 2 take the plain path
+  RMSNorm<T> norm(d);
+  norm.gain() = random_matrix(1, d, 18).cast<T>();
+  typename RMSNorm<T>::Cache cx, cb;
+  const Matrix<T> y = norm.forward(x, &cx);
+  const Matrix<T> y_big = norm.forward(big, &cb);
+  REQUIRE(y_big.allFinite());
+  CHECK(y_big.row(0) == y.row(0));
+  CHECK(y_big.row(2) == y.row(2));
+  // ε/mean(x²) ≈ 1e-6 relative at this scale of x: the rows differ by about that.
+  CHECK((y_big.row(1) - y.row(1)).norm() <= T(1e-5) * y.row(1).norm());
+  const Matrix<T> dy = random_matrix(3, d, 19).cast<T>();
+  const Matrix<T> dx = norm.backward(dy, cx);
+  const Matrix<T> dx_big = norm.backward(dy, cb);
+  REQUIRE(dx_big.allFinite());
+  CHECK((dx_big.row(1) * c - dx.row(1)).norm() <= T(1e-4) * dx.row(1).norm());
+  // An infinite entry still propagates: the row is NaN, as in every layer.
+  big(2, 3) = std::numeric_limits<T>::infinity();
+  CHECK(norm.forward(big).row(2).hasNaN());
 }
 
 TEST_CASE("gradients accumulate with += and zero_grad clears them", "[swiglu][rmsnorm]") {

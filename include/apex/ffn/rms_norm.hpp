@@ -1,6 +1,8 @@
 #pragma once
 /// \file rms_norm.hpp
-/// RMSNorm: y = x / sqrt(mean(x²) + ε) · γ, per token (row).
+/// RMSNorm: y = x / sqrt(mean(x²) + ε) · γ, per token (row)
+/// (docs/math.md#rmsnorm). Rows whose mean square overflows the scalar type
+/// are normalised in a scaled form instead of collapsing to 0.
 
 #include <cmath>
 #include <sstream>
@@ -47,6 +49,9 @@ class RMSNorm {
     // r_t = (mean_j x_tj² + ε)^(−1/2)
     Vector<T> r = ((x.array().square().rowwise().sum() / T(d_model())) + eps_).rsqrt();
     Matrix<T> x_hat = r.asDiagonal() * x;                                  // N × d
+    // r_t = 0 only where mean(x²) overflowed (|x| ≳ 1.8e19 in float): a finite
+    // row would normalise to 0. Such rows are recomputed scaled by s = max|x|.
+    if ((r.array() == T(0)).any()) rescale_overflowed_rows(x, r, x_hat);
     Matrix<T> y = (x_hat.array().rowwise() * gain_.array()).matrix();     // N × d
     if (cache) {
       cache->x_hat = std::move(x_hat);
@@ -83,6 +88,22 @@ class RMSNorm {
   const RowVector<T>& gain_grad() const { return gain_grad_; }
 
  private:
+  /// For each finite row t with r_t = 0, with s = max_j |x_tj|:
+  ///     r_t = (mean_j (x_tj/s)² + ε/s²)^(−1/2) / s,   x̂_t = (x_t/s) · s·r_t
+  /// the same values as the plain formula in exact arithmetic, none of the
+  /// intermediates overflowing. Rows holding Inf or NaN keep r = 0 and give
+  /// NaN, as every other layer propagates them.
+  void rescale_overflowed_rows(const ConstMatrixRef<T>& x, Vector<T>& r, Matrix<T>& x_hat) const {
+    for (Index t = 0; t < x.rows(); ++t) {
+      if (r(t) != T(0) || !x.row(t).allFinite()) continue;
+      const T s = x.row(t).cwiseAbs().maxCoeff();
+      const auto scaled = x.row(t).array() / s;                                       // 1 × d, |·| ≤ 1
+      const T r_scaled = T(1) / std::sqrt(scaled.square().mean() + eps_ / s / s);   // s · r_t
+      x_hat.row(t) = (scaled * r_scaled).matrix();
+      r(t) = r_scaled / s;
+    }
+  }
+
   T eps_;
   RowVector<T> gain_;       ///< 1 × d: γ
   RowVector<T> gain_grad_;  ///< 1 × d: ∂L/∂γ
