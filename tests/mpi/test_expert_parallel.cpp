@@ -238,3 +238,70 @@ TEST_CASE("ExpertParallelMoE gives the same bits on 1 and 2 threads per rank", "
   const auto pa = a.params(), pb = b.params();
   for (std::size_t i = 0; i < pa.size(); ++i) CHECK(pa[i].grad() == pb[i].grad());
 }
+
+TEST_CASE("FFNSublayer with the expert-parallel FFN when one rank skips every token", "[mpi]") {
+  Communicator comm;
+  const int p = comm.size();
+  const MoEConfig cfg = test::moe_config(6, 2, 1, 8, 10);
+  const Index d = cfg.d_model;
+  const SkipGateConfig gc = test::gate_config(d, 4, 0.9);
+  using Ref = FFNSublayer<double, MoEFFN<double>>;
+  using Dist = FFNSublayer<double, ExpertParallelMoE<double>>;
+  Ref ref(d, MoEFFN<double>(cfg, 4), SkipGate<double>(gc, 8));
+  Dist ep(d, ExpertParallelMoE<double>(cfg, comm, 4), SkipGate<double>(gc, 8));
+
+  // Sort a batch so that rank 1 (if any) holds only tokens the gate skips,
+  // and the other ranks share the kept ones.
+  const Matrix<double> pool = test::random_matrix(40, d, 23);
+  typename Ref::Cache probe;
+  ref.forward(pool, &probe);
+  const std::vector<bool> keep = probe.keep_mask();
+  std::vector<Index> kept, skipped;
+  for (Index t = 0; t < pool.rows(); ++t) (keep[std::size_t(t)] ? kept : skipped).push_back(t);
+  REQUIRE(!kept.empty());
+  REQUIRE(!skipped.empty());
+  std::vector<Index> order, sizes(static_cast<std::size_t>(p), 0);
+  const int others = p > 1 ? p - 1 : 1;
+  std::size_t next = 0;
+  for (int r = 0; r < p; ++r) {
+    if (r == 1) {
+      order.insert(order.end(), skipped.begin(), skipped.end());
+      sizes[1] = Index(skipped.size());
+      continue;
+    }
+    const std::size_t share = kept.size() / std::size_t(others) + (r == 0 ? kept.size() % std::size_t(others) : 0);
+    for (std::size_t i = 0; i < share; ++i) order.push_back(kept[next++]);
+    sizes[std::size_t(r)] = Index(share);
+  }
+  Matrix<double> x_all(Index(order.size()), d);
+  for (Index i = 0; i < x_all.rows(); ++i) x_all.row(i) = pool.row(order[std::size_t(i)]);
+  const Matrix<double> dy_all = test::random_matrix(x_all.rows(), d, 24);
+  const test::Slice s = test::slice_of(comm, sizes);
+  const Matrix<double> x = x_all.middleRows(s.begin, s.rows), dy = dy_all.middleRows(s.begin, s.rows);
+
+  for (SublayerMode mode : {SublayerMode::training, SublayerMode::inference}) {
+    typename Ref::Cache rc;
+    typename Dist::Cache c;
+    ref.zero_grad();
+    ep.zero_grad();
+    const Matrix<double> y_ref = ref.forward(x_all, mode, &rc);
+    const Matrix<double> y = ep.forward(x, mode, &c);
+    if (comm.rank() == 1) CHECK(c.kept.empty());
+    CHECK(test::rel_error(y, y_ref.middleRows(s.begin, s.rows)) <= kTol);
+    ref.observe(rc);
+    ep.observe(c);
+    CHECK(ep.ffn().balancer().report().counts == ref.ffn().balancer().report().counts);
+    ref.ffn().balancer().update();
+    ep.ffn().balancer().update();
+    if (mode == SublayerMode::training) {
+      const Matrix<double> dx_ref = ref.backward(dy_all, rc);
+      const Matrix<double> dx = ep.backward(dy, c);
+      CHECK(test::rel_error(dx, dx_ref.middleRows(s.begin, s.rows)) <= kTol);
+      ParamList<double> outside;
+      for (const auto& prm : ep.params())
+        if (prm.name.rfind("ffn.", 0) != 0) outside.push_back(prm);
+      mpi::sum_gradients(comm, outside);
+      test::check_params_match(ep.params(), ref.params(), kTol);
+    }
+  }
+}
