@@ -1,0 +1,71 @@
+#pragma once
+/// \file inference/common.hpp
+/// What the inference layers share: the storage type → packed dtype map, the
+/// row tiles their threads take, and the fingerprint that tells a packed copy
+/// from a stale one.
+///
+/// Staleness. A packed layer is a snapshot: an optimiser step on the float
+/// layer it came from does not reach it. At packing time the layer records
+/// its source's shapes and a *fingerprint* — a hash of the bit patterns of up
+/// to kFingerprintSamples evenly spaced entries of every parameter (and of
+/// the balancing bias). `check_source(src)` throws ShapeError when the shapes
+/// differ and ValueError when the fingerprint does. An optimiser step changes
+/// (almost) every weight, so it is always detected; an edit of a few single
+/// weights between samples is not — rebuild the packed layer after any write
+/// to the source. Cost: a few thousand reads per check, independent of size.
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "../packed/bf16.hpp"
+#include "../packed/packed_weights.hpp"
+#include "../types.hpp"
+
+namespace apex {
+
+/// Storage types of the packed layers: `float` or `apex::packed::bf16`.
+template <class Storage>
+constexpr packed::Dtype packed_dtype() {
+  static_assert(std::is_same_v<Storage, float> || std::is_same_v<Storage, packed::bf16>,
+                "packed inference layers: Storage must be float or apex::packed::bf16");
+  return std::is_same_v<Storage, float> ? packed::Dtype::f32 : packed::Dtype::bf16;
+}
+
+namespace detail::inference {
+
+/// Most rows of one thread task. The packed kernels give every row the same
+/// bits whatever rows share its call, so the tile only balances threads:
+/// small enough that a 2048-token batch of a fine-grained layer gives each
+/// thread several tasks, large enough (4 blocks of packed::kRowBlock) that a
+/// task amortises streaming its expert's weights.
+inline constexpr Index kMaxTileRows = 256;
+
+
+inline constexpr Index kFingerprintSamples = 64;
+
+/// FNV-1a over (size, sampled bit patterns) of `n` floats at `p`.
+inline void fingerprint_add(std::uint64_t& h, const float* p, Index n) {
+  const auto mix = [&](std::uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (v >> (8 * i)) & 0xFFu;
+      h *= 0x100000001B3ull;
+    }
+  };
+  mix(std::uint64_t(n));
+  const Index step = n > kFingerprintSamples ? n / kFingerprintSamples : 1;
+  for (Index i = 0; i < n; i += step) {
+    std::uint32_t bits;
+    std::memcpy(&bits, p + i, sizeof bits);
+    mix(bits);
+  }
+  if (n > 0) {  // the last entry always
+    std::uint32_t bits;
+    std::memcpy(&bits, p + n - 1, sizeof bits);
+    mix(bits);
+  }
+}
+inline constexpr std::uint64_t kFingerprintSeed = 0xCBF29CE484222325ull;
+
+}  // namespace detail::inference
+}  // namespace apex

@@ -1,0 +1,119 @@
+#pragma once
+/// \file inference/packed_kappa.hpp
+/// κ-SwiGLU's forward on packed weights (docs/math.md#kappa-swiglu):
+///
+///     Y = (G·σ(κ ⊙ G) ⊙ U)·W_downᵀ,   [G | U] = X·[W_gate; W_up]ᵀ,
+///     κ_tj = exp(ln U_max · tanh(b_j + α_j·s_t)) ∈ [1/U_max, U_max],   s_t = c·ℓ_t
+///
+/// The packed kernels fuse SiLU into the gate/up pass (packed/kernels.hpp);
+/// κ needs each row's router logit, so here the gate/up panels are run with
+/// the plain epilogue (G in lanes 0–15, U in lanes 16–31 of each panel), A is
+/// formed from them with the float layer's own expressions for κ and
+/// SiLU_κ, and the down panels run on A as in the SwiGLU forward. α, b and
+/// the options stay float: κ is the float layer's κ exactly. With U_max = 1
+/// (κ ≡ 1) the fused SwiGLU kernel runs instead.
+///
+/// Per row, the result depends only on that row (as for the SwiGLU kernels),
+/// so any split of rows into calls and threads gives the same bits.
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "../activations.hpp"
+#include "../checked_size.hpp"
+#include "../errors.hpp"
+#include "../kappa_options.hpp"
+#include "../packed/kernels.hpp"
+#include "../types.hpp"
+
+namespace apex {
+
+/// The float part of one κ-SwiGLU expert: α, b (1 × f each) and its options.
+struct KappaGate {
+  RowVector<float> alpha;  ///< 1 × f
+  RowVector<float> bias;   ///< 1 × f
+  KappaOptions options;
+};
+
+namespace detail::inference {
+
+/// s = c·ℓ saturated to ±FLT_MAX, as KappaSwiGLU::scaled_logit.
+inline float kappa_scaled_logit(const KappaOptions& o, float logit) {
+  constexpr float max = std::numeric_limits<float>::max();
+  const float s = float(o.c) * logit;
+  return s > max ? max : (s < -max ? -max : s);
+}
+
+struct KappaScratch {
+  packed::detail::AlignedArray<float> gu;  // rows × 32·panels: [G | U] per panel
+  packed::detail::AlignedArray<float> a;   // rows × lda: A
+};
+inline KappaScratch& kappa_scratch() {
+  thread_local KappaScratch s;
+  return s;
+}
+
+template <class W>
+void kappa_block(packed::Isa isa, const packed::PackedExpert& e, const KappaGate& k, const float* x, Index ldx,
+                 const float* logit, Index rows, float* gu, Index ldgu, float* a, Index lda, float* y, Index ldy) {
+  using packed::detail::panel_data;
+  using packed::detail::run_panel;
+  const Index d = e.d_model(), f = e.d_ffn();
+  constexpr Index H = packed::PackedExpert::kHiddenPerPanel, O = packed::PackedExpert::kOutPerPanel;
+  // [G | U] of 16 hidden units per panel, plain epilogue (all 32 lanes)
+  for (Index p = 0; p < e.gate_up().panels(); ++p)
+    run_panel(isa, panel_data<W>(e.gate_up(), p), d, x, ldx, rows, gu + p * 2 * H, ldgu, 2 * H, false);
+  // A = G·σ(κG) ⊙ U, a row at a time, κ as KappaSwiGLU::kappa_row computes it
+  const float ln_u = float(std::log(k.options.U));
+  array::Row<float> g(f), u(f), kap(f);  // 1 × f each
+  for (Index t = 0; t < rows; ++t) {
+    const float* r = gu + t * ldgu;
+    for (Index j = 0; j < f; ++j) {
+      g(j) = r[(j / H) * 2 * H + j % H];
+      u(j) = r[(j / H) * 2 * H + H + j % H];
+    }
+    const float s = kappa_scaled_logit(k.options, logit[t]);
+    kap = (ln_u * array::tanh(k.bias.array() + s * k.alpha.array())).exp();
+    kap = kap.min(float(k.options.U)).max(float(1.0 / k.options.U));
+    Eigen::Map<array::Row<float>>(a + t * lda, f) = g * array::sigmoid(kap * g) * u;
+  }
+  for (Index q = 0; q < e.down().panels(); ++q)
+    run_panel(isa, panel_data<W>(e.down(), q), f, a, lda, rows, y + q * O, ldy, std::min(O, d - q * O), false);
+}
+
+}  // namespace detail::inference
+
+/// y (m × d, row stride ldy) = κ-SwiGLU expert(x (m × d, row stride ldx),
+/// logit (m)). Blocks as packed::forward: one block for m ≤ kSmallRows
+/// (decode), blocks of kRowBlock rows otherwise. ConfigError for `paired`
+/// bf16 products (κ needs G and U apart, which the paired path does not
+/// produce) and as packed::forward.
+inline void kappa_forward(const packed::PackedExpert& e, const KappaGate& k, const float* x, Index ldx,
+                          const float* logit, Index m, float* y, Index ldy, const packed::ForwardOptions& opt = {}) {
+  constexpr const char* where = "kappa_forward";
+  detail::require_config(opt.bf16_products != packed::Bf16Products::paired, where,
+                 "bf16_products = paired is not supported for kappa-SwiGLU experts");
+  if (k.options.U == 1.0) return packed::forward(e, x, ldx, m, y, ldy, opt);  // κ ≡ 1: SwiGLU
+  detail::require_config(m >= 0, where, "row count m = " + std::to_string(m) + " is negative");
+  packed::detail::require_isa(where, opt.isa);
+  if (m == 0) return;
+  const Index f = e.d_ffn();
+  const Index block = m <= packed::kSmallRows ? m : packed::kRowBlock;
+  const Index ldgu = e.gate_up().panels() * 2 * packed::PackedExpert::kHiddenPerPanel;
+  const Index lda = (f + 15) / 16 * 16;  // 64-byte aligned rows
+  detail::inference::KappaScratch& s = detail::inference::kappa_scratch();
+  float* gu = packed::detail::grow(s.gu, detail::checked_product(where, "scratch rows x 2*panels*16", {block, ldgu}));
+  float* a = packed::detail::grow(s.a, detail::checked_product(where, "scratch rows x d_ffn", {block, lda}));
+  for (Index r0 = 0; r0 < m; r0 += block) {
+    const Index rows = std::min(block, m - r0);
+    if (e.dtype() == packed::Dtype::bf16)
+      detail::inference::kappa_block<packed::bf16>(opt.isa, e, k, x + r0 * ldx, ldx, logit + r0, rows, gu, ldgu, a, lda,
+                                           y + r0 * ldy, ldy);
+    else
+      detail::inference::kappa_block<float>(opt.isa, e, k, x + r0 * ldx, ldx, logit + r0, rows, gu, ldgu, a, lda,
+                                    y + r0 * ldy, ldy);
+  }
+}
+
+}  // namespace apex

@@ -1,0 +1,330 @@
+#pragma once
+/// \file inference/packed_moe.hpp
+/// `PackedMoE<Storage, Expert>`: the inference-only MoE layer on packed
+/// weights (packed/packed_weights.hpp) in float or bf16 — the forward of
+/// `MoEFFN<float, Expert>` without gradients, caches for backward, or a float
+/// copy of the expert weights (docs/inference.md):
+///
+///     MoE(X) = Σ_s Shared_s(X) + Σ_k g_k · Expert_{e_k}(X)
+///
+/// Everything that decides selection stays float and is the float layer's
+/// own code: the router (`Router<float>::route`, its weights copied), the
+/// balancing bias, and κ's α and b; so for the same input the top-K choice,
+/// the routing weights and κ are bit for bit those of the float layer. Only
+/// the expert products run on packed weights, through dispatch.hpp's plan,
+/// gather and fixed-order combine, as in MoEFFN:
+///  1. route, plan (counting sort of the N·K pairs by expert), gather;
+///  2. tasks (routed expert × row tile) and (shared expert × row tile) over
+///     OpenMP threads; each task calls the packed kernels, which take a call
+///     of ≤ packed::kSmallRows rows (decode) as one weight-streaming block and
+///     larger ones in packed::kRowBlock-row blocks;
+///  3. combine per token in fixed slot order.
+/// The kernels give each row bits that depend on that row only, so results
+/// are bitwise identical for any thread count and tiling.
+///
+/// Build one with `PackedMoE<S, E>::from(trained_layer)` or
+/// `load_packed_moe<S, E>(file, config)` (inference/packed_load.hpp). A
+/// packed layer is a snapshot: rebuild it after every optimiser step of its
+/// source (`check_source` detects a stale copy, inference/common.hpp).
+///
+/// Memory: the packed experts (padding included, `weight_bytes`), the router
+/// (E × d, plus the E × d gradient buffer `Router<float>` still allocates —
+/// E·d floats, 0.02 % of the experts at the presets' shapes) and the bias.
+
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "../dispatch.hpp"
+#include "../errors.hpp"
+#include "../expert_tasks.hpp"
+#include "../kappa_swiglu.hpp"
+#include "../memory_budget.hpp"
+#include "../moe.hpp"
+#include "../moe_config.hpp"
+#include "../packed/kernels.hpp"
+#include "../parallel.hpp"
+#include "../router.hpp"
+#include "../swiglu.hpp"
+#include "../types.hpp"
+#include "common.hpp"
+#include "packed_kappa.hpp"
+
+namespace apex {
+
+/// Inference MoE on packed `Storage` (float or packed::bf16) weights, the
+/// forward of `MoEFFN<float, Expert>`; Expert is SwiGLU<float> or
+/// KappaSwiGLU<float>. Shared experts are SwiGLU.
+template <class Storage, class Expert = SwiGLU<float>>
+class PackedMoE {
+  static_assert(std::is_same_v<Expert, SwiGLU<float>> || std::is_same_v<Expert, KappaSwiGLU<float>>,
+                "PackedMoE<Storage, Expert>: Expert must be SwiGLU<float> or KappaSwiGLU<float>");
+
+ public:
+  using Scalar = float;
+  using StorageType = Storage;
+  using ExpertType = Expert;
+  using Source = MoEFFN<float, Expert>;
+  static constexpr bool kKappa = std::is_same_v<Expert, KappaSwiGLU<float>>;
+  static constexpr packed::Dtype kDtype = packed_dtype<Storage>();
+
+  /// The buffers of one forward (routing and plan are the float layer's).
+  struct Cache {
+    Routing<float> routing;              ///< logits N × E, experts N × K, weights N × K
+    DispatchPlan plan;                   ///< sorted order of the N·K pairs
+    Matrix<float> x_sorted;              ///< NK × d
+    Vector<float> side_sorted;           ///< NK (κ experts) or 0: the router logit per sorted row
+    Matrix<float> y_sorted;              ///< NK × d: Expert_e(x) per sorted row
+    std::vector<Matrix<float>> shared_y; ///< per shared expert: N × d
+  };
+
+  /// Packs a trained float layer: router weights, bias, κ parameters and
+  /// options copied, expert weights packed (bf16: rounded to nearest even).
+  /// ConfigError if the packed layer would not fit in physical memory
+  /// (memory_budget.hpp).
+  static PackedMoE from(const Source& src) {
+    const MoEConfig& cfg = src.config();
+    check_fits("PackedMoE::from", cfg, 0);
+    std::vector<packed::PackedExpert> experts, shared;
+    std::vector<KappaGate> gates;
+    experts.reserve(std::size_t(cfg.n_experts));
+    for (const auto& e : src.experts()) {
+      const SwiGLU<float>& m = swiglu_of(e);
+      experts.emplace_back(m.w_gate(), m.w_up(), m.w_down(), kDtype);
+      if constexpr (kKappa) gates.push_back({e.kappa_alpha(), e.kappa_bias(), e.options()});
+    }
+    for (const auto& s : src.shared_experts()) shared.emplace_back(s.w_gate(), s.w_up(), s.w_down(), kDtype);
+    PackedMoE out(cfg, src.router().weight(), src.balancer().bias(), std::move(experts), std::move(gates),
+                  std::move(shared));
+    out.fingerprint_ = fingerprint(src);
+    out.has_source_ = true;
+    return out;
+  }
+
+  /// Assembles a layer from its parts (the loaders use this): router weight
+  /// E × d, bias 1 × E (finite), E packed experts of d × f (κ: E gates of
+  /// 1 × f), S packed shared experts. ShapeError or ValueError on a
+  /// mismatch, as the float layer would raise them.
+  PackedMoE(const MoEConfig& config, const Matrix<float>& router_weight, const RowVector<float>& bias,
+            std::vector<packed::PackedExpert> experts, std::vector<KappaGate> gates,
+            std::vector<packed::PackedExpert> shared)
+      : config_((config.validate("PackedMoE"), config)),
+        router_(make_router(config)),
+        bias_(bias),
+        experts_(std::move(experts)),
+        gates_(std::move(gates)),
+        shared_(std::move(shared)) {
+    constexpr const char* where = "PackedMoE";
+    const Index d = config.d_model, f = config.d_ffn;
+    detail::check_shape(where, "router_weight", router_weight, config.n_experts, d);
+    detail::check_finite(where, "router_weight", router_weight);
+    detail::check_shape(where, "bias", bias_, 1, config.n_experts);
+    detail::check_finite(where, "bias", bias_);
+    router_.weight() = router_weight;
+    const auto check_list = [&](const char* arg, const std::vector<packed::PackedExpert>& list, Index want) {
+      if (Index(list.size()) != want)
+        throw ShapeError(std::string(where) + ": argument '" + arg + "' holds " + std::to_string(list.size()) +
+                         " experts, expected " + std::to_string(want));
+      for (const auto& e : list) {
+        if (e.dtype() != kDtype)
+          throw ConfigError(std::string(where) + ": argument '" + arg + "' holds " + packed::dtype_name(e.dtype()) +
+                            " experts, expected " + packed::dtype_name(kDtype));
+        detail::check_shape(where, arg, e.d_ffn(), e.d_model(), f, d);
+      }
+    };
+    check_list("experts", experts_, config.n_experts);
+    check_list("shared", shared_, config.n_shared);
+    if (Index(gates_.size()) != (kKappa ? config.n_experts : 0))
+      throw ShapeError(std::string(where) + ": argument 'gates' holds " + std::to_string(gates_.size()) +
+                       " kappa gates, expected " + std::to_string(kKappa ? config.n_experts : 0));
+    for (const auto& g : gates_) {
+      detail::check_shape(where, "gates.alpha", g.alpha, 1, f);
+      detail::check_shape(where, "gates.bias", g.bias, 1, f);
+      g.options.template validate_for<float>(where);
+    }
+  }
+
+  const MoEConfig& config() const { return config_; }
+  Index d_model() const { return config_.d_model; }
+  const Router<float>& router() const { return router_; }
+  const RowVector<float>& bias() const { return bias_; }
+  const std::vector<packed::PackedExpert>& experts() const { return experts_; }
+  const std::vector<packed::PackedExpert>& shared_experts() const { return shared_; }
+  const std::vector<KappaGate>& kappa_gates() const { return gates_; }
+
+  /// Threads for dispatch (0 = OpenMP's default; ignored without OpenMP).
+  void set_threads(int threads) { threads_ = threads; }
+  int threads() const { return threads_; }
+  /// Kernel path and bf16 product choice (packed/kernels.hpp); checked at
+  /// the next forward.
+  void set_kernel_options(const packed::ForwardOptions& o) { kernel_ = o; }
+  const packed::ForwardOptions& kernel_options() const { return kernel_; }
+
+  /// Bytes of packed expert weights (routed and shared, padding included).
+  std::size_t expert_bytes() const {
+    std::size_t b = 0;
+    for (const auto& e : experts_) b += e.bytes();
+    for (const auto& e : shared_) b += e.bytes();
+    return b;
+  }
+
+  /// Bytes a layer of `config` holds (packed experts with padding, κ gates,
+  /// router weights and gradient buffer, bias), computed without allocating.
+  /// ConfigError if the count overflows.
+  static std::uint64_t weight_bytes(const MoEConfig& config) {
+    constexpr const char* where = "PackedMoE::weight_bytes";
+    const Index d = config.d_model, f = config.d_ffn, b = packed::dtype_bytes(kDtype);
+    const Index pad_d = kDtype == packed::Dtype::bf16 ? d + (d & 1) : d;
+    const Index pad_f = kDtype == packed::Dtype::bf16 ? f + (f & 1) : f;
+    const Index gate_up = detail::checked_product(where, "gate_up bytes", {(f + 15) / 16, pad_d, 32, b});
+    const Index down = detail::checked_product(where, "down bytes", {(d + 31) / 32, pad_f, 32, b});
+    const Index one = detail::checked_sum(where, "expert bytes", gate_up, down) + (kKappa ? 8 * f : 0);
+    const Index all = detail::checked_product(where, "experts bytes",
+                                              {detail::checked_sum(where, "experts", config.n_experts, config.n_shared), one});
+    const Index router = detail::checked_product(where, "router bytes", {2, config.n_experts, d, 4});
+    return std::uint64_t(detail::checked_sum(where, "layer bytes", all, router + 4 * config.n_experts));
+  }
+
+  /// ConfigError unless a layer of `config` (plus `staging` bytes held while
+  /// it is built) fits in physical memory (memory_budget.hpp).
+  static void check_fits(const char* where, const MoEConfig& config, std::uint64_t staging) {
+    config.validate(where);
+    check_memory_fit(where,
+                     std::string("a packed ") + packed::dtype_name(kDtype) + " MoE layer (d_model " +
+                         std::to_string(config.d_model) + ", d_ffn " + std::to_string(config.d_ffn) + ", " +
+                         std::to_string(config.n_experts) + " + " + std::to_string(config.n_shared) + " experts)",
+                     weight_bytes(config) + staging);
+  }
+
+  /// x: N × d → N × d. ShapeError on a wrong width, ValueError on non-finite
+  /// router logits (as MoEFFN::forward).
+  Matrix<float> forward(const ConstMatrixRef<float>& x, Cache* cache = nullptr) const {
+    detail::check_shape("PackedMoE::forward", "x", x, detail::kAny, d_model());
+    Matrix<float> y(x.rows(), d_model());
+    compute(x, y, cache);
+    return y;
+  }
+
+  /// As forward, into the caller's y (N × d; may be x itself).
+  void forward_into(const ConstMatrixRef<float>& x, MatrixRef<float> y, Cache* cache = nullptr) const {
+    detail::check_shape("PackedMoE::forward_into", "x", x, detail::kAny, d_model());
+    detail::check_shape("PackedMoE::forward_into", "y", y, x.rows(), d_model());
+    compute(x, y, cache);
+  }
+
+  /// Throws unless this layer was packed from `src` as it is now: ShapeError
+  /// if src's configuration differs, ValueError if its weights or bias
+  /// changed since packing (sampled fingerprint, inference/common.hpp) or
+  /// this layer was not packed from a float layer.
+  void check_source(const Source& src) const {
+    constexpr const char* where = "PackedMoE::check_source";
+    const MoEConfig& c = src.config();
+    if (c.d_model != config_.d_model || c.d_ffn != config_.d_ffn || c.n_experts != config_.n_experts ||
+        c.n_active != config_.n_active || c.n_shared != config_.n_shared)
+      throw ShapeError(std::string(where) + ": the source layer has d_model " + std::to_string(c.d_model) +
+                       ", d_ffn " + std::to_string(c.d_ffn) + ", E " + std::to_string(c.n_experts) + ", K " +
+                       std::to_string(c.n_active) + ", S " + std::to_string(c.n_shared) +
+                       "; this packed layer was built for d_model " + std::to_string(config_.d_model) + ", d_ffn " +
+                       std::to_string(config_.d_ffn) + ", E " + std::to_string(config_.n_experts) + ", K " +
+                       std::to_string(config_.n_active) + ", S " + std::to_string(config_.n_shared));
+    if (!has_source_ || fingerprint(src) != fingerprint_ || c.weights_from_unbiased != config_.weights_from_unbiased)
+      throw ValueError(std::string(where) +
+                       ": the source layer's weights changed since this layer was packed (stale copy); "
+                       "rebuild it with PackedMoE::from");
+  }
+
+  /// The sampled fingerprint of a float layer's parameters and bias.
+  static std::uint64_t fingerprint(const Source& src) {
+    std::uint64_t h = detail::inference::kFingerprintSeed;
+    const auto add = [&](const auto& m) { detail::inference::fingerprint_add(h, m.data(), m.size()); };
+    add(src.router().weight());
+    add(src.balancer().bias());
+    for (const auto& e : src.experts()) {
+      add(swiglu_of(e).w_gate_up());
+      add(swiglu_of(e).w_down());
+      if constexpr (kKappa) {
+        add(e.kappa_alpha());
+        add(e.kappa_bias());
+      }
+    }
+    for (const auto& s : src.shared_experts()) {
+      add(s.w_gate_up());
+      add(s.w_down());
+    }
+    return h;
+  }
+  /// Records `fp` as the fingerprint of the source this layer holds (for a
+  /// loader that computed it over the tensors it packed).
+  void set_source_fingerprint(std::uint64_t fp) {
+    fingerprint_ = fp;
+    has_source_ = true;
+  }
+
+ private:
+  /// A router of the config's shape; its weights are replaced at once.
+  static Router<float> make_router(const MoEConfig& c) {
+    Rng rng(0);
+    return Router<float>(c.d_model, c.n_experts, c.n_active, rng);
+  }
+  static const SwiGLU<float>& swiglu_of(const Expert& e) {
+    if constexpr (kKappa) return e.swiglu();
+    else return e;
+  }
+
+  void compute(const ConstMatrixRef<float>& x, MatrixRef<float> y, Cache* cache) const {
+    Cache& c = cache ? *cache : thread_scratch();
+    const Index n = x.rows(), d = d_model();
+    const int threads = resolve_threads(threads_);
+    if constexpr (kKappa)
+      detail::require_config(kernel_.bf16_products != packed::Bf16Products::paired, "PackedMoE::forward",
+                             "bf16_products = paired is not supported for kappa-SwiGLU experts");
+
+    // route → plan → gather: the float layer's code
+    detail::serial([&] { router_.route(x, bias_, config_.weights_from_unbiased, c.routing); });
+    c.plan.build(c.routing.experts, config_.n_experts);
+    dispatch::gather_rows(c.plan, x, c.x_sorted, threads);
+    if constexpr (kKappa) dispatch::gather_side_input(RouterLogitInput{}, c.plan, c.routing, c.side_sorted);
+    else c.side_sorted.resize(0);
+
+    c.y_sorted.resize(c.plan.rows(), d);
+    c.shared_y.resize(shared_.size());
+    for (auto& ys : c.shared_y) ys.resize(n, d);
+    // (expert × row tile) tasks as MoEFFN's (expert_tasks.hpp), largest first
+    const auto tasks = detail::forward_tasks(c.plan.offset, Index(shared_.size()), n, detail::inference::kMaxTileRows);
+    const float* xs = c.x_sorted.data();
+    float* ys = c.y_sorted.data();
+    detail::parallel_for(Index(tasks.size()), threads, [&](Index i) {
+      const Index id = tasks[std::size_t(i)].id, b = tasks[std::size_t(i)].begin, m = tasks[std::size_t(i)].rows;
+      if (tasks[std::size_t(i)].shared) {
+        packed::forward(shared_[id], x.data() + b * x.outerStride(), x.outerStride(), m,
+                        c.shared_y[id].data() + b * d, d, kernel_);
+      } else if constexpr (kKappa) {
+        kappa_forward(experts_[id], gates_[id], xs + b * d, d, c.side_sorted.data() + b, m, ys + b * d, d, kernel_);
+      } else {
+        packed::forward(experts_[id], xs + b * d, d, m, ys + b * d, d, kernel_);
+      }
+    });
+    // combine: shared experts, then slots 0..K−1, per token in fixed order
+    dispatch::combine(c.plan, c.routing.weights, c.y_sorted, c.shared_y, y, threads);
+  }
+
+  static Cache& thread_scratch() {
+    thread_local Cache scratch;
+    return scratch;
+  }
+
+  MoEConfig config_;
+  Router<float> router_;
+  RowVector<float> bias_;                   ///< 1 × E: the balancing bias, selection only
+  std::vector<packed::PackedExpert> experts_;
+  std::vector<KappaGate> gates_;            ///< E (κ experts) or empty
+  std::vector<packed::PackedExpert> shared_;
+  packed::ForwardOptions kernel_;
+  int threads_ = 0;
+  std::uint64_t fingerprint_ = 0;
+  bool has_source_ = false;
+};
+
+}  // namespace apex
