@@ -4,48 +4,23 @@
 /// expert-major blocks (exchange_plan.hpp) and the shared experts on its own
 /// tokens, threaded over (expert × row tile) tasks as MoEFFN threads them.
 ///
-/// Forward tiles each block of m rows into ⌈m / max_tile⌉ near-equal tiles
-/// (MoEFFN::kMaxTileRows), so a routed expert sees exactly the row blocks it
-/// would see in MoEFFN on the concatenated batch; backward runs one task per
-/// non-empty expert (its weight gradients are its own) and per shared
-/// expert. Tasks write disjoint rows, so results do not depend on threads.
+/// The tasks are MoEFFN's (expert_tasks.hpp): forward tiles each block of m
+/// rows into ⌈m / max_tile⌉ near-equal tiles (MoEFFN::kMaxTileRows), so a
+/// routed expert sees exactly the row blocks it would see in MoEFFN on the
+/// concatenated batch; backward runs one task per non-empty expert (its
+/// weight gradients are its own) and per shared expert. Tasks write disjoint
+/// rows, so results do not depend on threads.
 
 #include <algorithm>
 #include <vector>
 
 #include "../expert_contract.hpp"
+#include "../expert_tasks.hpp"
 #include "../parallel.hpp"
 #include "../types.hpp"
 #include "../workspace.hpp"
 
 namespace apex::mpi::detail {
-
-struct Task {
-  bool shared;
-  Index id, begin, rows;
-};
-
-/// Largest first, ties in creation order (longest processing time first).
-inline void largest_first(std::vector<Task>& tasks) {
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.rows > b.rows; });
-}
-
-/// Tiles of every local expert block (`offset`: S + 1) and of the n tokens
-/// of every shared expert.
-inline std::vector<Task> forward_tasks(const std::vector<Index>& offset, Index n_shared, Index n, Index max_tile) {
-  std::vector<Task> tasks;
-  const auto tile = [&](bool shared, Index id, Index begin, Index count) {
-    const Index tiles = (count + max_tile - 1) / max_tile;
-    for (Index i = 0; i < tiles; ++i) {
-      const Index b = count * i / tiles, e = count * (i + 1) / tiles;
-      tasks.push_back({shared, id, begin + b, e - b});
-    }
-  };
-  for (std::size_t j = 0; j + 1 < offset.size(); ++j) tile(false, Index(j), offset[j], offset[j + 1] - offset[j]);
-  for (Index s = 0; s < n_shared; ++s) tile(true, s, 0, n);
-  largest_first(tasks);
-  return tasks;
-}
 
 /// Forward of the local experts: y_local (R × d) from x_local (expert-major)
 /// and its side input; the shared experts' outputs shared_y[s] (n × d) from
@@ -62,9 +37,9 @@ void local_forward(const std::vector<Expert>& experts, const std::vector<Shared>
   shared_y.resize(shared.size());
   for (auto& w : shared_work) w.resize(n, shared.empty() ? 0 : shared.front().work_cols());
   for (auto& ys : shared_y) ys.resize(n, d);
-  const std::vector<Task> tasks = forward_tasks(offset, Index(shared.size()), n, max_tile);
+  const auto tasks = apex::detail::forward_tasks(offset, Index(shared.size()), n, max_tile);
   apex::detail::parallel_for(Index(tasks.size()), threads, [&](Index i) {
-    const Task& t = tasks[std::size_t(i)];
+    const apex::detail::ExpertTask& t = tasks[std::size_t(i)];
     const std::size_t id = std::size_t(t.id);
     if (t.shared)
       shared[id].forward_block(x.middleRows(t.begin, t.rows), shared_work[id].middleRows(t.begin, t.rows),
@@ -86,14 +61,9 @@ void local_backward(std::vector<Expert>& experts, std::vector<Shared>& shared, c
                     const DyLocal& dy_local, DxLocal& dx_local, Vector<T>& dside_local, SharedDx& shared_dx,
                     int threads) {
   const Index n = x.rows();
-  std::vector<Task> tasks;
-  for (std::size_t j = 0; j + 1 < offset.size(); ++j)
-    if (offset[j + 1] > offset[j]) tasks.push_back({false, Index(j), offset[j], offset[j + 1] - offset[j]});
-  for (Index s = 0; s < Index(shared.size()); ++s)
-    if (n > 0) tasks.push_back({true, s, 0, n});
-  largest_first(tasks);
+  const auto tasks = apex::detail::backward_tasks(offset, Index(shared.size()), n);
   apex::detail::parallel_for(Index(tasks.size()), threads, [&](Index i) {
-    const Task& t = tasks[std::size_t(i)];
+    const apex::detail::ExpertTask& t = tasks[std::size_t(i)];
     const std::size_t id = std::size_t(t.id);
     if (t.shared)
       shared[id].backward_block(x, shared_work[id], dy, shared_dx.middleRows(t.id * n, n));
