@@ -30,8 +30,6 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <string>
-#include <type_traits>
 #include <utility>
 
 #include "activations.hpp"
@@ -39,7 +37,6 @@
 #include "expert_contract.hpp"
 #include "init.hpp"
 #include "kappa_options.hpp"
-#include "linear.hpp"
 #include "param.hpp"
 #include "swiglu.hpp"
 #include "types.hpp"
