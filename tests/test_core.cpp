@@ -5,7 +5,9 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <functional>
 #include <limits>
+#include <vector>
 
 #include "sweep.hpp"
 
@@ -134,4 +136,67 @@ TEST_CASE("Rng::index rejects an empty range", "[sweeps][regression][init]") {
          "ValueError", {"Rng::index"});
   Rng rng(1);
   CHECK(rng.index(1) == 0);
+}
+
+// ---- sizes near the Index limit ----
+// Every size product a constructor computes goes through
+// detail::checked_product, so a configuration whose element count does not
+// fit in a 64-bit index is a ConfigError naming the product — before any
+// allocation. Before, these products overflowed a signed integer (undefined
+// behaviour; the asan preset's UBSan aborts on it) and MultiTokenHeads'
+// num_heads·vocab wrapped to 0, building a layer with no weights.
+
+TEST_CASE("checked_product names the product that does not fit", "[core][sizes]") {
+  CHECK(detail::checked_product("f", "a x b", {3, 4}) == 12);
+  CHECK(detail::checked_product("f", "a x b", {0, std::numeric_limits<Index>::max(), 8}) == 0);
+  CHECK(detail::checked_product("f", "a x b", {std::numeric_limits<Index>::max(), 1}) ==
+        std::numeric_limits<Index>::max());
+  CHECK_THROWS_MATCHES(detail::checked_product("Layer", "rows x cols", {Index(1) << 32, Index(1) << 31}),
+                       ConfigError,
+                       Catch::Matchers::Message("Layer: rows x cols = 4294967296 x 2147483648 does not fit in a "
+                                                "64-bit index"));
+  CHECK_THROWS_AS(detail::checked_product("f", "a", {-1, 2}), ConfigError);
+  CHECK(detail::checked_sum("f", "a + b", 2, 3) == 5);
+  CHECK_THROWS_AS(detail::checked_sum("f", "a + b", std::numeric_limits<Index>::max(), 1), ConfigError);
+}
+
+TEST_CASE("skip-gate and multi-token constructors reject sizes whose products overflow an index",
+          "[core][sizes][regression]") {
+  // The MoE-side layers (SwiGLU, kappa-SwiGLU, Router, MoEFFN, LoadBalancer,
+  // default_ffn_width) have the same test in test_moe.cpp.
+  const Index big = Index(1) << 62;  // 2^62: any factor ≥ 2 beside it overflows
+  const Index half = Index(1) << 32;
+  struct Probe {
+    const char* what;
+    std::function<void()> make;
+    const char* names;  ///< a substring the message must contain
+  };
+  const std::vector<Probe> probes = {
+      {"SkipGate(d 2^62, hidden 4)",
+       [&] {
+         SkipGateConfig c;
+         c.d_model = big;
+         c.hidden = 4;
+         SkipGate<float> g(c);
+       },
+       "hidden x d_model"},
+      {"MultiTokenHeads(d 2^32, vocab 2^32)", [&] { MultiTokenHeads<float> h(half, half); },
+       "num_heads x vocab x d_model"},
+      {"MultiTokenHeads(d 4, vocab 2^62): num_heads x vocab wrapped to 0",
+       [&] {
+         MultiTokenOptions o;
+         o.num_heads = 4;
+         MultiTokenHeads<float> h(4, big, o);
+       },
+       "num_heads x vocab"},
+  };
+  for (const Probe& p : probes) {
+    INFO(p.what);
+    try {
+      p.make();
+      FAIL_CHECK("no exception");
+    } catch (const ConfigError& e) {
+      CHECK_THAT(e.what(), Catch::Matchers::Contains(p.names));
+    }
+  }
 }
