@@ -86,10 +86,11 @@ class MoEFFN {
       : config_((config.validate("MoEFFN"), config)),
         router_(config.d_model, config.n_experts, config.n_active, rng),
         balancer_(config.n_experts, config.n_active, config.balancer_alpha) {
+    router_.set_routing(config.routing);
     experts_.reserve(config.n_experts);
     for (Index e = 0; e < config.n_experts; ++e) experts_.emplace_back(config.d_model, config.d_ffn, rng);
     shared_.reserve(config.n_shared);
-    for (Index s = 0; s < config.n_shared; ++s) shared_.emplace_back(config.d_model, config.d_ffn, rng);
+    for (Index s = 0; s < config.n_shared; ++s) shared_.emplace_back(config.d_model, config.shared_ffn(), rng);
   }
   MoEFFN(const MoEConfig& config, Rng&& rng) : MoEFFN(config, rng) {}
   explicit MoEFFN(const MoEConfig& config, std::uint64_t seed = 0) : MoEFFN(config, Rng(seed)) {}

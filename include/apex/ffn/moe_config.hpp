@@ -6,6 +6,7 @@
 #include <string>
 
 #include "errors.hpp"
+#include "routing_config.hpp"
 #include "types.hpp"
 
 namespace apex {
@@ -21,6 +22,16 @@ struct MoEConfig {
   /// biased r = ℓ + b (the default); the bias then only steers selection.
   bool weights_from_unbiased = false;
   double balancer_alpha = 1e-3;  ///< bias step α of the load balancer
+  /// Scoring, group-limited selection, renormalisation and routed scale
+  /// (routing_config.hpp, docs/routing.md); the default is APEX-1's router.
+  RoutingConfig routing{};
+  /// Hidden width of each shared expert (0: d_ffn). Qwen2-MoE's shared
+  /// expert is wider than its routed ones; DeepSeek-V3 fuses its shared
+  /// experts into one of width n_shared·d_ffn.
+  Index d_shared_ffn = 0;
+
+  /// The shared experts' hidden width.
+  Index shared_ffn() const { return d_shared_ffn > 0 ? d_shared_ffn : d_ffn; }
 
   /// Throws ConfigError naming the first field that is out of range.
   void validate(const char* where = "MoEConfig") const {
@@ -33,6 +44,8 @@ struct MoEConfig {
     need(n_shared >= 0, "n_shared must be >= 0, got " + std::to_string(n_shared));
     need(std::isfinite(balancer_alpha) && balancer_alpha >= 0,
          "balancer_alpha must be finite and >= 0, got " + std::to_string(balancer_alpha));
+    need(d_shared_ffn >= 0, "d_shared_ffn must be >= 0 (0: d_ffn), got " + std::to_string(d_shared_ffn));
+    routing.validate(where, n_experts, n_active);
   }
 };
 

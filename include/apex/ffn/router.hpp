@@ -10,15 +10,24 @@
 ///
 /// Selection has no gradient; the bias gets none. Gradients flow through the
 /// softmax of the K selected entries into W_router and X.
+///
+/// Other scorings (softmax over all E, sigmoid), group-limited selection,
+/// renormalisation and a routed scaling factor: `set_routing` with a
+/// RoutingConfig (routing_config.hpp, docs/routing.md). The default config
+/// keeps the path above unchanged; the choice is made once per call.
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
+#include <vector>
 
 #include "checked_size.hpp"
 #include "errors.hpp"
 #include "init.hpp"
 #include "linear.hpp"
 #include "param.hpp"
+#include "routing_config.hpp"
 #include "types.hpp"
 
 namespace apex {
@@ -31,7 +40,8 @@ template <class T>
 struct Routing {
   Matrix<T> logits;     ///< N × E: ℓ, unbiased
   IndexMatrix experts;  ///< N × K: chosen experts, best first
-  Matrix<T> weights;    ///< N × K: g, each row sums to 1
+  Matrix<T> weights;    ///< N × K: g, each row sums to 1 (to routed_scale, or less without renormalisation)
+  Matrix<T> scores;     ///< N × E: s = softmax(ℓ) or σ(ℓ) for those scorings; 0 × 0 otherwise
 };
 
 template <class T>
@@ -51,6 +61,14 @@ class Router {
   Index n_experts() const { return weight_.rows(); }
   Index n_active() const { return k_; }
 
+  /// Scoring, selection and weighting (routing_config.hpp). Throws
+  /// ConfigError naming the field if `routing` does not fit this router's E and K.
+  void set_routing(const RoutingConfig& routing) {
+    routing.validate("Router::set_routing", n_experts(), k_);
+    routing_ = routing;
+  }
+  const RoutingConfig& routing() const { return routing_; }
+
   /// Routes x (N × d) with balancing bias (1 × E). Throws ShapeError if x
   /// or the bias has the wrong shape, ValueError if the bias or a logit is not
   /// finite: the top-K choice of a NaN is undefined.
@@ -67,6 +85,8 @@ class Router {
       throw ValueError("Router::route: router logits are not finite (the input contains NaN/Inf or is too large)");
     out.experts.resize(n, k_);
     out.weights.resize(n, k_);
+    if (!routing_.is_default()) return route_general(bias, weights_from_unbiased, out);
+    out.scores.resize(0, 0);
     Eigen::Array<T, 1, Eigen::Dynamic> top(k_);  // scores of the current best K, descending
     for (Index t = 0; t < n; ++t) {
       // Insertion into a sorted top-K list: a later expert displaces an
@@ -152,6 +172,8 @@ class Router {
     n = routing.weights.rows();
     detail::check_shape(where, "routing.experts", routing.experts, n, k_);
     detail::check_shape(where, "routing.logits", routing.logits, n, n_experts());
+    if (routing_.scoring != Scoring::SoftmaxSelected)
+      detail::check_shape(where, "routing.scores", routing.scores, n, n_experts());
     for (Index t = 0; t < n; ++t)
       for (Index k = 0; k < k_; ++k)
         if (routing.experts(t, k) < 0 || routing.experts(t, k) >= n_experts())
@@ -162,6 +184,7 @@ class Router {
 
   /// d_logits(t, e_k) += g_k (∂L/∂g_k − Σ_j g_j ∂L/∂g_j); shapes checked by the caller.
   void add_softmax_backward(const Routing<T>& routing, const ConstMatrixRef<T>& d_weights, Matrix<T>& d_logits) const {
+    if (!routing_.is_default()) return add_general_backward(routing, d_weights, d_logits);
     for (Index t = 0; t < routing.weights.rows(); ++t) {
       const auto g = routing.weights.row(t).array();
       const auto dg = d_weights.row(t).array();
@@ -170,7 +193,131 @@ class Router {
     }
   }
 
+  /// route for a non-default RoutingConfig (docs/routing.md); logits filled,
+  /// experts and weights sized by the caller.
+  void route_general(const RowVector<T>& bias, bool weights_from_unbiased, Routing<T>& out) const {
+    const Index n = out.logits.rows(), e_count = n_experts();
+    const Scoring scoring = routing_.scoring;
+    const T scale = T(routing_.routed_scale);
+    if (scoring == Scoring::SoftmaxSelected) {
+      out.scores.resize(0, 0);
+    } else {
+      out.scores.resize(n, e_count);
+      for (Index t = 0; t < n; ++t) {
+        auto l = out.logits.row(t).array();
+        auto s = out.scores.row(t).array();
+        if (scoring == Scoring::Sigmoid) {
+          s = T(1) / (T(1) + (-l).exp());
+        } else {
+          s = (l - l.maxCoeff()).exp();
+          s /= s.sum();
+        }
+      }
+    }
+    const Index groups = routing_.n_groups, per_group = e_count / groups;
+    std::vector<char> allowed(static_cast<std::size_t>(e_count), 1);
+    Eigen::Array<T, 1, Eigen::Dynamic> key(e_count), top(k_), group_key(groups);
+    std::vector<Index> group_order(static_cast<std::size_t>(groups));
+    for (Index t = 0; t < n; ++t) {
+      // r = s + b (ℓ + b for SoftmaxSelected): the selection key only.
+      if (scoring == Scoring::SoftmaxSelected)
+        key = out.logits.row(t).array() + bias.array();
+      else
+        key = out.scores.row(t).array() + bias.array();
+      if (groups > 1) {
+        // Group score: sum of the two largest keys (or the largest) of each group.
+        for (Index g = 0; g < groups; ++g) {
+          T first = key(g * per_group), second = -std::numeric_limits<T>::infinity();
+          for (Index i = 1; i < per_group; ++i) {
+            const T v = key(g * per_group + i);
+            if (v > first) {
+              second = first;
+              first = v;
+            } else if (v > second) {
+              second = v;
+            }
+          }
+          group_key(g) = (routing_.group_score == GroupScore::Top2Sum && per_group >= 2) ? first + second : first;
+        }
+        // Keep the best topk_group groups; ties to the lower group index (stable sort).
+        for (Index g = 0; g < groups; ++g) group_order[std::size_t(g)] = g;
+        std::stable_sort(group_order.begin(), group_order.end(),
+                         [&](Index a, Index b) { return group_key(a) > group_key(b); });
+        std::fill(allowed.begin(), allowed.end(), char(0));
+        for (Index i = 0; i < routing_.topk_group; ++i) {
+          const Index g = group_order[std::size_t(i)];
+          std::fill(allowed.begin() + g * per_group, allowed.begin() + (g + 1) * per_group, char(1));
+        }
+      }
+      // Top-K of the allowed keys by sorted insertion; ties keep the lower index.
+      Index filled = 0;
+      for (Index e = 0; e < e_count; ++e) {
+        if (!allowed[std::size_t(e)]) continue;
+        const T score = key(e);
+        if (filled == k_ && !(score > top(k_ - 1))) continue;
+        Index pos = filled < k_ ? filled++ : k_ - 1;
+        while (pos > 0 && score > top(pos - 1)) {
+          top(pos) = top(pos - 1);
+          out.experts(t, pos) = out.experts(t, pos - 1);
+          --pos;
+        }
+        top(pos) = score;
+        out.experts(t, pos) = e;
+      }
+      auto w = out.weights.row(t).array();
+      if (scoring == Scoring::SoftmaxSelected) {
+        for (Index k = 0; k < k_; ++k) w(k) = weights_from_unbiased ? out.logits(t, out.experts(t, k)) : top(k);
+        w = (w - w.maxCoeff()).exp();
+        w /= w.sum();
+      } else {
+        for (Index k = 0; k < k_; ++k) w(k) = out.scores(t, out.experts(t, k));
+        if (routing_.renormalize) w /= w.sum();
+      }
+      w *= scale;
+    }
+  }
+
+  /// Backward of route_general's weights into d_logits (N × E), per token:
+  ///  SoftmaxSelected: g = c·p, p = softmax(z_sel): ∂z_k = p_k (c ∂g_k − Σ_j p_j c ∂g_j)
+  ///  renormalised: p_k = w_k / W: ∂w_j = (c ∂g_j − Σ_k p_k c ∂g_k) / W; else ∂w_j = c ∂g_j
+  ///  sigmoid:     ∂ℓ_{e_j} += ∂w_j s_{e_j} (1 − s_{e_j})
+  ///  softmax all: ∂ℓ_e += s_e (∂w_e − Σ_j ∂w_j s_{e_j})   (∂w_e = 0 off the selection)
+  void add_general_backward(const Routing<T>& routing, const ConstMatrixRef<T>& d_weights, Matrix<T>& d_logits) const {
+    const Scoring scoring = routing_.scoring;
+    const T scale = T(routing_.routed_scale);
+    Eigen::Array<T, 1, Eigen::Dynamic> p(k_), dp(k_), dw(k_);
+    for (Index t = 0; t < routing.weights.rows(); ++t) {
+      p = routing.weights.row(t).array() / scale;
+      dp = d_weights.row(t).array() * scale;
+      if (scoring == Scoring::SoftmaxSelected) {
+        const T inner = (p * dp).sum();
+        for (Index k = 0; k < k_; ++k) d_logits(t, routing.experts(t, k)) += p(k) * (dp(k) - inner);
+        continue;
+      }
+      if (routing_.renormalize) {
+        T sum_w = 0;
+        for (Index k = 0; k < k_; ++k) sum_w += routing.scores(t, routing.experts(t, k));
+        dw = (dp - (p * dp).sum()) / sum_w;
+      } else {
+        dw = dp;
+      }
+      if (scoring == Scoring::Sigmoid) {
+        for (Index k = 0; k < k_; ++k) {
+          const T s = routing.scores(t, routing.experts(t, k));
+          d_logits(t, routing.experts(t, k)) += dw(k) * s * (T(1) - s);
+        }
+      } else {
+        T inner = 0;
+        for (Index k = 0; k < k_; ++k) inner += dw(k) * routing.scores(t, routing.experts(t, k));
+        d_logits.row(t).array() -= routing.scores.row(t).array() * inner;
+        for (Index k = 0; k < k_; ++k)
+          d_logits(t, routing.experts(t, k)) += routing.scores(t, routing.experts(t, k)) * dw(k);
+      }
+    }
+  }
+
   Index k_;
+  RoutingConfig routing_;
   Matrix<T> weight_;       ///< E × d
   Matrix<T> weight_grad_;  ///< E × d
 };
