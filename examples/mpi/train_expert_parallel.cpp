@@ -3,7 +3,7 @@
 // the concatenated batch.
 //
 //     mpiexec -n 2 ./train_expert_parallel            (one machine)
-//     mpiexec -n 4 --hostfile hosts ./train_expert_parallel   (a cluster)
+//     mpiexec -n 16 --hostfile hosts ./train_expert_parallel  (a cluster)
 //
 // Each rank owns half of the routed experts and brings its own tokens. The
 // loss is the mean squared error over every rank's tokens, so each rank's
@@ -57,10 +57,10 @@ int main(int argc, char** argv) {
     mpi::Communicator comm;
     const int rank = comm.rank(), ranks = comm.size();
 
-    MoEConfig cfg;  // a small layer: 8 experts, 2 active, 1 shared
+    MoEConfig cfg;  // a small layer: 8 experts (or one per rank beyond 8), 2 active, 1 shared
     cfg.d_model = 32;
     cfg.d_ffn = 64;
-    cfg.n_experts = 8;
+    cfg.n_experts = std::max(8, ranks);
     cfg.n_active = 2;
     cfg.n_shared = 1;
     cfg.balancer_alpha = 1e-2;
