@@ -162,6 +162,43 @@ TEST_CASE("every routing option: gradients by finite differences", "[routing][gr
   }
 }
 
+TEST_CASE("sigmoid-gated shared experts: forward and gradients", "[routing][gradcheck]") {
+  RoutingConfig rc;
+  rc.scoring = Scoring::SoftmaxAll;
+  rc.renormalize = false;
+  for (Index n_shared : {1, 2}) {
+    INFO("shared experts " << n_shared);
+    MoEConfig cfg = routed_config(6, 2, n_shared, rc);
+    cfg.shared_expert_gate = true;
+    cfg.d_shared_ffn = 9;
+    MoEFFN<double> moe(cfg, 31);
+    Matrix<double> x = random_matrix(4, 6, 32, 1.5);
+    // Forward: the gated shared sum plus the routed part.
+    MoEConfig ungated = cfg;
+    ungated.shared_expert_gate = false;
+    MoEFFN<double> plain(ungated, 31);  // same seed: same weights but the gate
+    const auto params = moe.params();
+    const Param<double>& gate = params.back();
+    CHECK(gate.name == "shared_expert_gate.weight");
+    CHECK(gate.rows == 1);
+    Matrix<double> shared_sum = Matrix<double>::Zero(4, 6);
+    for (const auto& s : moe.shared_experts()) shared_sum += s.forward(x);
+    const Matrix<double> y_plain = plain.forward(x);
+    const Vector<double> z = x * gate.value().transpose();
+    const Vector<double> sig = (1.0 + (-z.array()).exp()).inverse().matrix();
+    const Matrix<double> expected = y_plain - shared_sum + sig.asDiagonal() * shared_sum;
+    CHECK((moe.forward(x) - expected).cwiseAbs().maxCoeff() < 1e-13);
+
+    const Matrix<double> rr = random_matrix(4, 6, 33);
+    auto loss = [&] { return dot_all(moe.forward(x), rr); };
+    MoEFFN<double>::Cache cache;
+    moe.forward(x, &cache);
+    const Matrix<double> dx = moe.backward(rr, cache);
+    APEX_CHECK_GRADS(check_params(moe.params(), loss), 1e-6);
+    APEX_CHECK_GRADS(std::vector{check_values("x", x.data(), dx.data(), x.size(), loss)}, 1e-6);
+  }
+}
+
 TEST_CASE("the balancer counts selections under every scoring", "[routing]") {
   RoutingConfig rc;
   rc.scoring = Scoring::Sigmoid;

@@ -79,7 +79,8 @@ class MoEFFN {
     Matrix<T> work;                     ///< NK × expert.work_cols()
     Matrix<T> y_sorted;                 ///< NK × d: Expert_{e}(x) per sorted row, unweighted
     std::vector<Matrix<T>> shared_work; ///< per shared expert: N × work_cols()
-    std::vector<Matrix<T>> shared_y;    ///< per shared expert: N × d, its output
+    std::vector<Matrix<T>> shared_y;    ///< per shared expert: N × d, its output (gated, with a shared gate)
+    Vector<T> shared_gate;              ///< N: σ(x·w_gate) with shared_expert_gate, else empty
   };
 
   MoEFFN(const MoEConfig& config, Rng& rng)
@@ -91,6 +92,11 @@ class MoEFFN {
     for (Index e = 0; e < config.n_experts; ++e) experts_.emplace_back(config.d_model, config.d_ffn, rng);
     shared_.reserve(config.n_shared);
     for (Index s = 0; s < config.n_shared; ++s) shared_.emplace_back(config.d_model, config.shared_ffn(), rng);
+    if (config.shared_expert_gate) {
+      shared_gate_.resize(1, config.d_model);
+      init_linear(shared_gate_, rng);
+      shared_gate_grad_ = Matrix<T>::Zero(1, config.d_model);
+    }
   }
   MoEFFN(const MoEConfig& config, Rng&& rng) : MoEFFN(config, rng) {}
   explicit MoEFFN(const MoEConfig& config, std::uint64_t seed = 0) : MoEFFN(config, Rng(seed)) {}
@@ -173,12 +179,15 @@ class MoEFFN {
       detail::append_prefixed(out, "experts." + std::to_string(e) + ".", experts_[e].params());
     for (std::size_t s = 0; s < shared_.size(); ++s)
       detail::append_prefixed(out, "shared_experts." + std::to_string(s) + ".", shared_[s].params());
+    if (config_.shared_expert_gate)
+      out.push_back(detail::make_param<T>("shared_expert_gate.weight", shared_gate_, shared_gate_grad_));
     return out;
   }
   void zero_grad() {
     router_.zero_grad();
     for (auto& e : experts_) e.zero_grad();
     for (auto& s : shared_) s.zero_grad();
+    shared_gate_grad_.setZero();
   }
 
  private:
@@ -217,6 +226,13 @@ class MoEFFN {
                                c.y_sorted.middleRows(b, m));
     });
 
+    // shared gate: D_s ← σ(x·w_gate) ⊙ D_s per token (Qwen2-MoE)
+    if (config_.shared_expert_gate) {
+      c.shared_gate = ((-(x * shared_gate_.transpose()).array()).exp() + T(1)).inverse().matrix();
+      for (auto& ys : c.shared_y) ys = c.shared_gate.asDiagonal() * ys;
+    } else {
+      c.shared_gate.resize(0);
+    }
     if (cache) c.x = x;  // the last read of x: y may alias it
     // combine: shared experts, then slots 0..K−1, per token in fixed order
     dispatch::combine(c.plan, c.routing.weights, c.y_sorted, c.shared_y, y, threads);
@@ -239,6 +255,7 @@ class MoEFFN {
       throw ShapeError(std::string(where) + ": argument 'cache' holds " + std::to_string(c.shared_work.size()) +
                        " shared-expert workspaces, expected " + std::to_string(shared_.size()));
     for (const auto& w : c.shared_work) detail::check_shape(where, "cache.shared_work", w, n, shared_work_cols());
+    detail::check_shape(where, "cache.shared_gate", c.shared_gate, config_.shared_expert_gate ? n : 0, 1);
   }
 
   /// backward's body; dy and the cache checked by the caller. The mirror of
@@ -260,11 +277,23 @@ class MoEFFN {
     // S·N × d: shared expert s writes rows [s·N, (s+1)·N)
     auto shared_dx = detail::thread_workspace<T, detail::MoESharedDxTag>(
         detail::checked_product("MoEFFN::backward", "shared gradient rows n_shared*N", {n_shared, n}), d);
+    // shared gate: the shared experts see σ ⊙ dy; ∂L/∂z_t = (1 − σ_t) ⟨dy_t, Σ_s D_s[t]⟩
+    // (D_s gated), z = x·w_gate: ∂L/∂w_gate += ∂zᵀ·X, ∂L/∂x += ∂z·w_gate.
+    const bool gated = config_.shared_expert_gate && n_shared > 0;
+    Matrix<T> dy_shared, dz;  // N × d, N × 1
+    if (gated) {
+      dy_shared = c.shared_gate.asDiagonal() * dy;
+      dz = Matrix<T>::Zero(n, 1);
+      for (const auto& ys : c.shared_y) dz += (ys.cwiseProduct(dy)).rowwise().sum();
+      dz.array() *= T(1) - c.shared_gate.array();
+      shared_gate_grad_.noalias() += dz.transpose() * c.x;
+    }
+    const ConstMatrixRef<T> dy_for_shared = gated ? ConstMatrixRef<T>(dy_shared) : dy;
     const auto tasks = detail::backward_tasks(c.plan.offset, n_shared, n);
     detail::parallel_for(Index(tasks.size()), threads, [&](Index i) {
       const Index id = tasks[i].id, b = tasks[i].begin, m = tasks[i].rows;
       if (tasks[i].shared)
-        shared_[id].backward_block(c.x, c.shared_work[id], dy, shared_dx.middleRows(id * n, n));
+        shared_[id].backward_block(c.x, c.shared_work[id], dy_for_shared, shared_dx.middleRows(id * n, n));
       else
         detail::expert_backward(experts_[id], c.x_sorted.middleRows(b, m), c.side_sorted, b, m,
                                 c.work.middleRows(b, m), dy_sorted.middleRows(b, m), dx_sorted.middleRows(b, m),
@@ -279,6 +308,7 @@ class MoEFFN {
 
     // gather: ∂L/∂x per token in fixed order: router, shared, slots 0..K−1.
     dispatch::gather_backward(c.plan, dx_sorted, shared_dx, n_shared, dx, threads);
+    if (gated) dx.noalias() += dz * shared_gate_;
     return dx;
   }
 
@@ -295,6 +325,8 @@ class MoEFFN {
   LoadBalancer<T> balancer_;
   std::vector<Expert> experts_;
   std::vector<SharedType> shared_;
+  Matrix<T> shared_gate_;       ///< 1 × d with shared_expert_gate (Qwen2-MoE), else 0 × 0
+  Matrix<T> shared_gate_grad_;  ///< 1 × d
   int threads_ = 0;
 };
 

@@ -29,6 +29,9 @@ struct MoEConfig {
   /// expert is wider than its routed ones; DeepSeek-V3 fuses its shared
   /// experts into one of width n_shared·d_ffn.
   Index d_shared_ffn = 0;
+  /// Qwen2-MoE's `shared_expert_gate`: the shared experts' sum is scaled per
+  /// token by σ(x·w_gate) (w_gate: 1 × d, trained, no bias).
+  bool shared_expert_gate = false;
 
   /// The shared experts' hidden width.
   Index shared_ffn() const { return d_shared_ffn > 0 ? d_shared_ffn : d_ffn; }
