@@ -5,6 +5,7 @@
 
 #include <apex/ffn/checkpoint.hpp>
 #include <apex/ffn/inference.hpp>
+#include <apex/ffn/inference/packed_load.hpp>
 #include <apex/ffn/kappa_swiglu.hpp>
 
 #include <cstdlib>

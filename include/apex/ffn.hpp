@@ -10,6 +10,7 @@
 #include "ffn/expert_contract.hpp"
 #include "ffn/expert_tasks.hpp"
 #include "ffn/ffn_sublayer.hpp"
+#include "ffn/inference.hpp"
 #include "ffn/init.hpp"
 #include "ffn/kappa_moe.hpp"
 #include "ffn/kappa_options.hpp"

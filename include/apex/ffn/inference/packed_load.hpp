@@ -23,7 +23,11 @@
 /// The balancing bias is not a parameter; a file may carry it as the
 /// optional tensor `expert_bias` (docs/checkpoints.md). Without it the bias
 /// is zero. κ's options (U, c) are not in checkpoints: pass them.
+///
+/// Needs the `apex::checkpoint` target (nlohmann_json), like checkpoint.hpp;
+/// the layers themselves (inference.hpp) need only Eigen.
 
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -32,6 +36,7 @@
 #include "../errors.hpp"
 #include "../safetensors.hpp"
 #include "packed_moe.hpp"
+#include "packed_sublayer.hpp"
 #include "packed_swiglu.hpp"
 
 namespace apex {
@@ -228,6 +233,51 @@ PackedSwiGLU<Storage> load_packed_swiglu(const std::string& path, Index d_model,
                                          const PackedLoadOptions& options = {}) {
   const safetensors::Reader file(path, options.limits);
   return load_packed_swiglu<Storage>(file, d_model, d_ffn, options);
+}
+
+/// A packed MoE sublayer from `file`: `norm.weight`, `ffn.…` (as
+/// load_packed_moe, prefix + "ffn.") and, with `gate`, `skip_gate.…` under
+/// options.prefix. Errors as load_packed_moe; tensors under the prefix that
+/// are none of these are unexpected (FormatError unless allowed).
+template <class Storage, class Expert = SwiGLU<float>>
+PackedSublayer<PackedMoE<Storage, Expert>> load_packed_sublayer(const safetensors::Reader& file,
+                                                                const MoEConfig& config,
+                                                                const std::optional<SkipGateConfig>& gate = {},
+                                                                const PackedLoadOptions& options = {}) {
+  const std::string& p = options.prefix;
+  const std::string where = "load_packed_sublayer(" + file.source().description() + ")";
+  // The norm and gate parameters, loaded by load_checkpoint under the prefix.
+  RMSNorm<float> norm(config.d_model);
+  std::optional<SkipGate<float>> g;
+  if (gate) g.emplace(*gate);
+  ParamList<float> small;
+  detail::append_prefixed(small, p + "norm.", norm.params());
+  if (g) detail::append_prefixed(small, p + "skip_gate.", g->params());
+  // Names under the prefix that belong to nobody.
+  if (!options.allow_unexpected) {
+    std::vector<std::string> unexpected;
+    std::set<std::string> small_names;
+    for (const auto& q : small) small_names.insert(q.name);
+    const std::string ffn = p + "ffn.";
+    for (const auto& t : file.tensors())
+      if (t.name.compare(0, p.size(), p) == 0 && t.name.compare(0, ffn.size(), ffn) != 0 && !small_names.count(t.name))
+        unexpected.push_back(t.name);
+    if (!unexpected.empty())
+      throw FormatError(where + ": the file does not match the layer: unexpected " +
+                        detail::name_list(unexpected) + ";");
+  }
+  LoadOptions lo;
+  lo.allow_unexpected = true;  // the FFN's tensors; names under the prefix were checked above
+  lo.limits = options.limits;
+  load_checkpoint(file, small, lo);
+  PackedLoadOptions fo = options;
+  fo.prefix = p + "ffn.";
+  auto ffn = load_packed_moe<Storage, Expert>(file, config, fo);
+  auto out = g ? PackedSublayer<PackedMoE<Storage, Expert>>(config.d_model, std::move(ffn), std::move(*g))
+               : PackedSublayer<PackedMoE<Storage, Expert>>(config.d_model, std::move(ffn));
+  out.norm() = std::move(norm);
+  out.set_mode(SublayerMode::inference);
+  return out;
 }
 
 }  // namespace apex

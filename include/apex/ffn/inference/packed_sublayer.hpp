@@ -12,16 +12,13 @@
 /// Only forward is meant to be called: backward and params() need a float FFN.
 ///
 ///     auto inf = apex::pack_sublayer<apex::packed::bf16>(trained);    // from a trained sublayer
-///     auto inf = apex::load_packed_sublayer<float>(file, cfg, gate);  // from a checkpoint
+///     auto inf = apex::load_packed_sublayer<float>(file, cfg, gate);  // inference/packed_load.hpp
 
 #include <optional>
-#include <set>
 #include <string>
 #include <utility>
 
-#include "../checkpoint.hpp"
 #include "../ffn_sublayer.hpp"
-#include "packed_load.hpp"
 #include "packed_moe.hpp"
 #include "packed_swiglu.hpp"
 
@@ -53,51 +50,6 @@ PackedSublayer<PackedMoE<Storage, Expert>> pack_sublayer(const FFNSublayer<float
 template <class Storage>
 PackedSublayer<PackedSwiGLU<Storage>> pack_sublayer(const FFNSublayer<float, SwiGLU<float>>& src) {
   return detail::inference::wrap_sublayer(src, PackedSwiGLU<Storage>::from(src.ffn()));
-}
-
-/// A packed MoE sublayer from `file`: `norm.weight`, `ffn.…` (as
-/// load_packed_moe, prefix + "ffn.") and, with `gate`, `skip_gate.…` under
-/// options.prefix. Errors as load_packed_moe; tensors under the prefix that
-/// are none of these are unexpected (FormatError unless allowed).
-template <class Storage, class Expert = SwiGLU<float>>
-PackedSublayer<PackedMoE<Storage, Expert>> load_packed_sublayer(const safetensors::Reader& file,
-                                                                const MoEConfig& config,
-                                                                const std::optional<SkipGateConfig>& gate = {},
-                                                                const PackedLoadOptions& options = {}) {
-  const std::string& p = options.prefix;
-  const std::string where = "load_packed_sublayer(" + file.source().description() + ")";
-  // The norm and gate parameters, loaded by load_checkpoint under the prefix.
-  RMSNorm<float> norm(config.d_model);
-  std::optional<SkipGate<float>> g;
-  if (gate) g.emplace(*gate);
-  ParamList<float> small;
-  detail::append_prefixed(small, p + "norm.", norm.params());
-  if (g) detail::append_prefixed(small, p + "skip_gate.", g->params());
-  // Names under the prefix that belong to nobody.
-  if (!options.allow_unexpected) {
-    std::vector<std::string> unexpected;
-    std::set<std::string> small_names;
-    for (const auto& q : small) small_names.insert(q.name);
-    const std::string ffn = p + "ffn.";
-    for (const auto& t : file.tensors())
-      if (t.name.compare(0, p.size(), p) == 0 && t.name.compare(0, ffn.size(), ffn) != 0 && !small_names.count(t.name))
-        unexpected.push_back(t.name);
-    if (!unexpected.empty())
-      throw FormatError(where + ": the file does not match the layer: unexpected " +
-                        detail::name_list(unexpected) + ";");
-  }
-  LoadOptions lo;
-  lo.allow_unexpected = true;  // the FFN's tensors; names under the prefix were checked above
-  lo.limits = options.limits;
-  load_checkpoint(file, small, lo);
-  PackedLoadOptions fo = options;
-  fo.prefix = p + "ffn.";
-  auto ffn = load_packed_moe<Storage, Expert>(file, config, fo);
-  auto out = g ? PackedSublayer<PackedMoE<Storage, Expert>>(config.d_model, std::move(ffn), std::move(*g))
-               : PackedSublayer<PackedMoE<Storage, Expert>>(config.d_model, std::move(ffn));
-  out.norm() = std::move(norm);
-  out.set_mode(SublayerMode::inference);
-  return out;
 }
 
 }  // namespace apex
