@@ -3,9 +3,16 @@
 // examples, gradients by finite differences for every combination, the
 // default path unchanged, shared experts of another width, and the
 // RoutingConfig error sweep.
+#include <apex/ffn/family_presets.hpp>
 #include <apex/ffn/moe.hpp>
+#include <apex/ffn/name_maps.hpp>
 
 #include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+
+#include <unistd.h>
 
 #include "gradcheck.hpp"
 #include "sweep.hpp"
@@ -18,6 +25,46 @@ using apex::test::random_matrix;
 using Catch::Matchers::WithinAbs;
 
 namespace {
+
+namespace fs = std::filesystem;
+namespace st = apex::safetensors;
+
+const MoEFamily kFamilies[] = {MoEFamily::DeepSeekV3, MoEFamily::Mixtral, MoEFamily::Qwen2MoE, MoEFamily::Qwen3MoE,
+                               MoEFamily::OLMoE};
+
+/// The small layer of a family fixture (tools/moe_families.py, its "config" metadata).
+MoEConfig fixture_config(MoEFamily f, const st::Reader& file) {
+  const auto j = nlohmann::json::parse(file.metadata().at("config"));
+  MoEConfig c;
+  c.routing = family_routing(f);
+  c.d_model = j["d"].get<Index>();
+  c.d_ffn = j["f"].get<Index>();
+  c.n_experts = j["E"].get<Index>();
+  c.n_active = j["K"].get<Index>();
+  c.d_shared_ffn = j["shared"].get<Index>();
+  c.n_shared = c.d_shared_ffn > 0 ? 1 : 0;
+  c.shared_expert_gate = f == MoEFamily::Qwen2MoE;
+  if (j.contains("groups")) {
+    c.routing.n_groups = j["groups"].get<Index>();
+    c.routing.topk_group = j["topk_group"].get<Index>();
+  }
+  return c;
+}
+
+Matrix<double> read_tensor(const st::Reader& file, const std::string& name, Index rows, Index cols) {
+  Matrix<double> m(rows, cols);
+  const auto& t = file.at(name);
+  REQUIRE(t.shape.size() == 2);
+  REQUIRE(Index(t.shape[0]) == rows);
+  REQUIRE(Index(t.shape[1]) == cols);
+  file.read(t, m.data());
+  return m;
+}
+
+double rel_error(const Matrix<double>& a, const Matrix<double>& b) {
+  const double scale = std::max(a.norm(), b.norm());
+  return scale > 0 ? (a - b).norm() / scale : 0.0;
+}
 
 MoEConfig routed_config(Index e, Index k, Index shared, const RoutingConfig& routing) {
   MoEConfig cfg;
@@ -244,4 +291,140 @@ TEST_CASE("RoutingConfig error sweep", "[routing][errors]") {
          MoEFFN<double> moe(c, 1);
        }, "ConfigError", {"d_shared_ffn"}},
   });
+}
+
+TEST_CASE("family presets have their published shapes and routing", "[routing][families]") {
+  const MoEConfig ds = deepseek_v3_moe();
+  CHECK(ds.d_model == 7168);
+  CHECK(ds.n_experts == 256);
+  CHECK(ds.n_active == 8);
+  CHECK(ds.n_shared == 1);
+  CHECK(ds.routing.scoring == Scoring::Sigmoid);
+  CHECK(ds.routing.n_groups == 8);
+  CHECK(ds.routing.topk_group == 4);
+  CHECK(ds.routing.routed_scale == 2.5);
+  CHECK(mixtral_8x7b_moe().n_experts == 8);
+  CHECK(mixtral_8x7b_moe().n_active == 2);
+  CHECK(qwen2_moe_a2_7b_moe().shared_ffn() == 5632);
+  CHECK(qwen2_moe_a2_7b_moe().shared_expert_gate);
+  CHECK_FALSE(qwen2_moe_a2_7b_moe().routing.renormalize);
+  CHECK(qwen3_moe_30b_a3b_moe().routing.renormalize);
+  CHECK_FALSE(olmoe_1b_7b_moe().routing.renormalize);
+  for (MoEFamily f : kFamilies) {
+    INFO(family_name(f));
+    CHECK_NOTHROW(family_preset(f).validate());
+    CHECK(family_by_name(family_name(f)) == f);
+  }
+  apex::test::expect(apex::test::outcome([] { family_by_name("llama"); }), "ConfigError", {"llama", "family"});
+}
+
+TEST_CASE("each family's block matches its PyTorch reference", "[routing][families][reference]") {
+  const fs::path data = fs::path(__FILE__).parent_path() / "data";
+  for (MoEFamily f : kFamilies) {
+    const std::string path = (data / ("family_" + std::string(family_name(f)) + ".safetensors")).string();
+    INFO(path);
+    REQUIRE(fs::exists(path));
+    const st::Reader file(path);
+    REQUIRE(file.metadata().at("family") == family_name(f));
+    const std::string prefix = file.metadata().at("prefix");
+    const MoEConfig cfg = fixture_config(f, file);
+    MoEFFN<double> moe(cfg, 7);
+    LoadOptions lo;
+    lo.allow_unexpected = true;  // the test.* and grad.* tensors
+    const LoadResult r = load_family_checkpoint(file, moe, f, prefix, lo);
+    CHECK(r.missing.empty());
+    const Index n = file.at("test.x").shape[0], d = cfg.d_model, k = cfg.n_active;
+    const Matrix<double> x = read_tensor(file, "test.x", n, d);
+    MoEFFN<double>::Cache cache;
+    const Matrix<double> y = moe.forward(x, &cache);
+    CHECK(rel_error(y, read_tensor(file, "test.y", n, d)) <= 1e-10);
+    const Matrix<double> experts = read_tensor(file, "test.experts", n, k);
+    for (Index t = 0; t < n; ++t)
+      for (Index j = 0; j < k; ++j) CHECK(cache.routing.experts(t, j) == Index(experts(t, j)));
+    const Matrix<double> dx = moe.backward(read_tensor(file, "test.dy", n, d), cache);
+    CHECK(rel_error(dx, read_tensor(file, "test.dx", n, d)) <= 1e-10);
+    for (const auto& p : family_params(moe, f, prefix)) {
+      INFO(p.name);
+      CHECK(rel_error(p.grad(), read_tensor(file, "grad." + p.name, p.rows, p.cols)) <= 1e-10);
+    }
+  }
+}
+
+TEST_CASE("family checkpoints save and load under the family's names", "[routing][families][checkpoint]") {
+  const fs::path dir = fs::temp_directory_path() / ("apex_routing_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  for (MoEFamily f : kFamilies) {
+    INFO(family_name(f));
+    MoEConfig cfg = family_preset(f);
+    cfg.d_model = 4, cfg.d_ffn = 3, cfg.n_experts = 8, cfg.n_active = 2;
+    if (cfg.n_shared) cfg.d_shared_ffn = 5;
+    if (f == MoEFamily::DeepSeekV3) cfg.routing.n_groups = 4, cfg.routing.topk_group = 2;
+    MoEFFN<double> a(cfg, 1), b(cfg, 2);
+    a.balancer().set_bias(random_matrix(1, 8, 3, 0.1));
+    const std::string path = (dir / (std::string(family_name(f)) + ".safetensors")).string();
+    save_family_checkpoint(path, a, f, "model.layers.3.");
+    const st::Reader file(path);
+    const std::string block = f == MoEFamily::Mixtral ? "block_sparse_moe." : "mlp.";
+    CHECK(file.header().find("model.layers.3." + block + "gate.weight"));
+    CHECK(file.header().find("model.layers.3." + block + "experts.7." +
+                             (f == MoEFamily::Mixtral ? "w2.weight" : "down_proj.weight")));
+    CHECK(bool(file.header().find("model.layers.3.mlp.gate.e_score_correction_bias")) == (f == MoEFamily::DeepSeekV3));
+    if (f == MoEFamily::DeepSeekV3) {
+      CHECK(file.at("model.layers.3.mlp.gate.e_score_correction_bias").shape == std::vector<std::uint64_t>{8});
+      CHECK(file.header().find("model.layers.3.mlp.shared_experts.up_proj.weight"));
+    }
+    if (f == MoEFamily::Qwen2MoE) {
+      CHECK(file.header().find("model.layers.3.mlp.shared_expert.up_proj.weight"));
+      CHECK(file.header().find("model.layers.3.mlp.shared_expert_gate.weight"));
+    }
+    const LoadResult r = load_family_checkpoint(file, b, f, "model.layers.3.");  // strict
+    CHECK(r.loaded.size() == a.params().size() + (f == MoEFamily::DeepSeekV3 ? 1 : 0));
+    const auto pa = a.params(), pb = b.params();
+    for (std::size_t i = 0; i < pa.size(); ++i) CHECK(pa[i].value() == pb[i].value());
+    if (f == MoEFamily::DeepSeekV3) CHECK(a.balancer().bias() == b.balancer().bias());
+    else CHECK(b.balancer().bias().isZero());
+  }
+  fs::remove_all(dir);
+}
+
+TEST_CASE("family name maps reject another family's checkpoint and a missing correction bias",
+          "[routing][families][errors]") {
+  const fs::path data = fs::path(__FILE__).parent_path() / "data";
+  auto load_as = [&](const char* file_family, MoEFamily as) {
+    return [=] {
+      const st::Reader file((data / ("family_" + std::string(file_family) + ".safetensors")).string());
+      MoEFFN<double> moe(fixture_config(as, file), 1);
+      LoadOptions lo;
+      lo.allow_unexpected = true;
+      load_family_checkpoint(file, moe, as, "model.layers.1.", lo);
+    };
+  };
+  apex::test::run_sweep({
+      {"mixtral map on a qwen3 file", load_as("qwen3_moe", MoEFamily::Mixtral), "FormatError",
+       {"load_family_checkpoint", "mixtral name map", "another family", "qwen3_moe or olmoe"}},
+      {"qwen3 map on a mixtral file", load_as("mixtral", MoEFamily::Qwen3MoE), "FormatError",
+       {"qwen3_moe name map", "mixtral's"}},
+      {"olmoe map on a deepseek file", load_as("deepseek_v3", MoEFamily::OLMoE), "FormatError",
+       {"olmoe name map", "deepseek_v3's"}},
+      {"deepseek map on a qwen2 file", load_as("qwen2_moe", MoEFamily::DeepSeekV3), "FormatError",
+       {"deepseek_v3 name map", "qwen2_moe's"}},
+      {"qwen2 map on an olmoe file", load_as("olmoe", MoEFamily::Qwen2MoE), "FormatError",
+       {"qwen2_moe name map", "another family"}},
+      {"shared experts that do not fit", [] {
+         MoEConfig c = routed_config(8, 2, 2, RoutingConfig{});
+         MoEFFN<double> moe(c, 1);
+         family_params(moe, MoEFamily::Mixtral);
+       }, "ConfigError", {"family_params", "mixtral", "n_shared = 2"}},
+  });
+  // A DeepSeek-V3 (sigmoid router) file without its e_score_correction_bias.
+  const fs::path dir = fs::temp_directory_path() / ("apex_routing_bias_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  MoEConfig c = routed_config(8, 2, 1, family_routing(MoEFamily::DeepSeekV3));
+  c.routing.n_groups = 4, c.routing.topk_group = 2;
+  MoEFFN<double> moe(c, 1);
+  const std::string path = (dir / "no_bias.safetensors").string();
+  save_checkpoint(path, family_params(moe, MoEFamily::DeepSeekV3));
+  apex::test::expect(apex::test::outcome([&] { load_family_checkpoint(path, moe, MoEFamily::DeepSeekV3); }),
+                     "FormatError", {"sigmoid router", "correction bias", "'mlp.gate.e_score_correction_bias'"});
+  fs::remove_all(dir);
 }

@@ -1,0 +1,163 @@
+#pragma once
+/// \file name_maps.hpp
+/// Checkpoints of an MoEFFN under the Hugging Face tensor names of an open
+/// MoE family (docs/routing.md#checkpoints), on top of checkpoint.hpp: the
+/// layer's `params()` renamed, plus the balancing bias where the family
+/// stores one (DeepSeek-V3's `e_score_correction_bias`). Strict by default,
+/// as load_checkpoint.
+///
+///     apex name                    DeepSeek-V3 / Qwen2-MoE / Qwen3-MoE / OLMoE   Mixtral
+///     router.weight                mlp.gate.weight                               block_sparse_moe.gate.weight
+///     experts.e.w_gate.weight      mlp.experts.e.gate_proj.weight                block_sparse_moe.experts.e.w1.weight
+///     experts.e.w_up.weight        mlp.experts.e.up_proj.weight                  block_sparse_moe.experts.e.w3.weight
+///     experts.e.w_down.weight      mlp.experts.e.down_proj.weight                block_sparse_moe.experts.e.w2.weight
+///     shared_experts.0.w_*.weight  mlp.shared_experts.*_proj.weight (DeepSeek-V3), mlp.shared_expert.*_proj.weight (Qwen2-MoE)
+///     shared_expert_gate.weight    mlp.shared_expert_gate.weight (Qwen2-MoE)
+///     balancer bias (1 × E)        mlp.gate.e_score_correction_bias, shape [E] (DeepSeek-V3)
+///
+/// `prefix` is the layer's path in a whole-model file, e.g. "model.layers.3.";
+/// load such a file with `allow_unexpected` for the other layers' tensors.
+/// Qwen3-MoE and OLMoE use the same names: their files cannot be told apart
+/// by names, only the routing (renormalised or not) differs.
+
+#include <string>
+#include <vector>
+
+#include "checkpoint.hpp"
+#include "errors.hpp"
+#include "family_presets.hpp"
+#include "moe.hpp"
+
+namespace apex {
+
+namespace detail {
+
+/// The family name of `internal` (a name of MoEFFN::params()); ConfigError
+/// for a parameter the family's block does not have.
+inline std::string family_tensor_name(MoEFamily f, const std::string& internal) {
+  const bool mixtral = f == MoEFamily::Mixtral;
+  const std::string block = mixtral ? "block_sparse_moe." : "mlp.";
+  auto proj = [&](const std::string& w) -> std::string {
+    if (mixtral) return w == "w_gate.weight" ? "w1.weight" : w == "w_up.weight" ? "w3.weight" : "w2.weight";
+    return w == "w_gate.weight" ? "gate_proj.weight" : w == "w_up.weight" ? "up_proj.weight" : "down_proj.weight";
+  };
+  auto is_proj = [](const std::string& w) { return w == "w_gate.weight" || w == "w_up.weight" || w == "w_down.weight"; };
+  if (internal == "router.weight") return block + "gate.weight";
+  if (internal.rfind("experts.", 0) == 0) {
+    const auto dot = internal.find('.', 8);
+    if (dot != std::string::npos && is_proj(internal.substr(dot + 1)))
+      return block + internal.substr(0, dot + 1) + proj(internal.substr(dot + 1));
+  }
+  if (internal.rfind("shared_experts.0.", 0) == 0 && is_proj(internal.substr(17))) {
+    if (f == MoEFamily::DeepSeekV3) return "mlp.shared_experts." + proj(internal.substr(17));
+    if (f == MoEFamily::Qwen2MoE) return "mlp.shared_expert." + proj(internal.substr(17));
+  }
+  if (internal == "shared_expert_gate.weight" && f == MoEFamily::Qwen2MoE) return "mlp.shared_expert_gate.weight";
+  throw ConfigError(std::string("family_params: the ") + family_name(f) + " name map has no name for parameter '" +
+                    internal + "'");
+}
+
+/// ConfigError unless the layer's shared experts fit the family's block.
+inline void check_family_fit(const char* where, const MoEConfig& c, MoEFamily f) {
+  const std::string fam = family_name(f);
+  switch (f) {
+    case MoEFamily::DeepSeekV3:
+      require_config(c.n_shared <= 1, where, "the " + fam + " name map holds the shared experts as one MLP "
+                                                            "(n_shared <= 1, width d_shared_ffn), got n_shared = " +
+                                                            std::to_string(c.n_shared));
+      require_config(!c.shared_expert_gate, where, "the " + fam + " block has no shared_expert_gate");
+      break;
+    case MoEFamily::Qwen2MoE:
+      require_config(c.n_shared == 1 && c.shared_expert_gate, where,
+                     "the " + fam + " block has one gated shared expert (n_shared = 1, shared_expert_gate)");
+      break;
+    default:
+      require_config(c.n_shared == 0 && !c.shared_expert_gate, where,
+                     "the " + fam + " block has no shared experts, got n_shared = " + std::to_string(c.n_shared));
+  }
+}
+
+/// Which family a file's tensor names under `prefix` belong to ("" if none
+/// of the signatures is present).
+inline std::string detect_family(const safetensors::Reader& file, const std::string& prefix) {
+  auto has = [&](const std::string& start) {
+    for (const auto& t : file.tensors())
+      if (t.name.rfind(prefix + start, 0) == 0) return true;
+    return false;
+  };
+  if (has("block_sparse_moe.")) return "mixtral";
+  if (has("mlp.shared_expert.") || has("mlp.shared_expert_gate.")) return "qwen2_moe";
+  if (has("mlp.gate.e_score_correction_bias") || has("mlp.shared_experts.")) return "deepseek_v3";
+  if (has("mlp.gate.weight")) return "qwen3_moe or olmoe";
+  return "";
+}
+
+inline bool family_matches(MoEFamily f, const std::string& detected) {
+  if (detected.empty()) return true;  // the strict load names what is missing
+  if (f == MoEFamily::Qwen3MoE || f == MoEFamily::OLMoE) return detected == "qwen3_moe or olmoe";
+  return detected == family_name(f);
+}
+
+}  // namespace detail
+
+/// The layer's parameters under the family's names (prefix prepended).
+/// ConfigError if the layer's shared experts do not fit the family or an
+/// expert has a parameter the family lacks.
+template <class T, class Expert>
+ParamList<T> family_params(MoEFFN<T, Expert>& moe, MoEFamily f, const std::string& prefix = "") {
+  detail::check_family_fit("family_params", moe.config(), f);
+  ParamList<T> out = moe.params();
+  for (auto& p : out) p.name = prefix + detail::family_tensor_name(f, p.name);
+  return out;
+}
+
+/// Saves the layer under the family's names; DeepSeek-V3 adds the balancing
+/// bias as `mlp.gate.e_score_correction_bias` of shape [E].
+template <class T, class Expert>
+void save_family_checkpoint(const std::string& path, MoEFFN<T, Expert>& moe, MoEFamily f,
+                            const std::string& prefix = "", SaveOptions options = {}) {
+  ParamList<T> params = family_params(moe, f, prefix);
+  RowVector<T> bias = moe.balancer().bias();  // 1 × E
+  if (f == MoEFamily::DeepSeekV3) {
+    const std::string name = prefix + "mlp.gate.e_score_correction_bias";
+    params.push_back(Param<T>{name, bias.data(), bias.data(), 1, bias.cols()});
+    options.shapes[name] = {std::uint64_t(bias.cols())};
+  }
+  save_checkpoint(path, params, options);
+}
+
+/// Loads a family checkpoint into the layer (strict unless `options` say
+/// otherwise). Throws FormatError naming the problem if the file's names are
+/// another family's, or a DeepSeek-V3 (sigmoid router) file lacks its
+/// `e_score_correction_bias`; otherwise as load_checkpoint. The bias is
+/// applied only after every tensor was read.
+template <class T, class Expert>
+LoadResult load_family_checkpoint(const safetensors::Reader& file, MoEFFN<T, Expert>& moe, MoEFamily f,
+                                  const std::string& prefix = "", const LoadOptions& options = {}) {
+  const std::string where = "load_family_checkpoint(" + file.source().description() + ")";
+  const std::string detected = detail::detect_family(file, prefix);
+  const bool wants_bias = f == MoEFamily::DeepSeekV3;
+  const std::string bias_name = prefix + "mlp.gate.e_score_correction_bias";
+  if (wants_bias && (detected == "deepseek_v3" || detected == "qwen3_moe or olmoe") && !file.header().find(bias_name))
+    throw FormatError(where + ": the sigmoid router of " + family_name(f) + " needs its correction bias '" + bias_name +
+                      "', which the checkpoint lacks");
+  if (!detail::family_matches(f, detected))
+    throw FormatError(where + ": the " + std::string(family_name(f)) +
+                      " name map was applied to a checkpoint of another family (its tensor names are " + detected +
+                      "'s)");
+  ParamList<T> params = family_params(moe, f, prefix);
+  RowVector<T> bias = moe.balancer().bias();
+  if (wants_bias) params.push_back(Param<T>{bias_name, bias.data(), bias.data(), 1, bias.cols()});
+  LoadResult r = load_checkpoint(file, params, options);
+  if (wants_bias && file.header().find(bias_name)) moe.balancer().set_bias(bias);
+  return r;
+}
+
+template <class T, class Expert>
+LoadResult load_family_checkpoint(const std::string& path, MoEFFN<T, Expert>& moe, MoEFamily f,
+                                  const std::string& prefix = "", const LoadOptions& options = {}) {
+  const safetensors::Reader file(path, options.limits);
+  return load_family_checkpoint(file, moe, f, prefix, options);
+}
+
+}  // namespace apex
