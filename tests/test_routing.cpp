@@ -4,6 +4,7 @@
 // default path unchanged, shared experts of another width, and the
 // RoutingConfig error sweep.
 #include <apex/ffn/family_presets.hpp>
+#include <apex/ffn/inference.hpp>
 #include <apex/ffn/moe.hpp>
 #include <apex/ffn/name_maps.hpp>
 
@@ -427,4 +428,28 @@ TEST_CASE("family name maps reject another family's checkpoint and a missing cor
   apex::test::expect(apex::test::outcome([&] { load_family_checkpoint(path, moe, MoEFamily::DeepSeekV3); }),
                      "FormatError", {"sigmoid router", "correction bias", "'mlp.gate.e_score_correction_bias'"});
   fs::remove_all(dir);
+}
+
+TEST_CASE("the packed layer routes with the float layer's routing options", "[routing][inference]") {
+  for (MoEFamily f : {MoEFamily::DeepSeekV3, MoEFamily::OLMoE, MoEFamily::Mixtral}) {
+    INFO(family_name(f));
+    RoutingConfig rc = family_routing(f);
+    if (f == MoEFamily::DeepSeekV3) rc.n_groups = 4, rc.topk_group = 2;
+    MoEConfig c = routed_config(8, 2, 1, rc);
+    MoEFFN<float> moe(c, 5);
+    moe.balancer().set_bias(random_matrix(1, 8, 6, 0.05).cast<float>());
+    const auto p = PackedMoE<float>::from(moe);
+    const Matrix<float> x = random_matrix(17, 6, 7).cast<float>();
+    MoEFFN<float>::Cache c0;
+    PackedMoE<float>::Cache c1;
+    const Matrix<float> y0 = moe.forward(x, &c0), y1 = p.forward(x, &c1);
+    CHECK(c1.routing.experts == c0.routing.experts);
+    CHECK(c1.routing.weights == c0.routing.weights);
+    CHECK((y1 - y0).norm() <= 1e-6 * y0.norm());
+  }
+  MoEConfig gated = routed_config(8, 2, 1, family_routing(MoEFamily::Qwen2MoE));
+  gated.shared_expert_gate = true;
+  MoEFFN<float> moe(gated, 5);
+  apex::test::expect(apex::test::outcome([&] { PackedMoE<float>::from(moe); }), "ConfigError",
+                     {"PackedMoE", "shared_expert_gate", "not supported"});
 }

@@ -117,6 +117,9 @@ class PackedMoE {
         gates_(std::move(gates)),
         shared_(std::move(shared)) {
     constexpr const char* where = "PackedMoE";
+    detail::require_config(config.d_shared_ffn == 0 && !config.shared_expert_gate, where,
+                           "d_shared_ffn and shared_expert_gate (docs/routing.md) are not supported by the packed "
+                           "layer yet");
     const Index d = config.d_model, f = config.d_ffn;
     detail::check_shape(where, "router_weight", router_weight, config.n_experts, d);
     detail::check_finite(where, "router_weight", router_weight);
@@ -266,7 +269,9 @@ class PackedMoE {
   /// A router of the config's shape; its weights are replaced at once.
   static Router<float> make_router(const MoEConfig& c) {
     Rng rng(0);
-    return Router<float>(c.d_model, c.n_experts, c.n_active, rng);
+    Router<float> r(c.d_model, c.n_experts, c.n_active, rng);
+    r.set_routing(c.routing);  // scoring, groups, renormalisation, scale (docs/routing.md)
+    return r;
   }
   static const SwiGLU<float>& swiglu_of(const Expert& e) {
     if constexpr (kKappa) return e.swiglu();
