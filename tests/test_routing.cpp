@@ -453,3 +453,65 @@ TEST_CASE("the packed layer routes with the float layer's routing options", "[ro
   apex::test::expect(apex::test::outcome([&] { PackedMoE<float>::from(moe); }), "ConfigError",
                      {"PackedMoE", "shared_expert_gate", "not supported"});
 }
+
+TEST_CASE("capacity factor drops the lowest-weighted overflow assignments", "[routing][capacity]") {
+  RoutingConfig rc;
+  MoEFFN<double> dropless(routed_config(4, 2, 1, rc), 9);
+  MoEFFN<double>::Cache c0;
+  const Matrix<double> x = random_matrix(8, 6, 10, 1.5);
+  dropless.forward(x, &c0);
+  CHECK(c0.dropped.empty());  // off by default
+  CHECK(c0.kept_weights.size() == 0);
+
+  rc.capacity_factor = 0.5;  // C = ceil(0.5 · 16 / 4) = 2
+  MoEFFN<double> moe(routed_config(4, 2, 1, rc), 9);
+  MoEFFN<double>::Cache c;
+  const Matrix<double> y = moe.forward(x, &c);
+  Index expected_drops = 0;
+  for (Index e = 0; e < 4; ++e) expected_drops += std::max<Index>(0, c.plan.count(e) - 2);
+  REQUIRE(expected_drops > 0);
+  CHECK(Index(c.dropped.size()) == expected_drops);
+  for (Index e = 0; e < 4; ++e) {
+    // Kept: the expert's highest weights; every dropped weight ≤ every kept one.
+    double min_kept = 1e9, max_dropped = -1e9;
+    Index kept = 0;
+    for (Index r = c.plan.offset[e]; r < c.plan.offset[e + 1]; ++r) {
+      const Index t = c.plan.token[r], k = c.plan.slot[r];
+      const bool is_dropped = std::binary_search(c.dropped.begin(), c.dropped.end(), t * 2 + k);
+      CHECK((c.kept_weights(t, k) == 0) == is_dropped);
+      if (is_dropped) max_dropped = std::max(max_dropped, c.routing.weights(t, k));
+      else min_kept = std::min(min_kept, c.routing.weights(t, k)), ++kept;
+    }
+    CHECK(kept <= 2);
+    CHECK(max_dropped <= min_kept);
+  }
+  // The output: shared experts plus the kept assignments only.
+  Matrix<double> expected = moe.shared_experts()[0].forward(x);
+  for (Index t = 0; t < 8; ++t)
+    for (Index k = 0; k < 2; ++k)
+      expected.row(t) += c.kept_weights(t, k) * moe.experts()[std::size_t(c.routing.experts(t, k))].forward(x.row(t));
+  CHECK((y - expected).cwiseAbs().maxCoeff() < 1e-13);
+
+  // Gradients: a dropped assignment has no effect and no gradient.
+  Matrix<double> xv = x;
+  const std::vector<Index> base = c.dropped;
+  int changed = 0;
+  const Matrix<double> rr = random_matrix(8, 6, 11);
+  auto loss = [&] {
+    MoEFFN<double>::Cache cc;
+    const double l = dot_all(moe.forward(xv, &cc), rr);
+    if (cc.dropped != base) ++changed;
+    return l;
+  };
+  const Matrix<double> dx = moe.backward(rr, c);
+  APEX_CHECK_GRADS(check_params(moe.params(), loss), 1e-6);
+  APEX_CHECK_GRADS(std::vector{check_values("x", xv.data(), dx.data(), xv.size(), loss)}, 1e-6);
+  CHECK(changed == 0);
+
+  apex::test::expect(apex::test::outcome([] {
+                       RoutingConfig bad;
+                       bad.capacity_factor = -1;
+                       MoEFFN<double> m(routed_config(4, 2, 0, bad), 1);
+                     }),
+                     "ConfigError", {"routing.capacity_factor"});
+}

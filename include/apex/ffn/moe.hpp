@@ -20,6 +20,7 @@
 /// the routed expert.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -81,6 +82,8 @@ class MoEFFN {
     std::vector<Matrix<T>> shared_work; ///< per shared expert: N × work_cols()
     std::vector<Matrix<T>> shared_y;    ///< per shared expert: N × d, its output (gated, with a shared gate)
     Vector<T> shared_gate;              ///< N: σ(x·w_gate) with shared_expert_gate, else empty
+    Matrix<T> kept_weights;             ///< N × K: g with dropped assignments 0 (capacity on), else empty
+    std::vector<Index> dropped;         ///< pairs t·K + k dropped by the capacity limit, ascending
   };
 
   MoEFFN(const MoEConfig& config, Rng& rng)
@@ -205,6 +208,8 @@ class MoEFFN {
     // route → plan → gather
     detail::serial([&] { router_.route(x, balancer_.bias(), config_.weights_from_unbiased, c.routing); });
     c.plan.build(c.routing.experts, config_.n_experts);
+    apply_capacity(c);
+    const Matrix<T>& combine_weights = capacity_on() ? c.kept_weights : c.routing.weights;
     dispatch::gather_rows(c.plan, x, c.x_sorted, threads);
     dispatch::gather_side_input(Side{}, c.plan, c.routing, c.side_sorted);
 
@@ -235,7 +240,40 @@ class MoEFFN {
     }
     if (cache) c.x = x;  // the last read of x: y may alias it
     // combine: shared experts, then slots 0..K−1, per token in fixed order
-    dispatch::combine(c.plan, c.routing.weights, c.y_sorted, c.shared_y, y, threads);
+    dispatch::combine(c.plan, combine_weights, c.y_sorted, c.shared_y, y, threads);
+  }
+
+  bool capacity_on() const { return config_.routing.capacity_factor > 0; }
+
+  /// Capacity limit (RoutingConfig::capacity_factor): per overfull expert,
+  /// keeps its C highest-weighted assignments (ties: lower token, then lower
+  /// slot) and zeroes the rest in kept_weights; lists the dropped pairs.
+  void apply_capacity(Cache& c) const {
+    c.dropped.clear();
+    if (!capacity_on()) {
+      c.kept_weights.resize(0, 0);
+      return;
+    }
+    const Index k_count = config_.n_active, e_count = config_.n_experts;
+    const Index cap = Index(std::ceil(config_.routing.capacity_factor * double(c.plan.rows()) / double(e_count)));
+    c.kept_weights = c.routing.weights;
+    std::vector<Index> rows;
+    for (Index e = 0; e < e_count; ++e) {
+      if (c.plan.count(e) <= cap) continue;
+      rows.clear();
+      for (Index r = c.plan.offset[e]; r < c.plan.offset[e + 1]; ++r) rows.push_back(r);
+      auto pair = [&](Index r) { return c.plan.token[r] * k_count + c.plan.slot[r]; };
+      std::sort(rows.begin(), rows.end(), [&](Index a, Index b) {
+        const T wa = c.routing.weights(c.plan.token[a], c.plan.slot[a]);
+        const T wb = c.routing.weights(c.plan.token[b], c.plan.slot[b]);
+        return wa != wb ? wa > wb : pair(a) < pair(b);
+      });
+      for (std::size_t i = std::size_t(cap); i < rows.size(); ++i) {
+        c.kept_weights(c.plan.token[rows[i]], c.plan.slot[rows[i]]) = T(0);
+        c.dropped.push_back(pair(rows[i]));
+      }
+    }
+    std::sort(c.dropped.begin(), c.dropped.end());
   }
 
   /// ShapeError naming the cache unless it holds a forward of a layer of
@@ -256,6 +294,11 @@ class MoEFFN {
                        " shared-expert workspaces, expected " + std::to_string(shared_.size()));
     for (const auto& w : c.shared_work) detail::check_shape(where, "cache.shared_work", w, n, shared_work_cols());
     detail::check_shape(where, "cache.shared_gate", c.shared_gate, config_.shared_expert_gate ? n : 0, 1);
+    if (capacity_on()) detail::check_shape(where, "cache.kept_weights", c.kept_weights, n, config_.n_active);
+    for (Index p : c.dropped)
+      if (p < 0 || p >= n * config_.n_active)
+        throw ShapeError(std::string(where) + ": argument 'cache.dropped' holds pair " + std::to_string(p) +
+                         ", expected a value in [0, " + std::to_string(n * config_.n_active) + ")");
   }
 
   /// backward's body; dy and the cache checked by the caller. The mirror of
@@ -268,7 +311,9 @@ class MoEFFN {
     // per-thread workspace, reused across steps (workspace.hpp).
     Matrix<T> d_weights;                                                             // N × K
     auto dy_sorted = detail::thread_workspace<T, detail::MoEDySortedTag>(rows, d);  // NK × d
-    dispatch::combine_backward(c.plan, c.routing.weights, dy, c.y_sorted, d_weights, dy_sorted, threads);
+    dispatch::combine_backward(c.plan, capacity_on() ? c.kept_weights : c.routing.weights, dy, c.y_sorted, d_weights,
+                               dy_sorted, threads);
+    for (Index p : c.dropped) d_weights(p / config_.n_active, p % config_.n_active) = T(0);  // no effect, no gradient
 
     // experts: one task per non-empty expert (its gradients are its own),
     // shared experts as further tasks (expert_tasks.hpp).

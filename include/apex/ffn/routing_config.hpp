@@ -58,6 +58,13 @@ struct RoutingConfig {
   bool renormalize = true;
   /// Routed scaling factor c > 0 multiplying every weight.
   double routed_scale = 1.0;
+  /// Capacity factor φ of MoEFFN (0: off, dropless, the default). Each
+  /// expert takes at most C = ⌈φ·N·K/E⌉ of a batch's N·K assignments; of an
+  /// overfull expert's, the lowest-weighted are dropped (ties: the higher
+  /// token index, then the higher slot, is dropped first). A dropped
+  /// assignment adds nothing to the output and gets no gradient; the
+  /// balancer still counts it (it counts selections).
+  double capacity_factor = 0.0;
 
   /// True for APEX-1's router (bitwise-unchanged fast path).
   bool is_default() const {
@@ -80,6 +87,8 @@ struct RoutingConfig {
              " must be >= n_active = " + std::to_string(n_active) + " (too few experts in the kept groups)");
     need(std::isfinite(routed_scale) && routed_scale > 0,
          "routing.routed_scale must be finite and > 0, got " + std::to_string(routed_scale));
+    need(std::isfinite(capacity_factor) && capacity_factor >= 0,
+         "routing.capacity_factor must be finite and >= 0 (0: off), got " + std::to_string(capacity_factor));
   }
 };
 
