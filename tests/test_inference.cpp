@@ -441,6 +441,10 @@ TEST_CASE("packed layers reject bad input with typed errors", "[inference][error
                          Message("PackedMoE::forward: bf16_products = paired is not supported for kappa-SwiGLU "
                                  "experts"));
   }
+  MoEConfig capped = odd_config(1);
+  capped.routing.capacity_factor = 1.25;
+  CHECK_THROWS_CONTAINING(PackedMoE<float>::from(MoEFFN<float>(capped, 1)), ConfigError,
+                          "routing.capacity_factor > 0 is not supported by the packed layer yet");
   const auto f = PackedSwiGLU<float>::from(SwiGLU<float>(8, 12, 1));
   CHECK_THROWS_AS(PackedSwiGLU<bf16>(f.weights()), ConfigError);
 }

@@ -120,6 +120,10 @@ class PackedMoE {
     detail::require_config(config.d_shared_ffn == 0 && !config.shared_expert_gate, where,
                            "d_shared_ffn and shared_expert_gate (docs/routing.md) are not supported by the packed "
                            "layer yet");
+    // A capacity limit drops assignments after routing (MoEFFN::apply_capacity);
+    // the packed layer combines every assignment, so it would differ silently.
+    detail::require_config(!(config.routing.capacity_factor > 0), where,
+                           "routing.capacity_factor > 0 is not supported by the packed layer yet");
     const Index d = config.d_model, f = config.d_ffn;
     detail::check_shape(where, "router_weight", router_weight, config.n_experts, d);
     detail::check_finite(where, "router_weight", router_weight);
