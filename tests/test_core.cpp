@@ -1,5 +1,5 @@
-// Core: activations (reference §12.3 table and numerical safety), errors,
-// parameters, seeded initialisation, and the library's exception hierarchy.
+// Core: activations (the SiLU table of the reference document §12.3, and
+// numerical safety), errors, parameters, seeded initialisation, and the library's exception hierarchy.
 #include <apex/ffn.hpp>
 
 #include <catch2/catch.hpp>

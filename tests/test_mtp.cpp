@@ -55,8 +55,8 @@ bool plain_correct(const Matrix<double>& z, Index row, Index y) {
   return best == y;
 }
 
-// The SPEC's loss, position by position: main target labels[t]; head k's
-// target labels[t + k] (the token t+1+k) when it exists.
+// The loss of docs/math.md#multi-token-prediction, position by position: main
+// target labels[t]; head k's target labels[t + k] (the token t+1+k) when it exists.
 struct PlainLoss {
   double total = 0, main = 0;
   std::vector<double> heads, acc;
@@ -323,7 +323,7 @@ TEST_CASE("head k's target at position t is the token t+1+k", "[mtp][loss][refer
   };
   const Matrix<double> zm = peaked(1);
   Matrix<double> zh(n, heads * vocab);
-  for (Index k = 1; k <= heads; ++k) zh.middleCols((k - 1) * vocab, vocab) = peaked(1 + k);  // SPEC: t+1+k
+  for (Index k = 1; k <= heads; ++k) zh.middleCols((k - 1) * vocab, vocab) = peaked(1 + k);  // head k predicts t+1+k
 
   MultiTokenOptions opt;
   opt.num_heads = heads;
@@ -338,7 +338,8 @@ TEST_CASE("head k's target at position t is the token t+1+k", "[mtp][loss][refer
     CHECK(l.heads[std::size_t(k - 1)].loss < 1e-6);
   }
 
-  // Erratum (reference §16.2 writes CE(head_k(h_t), token_{t+k})): under that
+  // Erratum (docs/math.md#errata; the reference document's §16.2 writes
+  // CE(head_k(h_t), token_{t+k})): under that
   // reading head 1 targets token t+1, the main head's own target, so head 1
   // would be trained into a copy of the main head and draft nothing new. Heads
   // built that way score 0 here, because the loss uses t+1+k.
