@@ -103,7 +103,13 @@ class ExpertParallelMoE {
   ExpertParallelMoE(const MoEConfig& config, Communicator comm, Rng& rng)
       : config_(config), comm_(std::move(comm)), shard_(1, 1) {
     constexpr const char* where = "ExpertParallelMoE";
-    comm_.step(where, [&] { config.validate(where); });
+    comm_.step(where, [&] {
+      config.validate(where);
+      // Not carried through the exchange yet: refuse rather than compute APEX-1's routing.
+      apex::detail::require_config(config.routing.is_default() && config.d_shared_ffn == 0 && !config.shared_expert_gate,
+                                   where, "routing options, d_shared_ffn and shared_expert_gate (docs/routing.md) "
+                                          "are not supported by the expert-parallel layer yet");
+    });
     agree_on_config(comm_, where, fingerprint<T, Expert>(where, config));
     comm_.step(where, [&] {
       shard_ = ExpertShard(config.n_experts, comm_.size());
