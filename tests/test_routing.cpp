@@ -5,6 +5,7 @@
 // RoutingConfig error sweep.
 #include <apex/ffn/family_presets.hpp>
 #include <apex/ffn/inference.hpp>
+#include <apex/ffn/kappa_swiglu.hpp>
 #include <apex/ffn/moe.hpp>
 #include <apex/ffn/name_maps.hpp>
 
@@ -517,4 +518,42 @@ TEST_CASE("capacity factor drops the lowest-weighted overflow assignments", "[ro
                        MoEFFN<double> m(routed_config(4, 2, 0, bad), 1);
                      }),
                      "ConfigError", {"routing.capacity_factor"});
+}
+
+TEST_CASE("kappa-SwiGLU experts read the raw logit under every scoring", "[routing][kappa][gradcheck]") {
+  for (Scoring scoring : {Scoring::SoftmaxAll, Scoring::Sigmoid}) {
+    INFO(scoring_name(scoring));
+    RoutingConfig rc;
+    rc.scoring = scoring;
+    rc.n_groups = 2;
+    rc.routed_scale = 1.5;
+    MoEFFN<double, KappaSwiGLU<double>> moe(routed_config(6, 2, 1, rc), 41);
+    for (auto& e : moe.experts()) {
+      KappaOptions opt = e.options();
+      opt.rho = 1.0;  // the analytic gradient is then the true one, router included
+      opt.c = 1.5;
+      e.set_options(opt);
+    }
+    Matrix<double> x = random_matrix(5, 6, 42, 1.5);
+    Routing<double> base;
+    moe.router().route(x, moe.balancer().bias(), false, base);
+    int flips = 0;
+    const Matrix<double> rr = random_matrix(5, 6, 43);
+    auto loss = [&] {
+      Routing<double> now;
+      moe.router().route(x, moe.balancer().bias(), false, now);
+      if (now.experts != base.experts) ++flips;
+      return dot_all(moe.forward(x), rr);
+    };
+    MoEFFN<double, KappaSwiGLU<double>>::Cache cache;
+    moe.forward(x, &cache);
+    // The side input is ℓ[t, e_k], not the score s or the weight g.
+    for (Index r = 0; r < cache.plan.rows(); ++r)
+      CHECK(cache.side_sorted(r) == cache.routing.logits(cache.plan.token[r],
+                                                          cache.routing.experts(cache.plan.token[r], cache.plan.slot[r])));
+    const Matrix<double> dx = moe.backward(rr, cache);
+    APEX_CHECK_GRADS(check_params(moe.params(), loss), 1e-6);
+    APEX_CHECK_GRADS(std::vector{check_values("x", x.data(), dx.data(), x.size(), loss)}, 1e-6);
+    CHECK(flips == 0);
+  }
 }
