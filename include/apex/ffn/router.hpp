@@ -93,16 +93,7 @@ class Router {
       // earlier one only if strictly greater, so ties keep the lower index.
       Index filled = 0;
       for (Index e = 0; e < e_count; ++e) {
-        const T score = out.logits(t, e) + bias(e);
-        if (filled == k_ && !(score > top(k_ - 1))) continue;
-        Index pos = filled < k_ ? filled++ : k_ - 1;
-        while (pos > 0 && score > top(pos - 1)) {
-          top(pos) = top(pos - 1);
-          out.experts(t, pos) = out.experts(t, pos - 1);
-          --pos;
-        }
-        top(pos) = score;
-        out.experts(t, pos) = e;
+        insert_top_k(out.logits(t, e) + bias(e), e, top, out.experts.row(t), filled);
       }
       // g = softmax over the selected (biased by default) scores, shifted by the max.
       for (Index k = 0; k < k_; ++k)
@@ -164,6 +155,22 @@ class Router {
   const Matrix<T>& weight_grad() const { return weight_grad_; }
 
  private:
+  /// Sorted insertion of (score, e) into the current best K (`top` descending,
+  /// `experts` their ids, `filled` of them valid): a later expert displaces an
+  /// earlier one only if strictly greater, so ties keep the lower index.
+  template <class TopArray, class ExpertRow>
+  void insert_top_k(T score, Index e, TopArray& top, ExpertRow experts, Index& filled) const {
+    if (filled == k_ && !(score > top(k_ - 1))) return;
+    Index pos = filled < k_ ? filled++ : k_ - 1;
+    while (pos > 0 && score > top(pos - 1)) {
+      top(pos) = top(pos - 1);
+      experts(pos) = experts(pos - 1);
+      --pos;
+    }
+    top(pos) = score;
+    experts(pos) = e;
+  }
+
   /// ShapeError unless `routing` is a routing of this router (logits N × E,
   /// experts and weights N × K), ValueError for an expert id outside [0, E):
   /// a routing of another router would scatter past d_logits.
@@ -253,16 +260,7 @@ class Router {
       Index filled = 0;
       for (Index e = 0; e < e_count; ++e) {
         if (!allowed[std::size_t(e)]) continue;
-        const T score = key(e);
-        if (filled == k_ && !(score > top(k_ - 1))) continue;
-        Index pos = filled < k_ ? filled++ : k_ - 1;
-        while (pos > 0 && score > top(pos - 1)) {
-          top(pos) = top(pos - 1);
-          out.experts(t, pos) = out.experts(t, pos - 1);
-          --pos;
-        }
-        top(pos) = score;
-        out.experts(t, pos) = e;
+        insert_top_k(key(e), e, top, out.experts.row(t), filled);
       }
       auto w = out.weights.row(t).array();
       if (scoring == Scoring::SoftmaxSelected) {
