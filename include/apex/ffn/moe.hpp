@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "capacity.hpp"
 #include "checked_size.hpp"
 #include "dispatch.hpp"
 #include "errors.hpp"
@@ -245,35 +246,17 @@ class MoEFFN {
 
   bool capacity_on() const { return config_.routing.capacity_factor > 0; }
 
-  /// Capacity limit (RoutingConfig::capacity_factor): per overfull expert,
-  /// keeps its C highest-weighted assignments (ties: lower token, then lower
-  /// slot) and zeroes the rest in kept_weights; lists the dropped pairs.
+  /// Capacity limit (capacity.hpp): lists the pairs it drops in c.dropped
+  /// and zeroes their weights in c.kept_weights, which the combine reads.
   void apply_capacity(Cache& c) const {
     c.dropped.clear();
     if (!capacity_on()) {
       c.kept_weights.resize(0, 0);
       return;
     }
-    const Index k_count = config_.n_active, e_count = config_.n_experts;
-    const Index cap = Index(std::ceil(config_.routing.capacity_factor * double(c.plan.rows()) / double(e_count)));
-    c.kept_weights = c.routing.weights;
-    std::vector<Index> rows;
-    for (Index e = 0; e < e_count; ++e) {
-      if (c.plan.count(e) <= cap) continue;
-      rows.clear();
-      for (Index r = c.plan.offset[e]; r < c.plan.offset[e + 1]; ++r) rows.push_back(r);
-      auto pair = [&](Index r) { return c.plan.token[r] * k_count + c.plan.slot[r]; };
-      std::sort(rows.begin(), rows.end(), [&](Index a, Index b) {
-        const T wa = c.routing.weights(c.plan.token[a], c.plan.slot[a]);
-        const T wb = c.routing.weights(c.plan.token[b], c.plan.slot[b]);
-        return wa != wb ? wa > wb : pair(a) < pair(b);
-      });
-      for (std::size_t i = std::size_t(cap); i < rows.size(); ++i) {
-        c.kept_weights(c.plan.token[rows[i]], c.plan.slot[rows[i]]) = T(0);
-        c.dropped.push_back(pair(rows[i]));
-      }
-    }
-    std::sort(c.dropped.begin(), c.dropped.end());
+    const Index cap = dispatch::expert_capacity(config_.routing.capacity_factor, c.plan.rows(), config_.n_experts);
+    c.dropped = dispatch::capacity_drops(c.plan, c.routing.weights, cap);
+    dispatch::zero_dropped(c.routing.weights, c.dropped, c.kept_weights);
   }
 
   /// ShapeError naming the cache unless it holds a forward of a layer of

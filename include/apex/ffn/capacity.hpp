@@ -1,0 +1,73 @@
+#pragma once
+/// \file capacity.hpp
+/// The capacity limit (RoutingConfig::capacity_factor, docs/routing.md#capacity):
+/// which (token, slot) assignments an overfull expert drops. One rule for
+/// every MoE layer — MoEFFN, the packed inference layer and the
+/// expert-parallel layer (which applies it to the routing of the whole
+/// batch, all ranks' tokens in rank order, so it drops what the
+/// single-process layer drops on the concatenated batch).
+///
+///     C = ⌈φ · N·K / E⌉ assignments per expert;
+///     of an expert with more, keep the C highest-weighted, ties keeping the
+///     lower pair id t·K + k; drop the rest.
+///
+/// A dropped assignment's weight is zeroed for the combine (`kept_weights`),
+/// so it adds nothing to the output and gets no gradient.
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "dispatch.hpp"
+#include "errors.hpp"
+#include "types.hpp"
+
+namespace apex::dispatch {
+
+/// C = ⌈factor · rows / n_experts⌉: the most assignments one expert keeps of
+/// a batch of `rows` = N·K assignments. ConfigError unless factor is finite
+/// and > 0 and n_experts > 0.
+inline Index expert_capacity(double factor, Index rows, Index n_experts) {
+  detail::require_config(std::isfinite(factor) && factor > 0, "dispatch::expert_capacity",
+                         "capacity factor must be finite and > 0, got " + std::to_string(factor));
+  detail::require_config(n_experts > 0, "dispatch::expert_capacity",
+                         "n_experts must be positive, got " + std::to_string(n_experts));
+  return Index(std::ceil(factor * double(rows) / double(n_experts)));
+}
+
+/// The pairs t·K + k (ascending) that the capacity limit drops: for every
+/// expert of `plan` holding more than `capacity` rows, all but its
+/// `capacity` highest-weighted ones (ties: lower pair id kept). weights:
+/// N × K, the routing weights the plan was built from.
+template <class T>
+std::vector<Index> capacity_drops(const DispatchPlan& plan, const Matrix<T>& weights, Index capacity) {
+  constexpr const char* where = "dispatch::capacity_drops";
+  detail::check_shape(where, "weights", weights, plan.n_tokens, plan.n_active);
+  const Index k_count = plan.n_active;
+  const auto pair = [&](Index r) { return plan.token[r] * k_count + plan.slot[r]; };
+  std::vector<Index> dropped, rows;
+  for (Index e = 0; e < plan.n_experts; ++e) {
+    if (plan.count(e) <= capacity) continue;
+    rows.clear();
+    for (Index r = plan.offset[e]; r < plan.offset[e + 1]; ++r) rows.push_back(r);
+    std::sort(rows.begin(), rows.end(), [&](Index a, Index b) {
+      const T wa = weights(plan.token[a], plan.slot[a]);
+      const T wb = weights(plan.token[b], plan.slot[b]);
+      return wa != wb ? wa > wb : pair(a) < pair(b);
+    });
+    for (std::size_t i = std::size_t(std::max<Index>(capacity, 0)); i < rows.size(); ++i) dropped.push_back(pair(rows[i]));
+  }
+  std::sort(dropped.begin(), dropped.end());
+  return dropped;
+}
+
+/// kept (resized to N × K) = weights with every dropped pair's entry 0.
+template <class T>
+void zero_dropped(const Matrix<T>& weights, const std::vector<Index>& dropped, Matrix<T>& kept) {
+  kept = weights;
+  const Index k_count = weights.cols();
+  for (Index p : dropped) kept(p / k_count, p % k_count) = T(0);
+}
+
+}  // namespace apex::dispatch
