@@ -183,6 +183,9 @@ TEST_CASE("BF16 saves round to nearest with ties to even", "[checkpoint][bf16]")
     CHECK((nan & 0x007F) != 0);
     // A NaN whose payload sits only in the low 16 bits must not become infinity.
     CHECK((float_to_bf16(st::detail::bits_to_float(0x7F800001u)) & 0x007F) != 0);
+    // Every NaN, of either sign, is PyTorch's canonical 0x7FC0 (as the packed engine writes it).
+    CHECK(float_to_bf16(st::detail::bits_to_float(0xFFC00001u)) == 0x7FC0);
+    CHECK(double_to_bf16(-std::nan("")) == 0x7FC0);
   }
   SECTION("doubles are rounded once") {
     // Double → float → bf16 would round twice: 1 + 2⁻⁸ + 2⁻³⁰ becomes the

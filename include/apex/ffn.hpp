@@ -3,6 +3,7 @@
 /// Umbrella header of apex-ffn: the feed-forward layers of APEX-1.
 
 #include "ffn/activations.hpp"
+#include "ffn/bfloat16.hpp"
 #include "ffn/capacity.hpp"
 #include "ffn/checked_size.hpp"
 #include "ffn/cross_entropy.hpp"

@@ -4,14 +4,8 @@
 /// 7 mantissa bits). Same range as float, relative spacing 2⁻⁷, so
 /// round-to-nearest has a relative error of at most 2⁻⁸ ≈ 3.9e-3.
 ///
-/// Conversions follow PyTorch (`c10::detail::round_to_nearest_even`) bit for
-/// bit, so weights rounded here equal weights rounded by `tensor.bfloat16()`:
-/// - float → bf16 rounds to nearest, ties to even, by adding 0x7FFF plus the
-///   lowest kept bit and truncating. Finite values above the largest bf16
-///   (≥ 0x7F7F8000 as bits) become ±Inf, subnormals round like any value.
-/// - NaN becomes 0x7FC0 (a positive quiet NaN; sign and payload are dropped,
-///   as PyTorch does), so a NaN never turns into an Inf by rounding.
-/// - bf16 → float is exact: the 16 bits shifted into the top of a float.
+/// The scalar conversions and their rounding rules (PyTorch's, bit for bit)
+/// are bfloat16.hpp's; the vector paths here give the same bits.
 ///
 /// Hardware `vcvtneps2bf16` is not used: it treats subnormal inputs as zero and
 /// keeps NaN payloads, which would differ from PyTorch.
@@ -20,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "../bfloat16.hpp"
 #include "../types.hpp"
 #include "isa.hpp"
 
@@ -31,23 +26,11 @@ struct bf16 {
 };
 static_assert(sizeof(bf16) == 2, "bf16 must be two bytes so arrays of it are raw bf16 tensors");
 
-/// The bf16 bits of `x` (round to nearest even; NaN → 0x7FC0).
-inline std::uint16_t bf16_bits(float x) {
-  if (std::isnan(x)) return 0x7FC0;
-  std::uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  // No overflow: the largest non-NaN pattern is 0xFF800000 (−Inf).
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<std::uint16_t>(u >> 16);
-}
+/// The bf16 bits of `x` (round to nearest even; NaN → 0x7FC0): bfloat16.hpp.
+inline std::uint16_t bf16_bits(float x) { return bfloat16::from_float(x); }
 
 /// The float whose upper half is `bits` (exact).
-inline float bf16_bits_to_float(std::uint16_t bits) {
-  const std::uint32_t u = std::uint32_t(bits) << 16;
-  float x;
-  std::memcpy(&x, &u, sizeof x);
-  return x;
-}
+inline float bf16_bits_to_float(std::uint16_t bits) { return bfloat16::to_float(bits); }
 
 inline bf16 to_bf16(float x) { return bf16{bf16_bits(x)}; }
 inline float to_float(bf16 x) { return bf16_bits_to_float(x.bits); }

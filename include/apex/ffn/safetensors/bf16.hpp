@@ -2,8 +2,8 @@
 /// \file safetensors/bf16.hpp
 /// Scalar conversions behind every tensor the format stores: little-endian
 /// loads and stores, float/double bit casts, double → float and float or
-/// double → bfloat16 rounding (to nearest, ties to even, NaN kept NaN, as
-/// PyTorch rounds).
+/// double → bfloat16 rounding (to nearest, ties to even, NaN → 0x7FC0, as
+/// PyTorch rounds; the float rules are bfloat16.hpp's).
 ///
 /// Exists on its own because the rounding rules are the subtle part of the
 /// format (a double must be rounded to bf16 once, not twice) and are tested
@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+
+#include "../bfloat16.hpp"
 
 namespace apex {
 namespace safetensors {
@@ -61,14 +63,9 @@ inline float to_float(double d) {
   return std::signbit(d) ? -big : big;
 }
 
-/// float → bfloat16 bits, round to nearest, ties to even: add 0x7FFF plus the
-/// lowest kept bit, then truncate. NaN stays a (quiet) NaN.
-inline std::uint16_t float_to_bf16(float f) {
-  std::uint32_t u = float_to_bits(f);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<std::uint16_t>((u >> 16) | 0x0040u);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<std::uint16_t>(u >> 16);
-}
+/// float → bfloat16 bits, round to nearest, ties to even; NaN → 0x7FC0
+/// (bfloat16.hpp, PyTorch's rules).
+inline std::uint16_t float_to_bf16(float f) { return bfloat16::from_float(f); }
 
 /// double → bfloat16 bits, rounded once (to nearest even) from the double.
 /// Going through a round-to-nearest float would round twice and can land on
@@ -76,7 +73,7 @@ inline std::uint16_t float_to_bf16(float f) {
 /// Rounding to float by round-to-odd first (sticky last bit) keeps enough
 /// information for the second rounding to be exact.
 inline std::uint16_t double_to_bf16(double d) {
-  if (std::isnan(d)) return std::signbit(d) ? 0xFFC0u : 0x7FC0u;
+  if (std::isnan(d)) return bfloat16::kNaN;
   float f = to_float(d);
   if (double(f) != d) {
     std::uint32_t u = float_to_bits(f);
@@ -87,7 +84,7 @@ inline std::uint16_t double_to_bf16(double d) {
   return float_to_bf16(f);
 }
 
-inline float bf16_to_float(std::uint16_t b) { return bits_to_float(std::uint32_t(b) << 16); }
+inline float bf16_to_float(std::uint16_t b) { return bfloat16::to_float(b); }
 
 }  // namespace detail
 }  // namespace safetensors
