@@ -168,3 +168,33 @@ TEST_CASE("A save that fails on one rank leaves the previous checkpoint whole", 
     CHECK(now.size() == std::size_t(comm.size()) + 1);
   }
 }
+
+TEST_CASE("A sharded checkpoint of a layer with a gated, wider shared expert round-trips", "[mpi]") {
+  SharedFolder dir;
+  const Communicator& comm = dir.comm;
+  MoEConfig cfg = test::moe_config(7, 2, 1, 6, 8);
+  cfg.routing.scoring = Scoring::SoftmaxAll;
+  cfg.routing.renormalize = false;
+  cfg.d_shared_ffn = 11;
+  cfg.shared_expert_gate = true;
+  EP ep(cfg, comm, 1);
+  perturb(ep, 51);
+  mpi::save_checkpoint(dir.path, ep);
+
+  EP back(cfg, comm, 99);
+  mpi::load_checkpoint(dir.path, back);
+  CHECK(values_of(back.params()) == values_of(ep.params()));
+  CHECK(back.balancer().bias() == ep.balancer().bias());
+
+  // Into MoEFFN by its own names: shared_expert_gate.weight and the 11-wide shared expert included.
+  MoEFFN<double> single(cfg, 7);
+  RowVector<double> bias(cfg.n_experts);
+  ParamList<double> state = single.params();
+  state.push_back({"expert_bias", bias.data(), nullptr, 1, bias.cols()});
+  const LoadResult r = load_sharded_checkpoint(dir.path, state);
+  CHECK(r.loaded.size() == state.size());
+  CHECK(bias == ep.balancer().bias());
+  const auto all = values_of(single.params());
+  REQUIRE(all.count("shared_expert_gate.weight") == 1);
+  for (const auto& [name, value] : values_of(ep.params())) CHECK(all.at(name) == value);
+}

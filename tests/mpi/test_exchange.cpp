@@ -8,6 +8,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <cstdint>
 #include <vector>
 
 #include "mpi_fixtures.hpp"
@@ -93,4 +94,22 @@ TEST_CASE("ExpertParallelMoE gives the same bits with chunked exchanges", "[mpi]
   CHECK(a.backward(dy, ca) == b.backward(dy, cb));
   const auto pa = a.params(), pb = b.params();
   for (std::size_t i = 0; i < pa.size(); ++i) CHECK(pa[i].grad() == pb[i].grad());
+}
+
+TEST_CASE("ExpertParallelMoE's capacity exchange gives the same drops when chunked", "[mpi]") {
+  Communicator comm;
+  MoEConfig cfg = test::moe_config(6, 2, 1, 8, 10);
+  cfg.routing.capacity_factor = 0.5;  // drops even without skew
+  const test::Slice s = test::slice_of(comm, {9, 4, 0, 6});
+  const Matrix<double> x = test::random_matrix(s.total, cfg.d_model, 7).middleRows(s.begin, s.rows);
+  mpi::ExpertParallelMoE<double> a(cfg, comm, 2), b(cfg, comm, 2);
+  b.set_exchange_limit(3);  // the ids and weights allgathered in rounds of <= 3 / P
+  typename mpi::ExpertParallelMoE<double>::Cache ca, cb;
+  CHECK(a.forward(x, &ca) == b.forward(x, &cb));
+  CHECK(ca.dropped == cb.dropped);
+  std::int64_t mine = std::int64_t(ca.dropped.size()), all = 0;
+  MPI_Allreduce(&mine, &all, 1, MPI_INT64_T, MPI_SUM, comm.get());
+  CHECK(all > 0);
+  const Matrix<double> dy = Matrix<double>::Ones(s.rows, cfg.d_model);
+  CHECK(a.backward(dy, ca) == b.backward(dy, cb));
 }

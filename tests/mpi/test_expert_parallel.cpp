@@ -1,6 +1,9 @@
 // ExpertParallelMoE against the single-process MoEFFN on the concatenation of
-// every rank's tokens: outputs, dx, every gradient, top-K and the balancer
-// bias, for whatever number of ranks the test runs on (CTest: 1 to 4).
+// every rank's tokens: outputs, dx, every gradient, top-K, the pairs the
+// capacity limit drops and the balancer bias, for whatever number of ranks
+// the test runs on (CTest: 1 to 4), with APEX-1's routing and with every
+// routing option of the open MoE families (docs/routing.md).
+#include <apex/ffn/family_presets.hpp>
 #include <apex/ffn/ffn_sublayer.hpp>
 #include <apex/ffn/kappa_swiglu.hpp>
 #include <apex/ffn/moe.hpp>
@@ -39,7 +42,29 @@ struct Scenario {
   std::vector<Index> sizes;  ///< tokens of rank r: sizes[r % size]
   double scale = 1.0;        ///< input scale
   bool to_last_rank = false; ///< balancing bias sends every token to the last rank's experts
+  /// Initial balancing bias (length E), if not empty and not to_last_rank.
+  std::vector<double> bias = {};
+  /// The reference must drop pairs (capacity on, skewed routing): the test
+  /// would prove nothing about the drop rule otherwise.
+  bool expect_drops = false;
 };
+
+/// The balancing bias a scenario starts each run from.
+RowVector<double> initial_bias(const Scenario& sc, Index first_of_last) {
+  const Index e_count = sc.config.n_experts;
+  if (sc.to_last_rank) return bias_to_last_rank(e_count, first_of_last);
+  RowVector<double> b = RowVector<double>::Zero(e_count);
+  for (Index e = 0; e < Index(sc.bias.size()) && e < e_count; ++e) b(e) = sc.bias[std::size_t(e)];
+  return b;
+}
+
+/// The reference's dropped pairs of tokens [s.begin, s.begin + s.rows), as local pair ids.
+std::vector<Index> local_drops(const std::vector<Index>& dropped, const test::Slice& s, Index k_count) {
+  std::vector<Index> out;
+  for (Index pr : dropped)
+    if (pr >= s.begin * k_count && pr < (s.begin + s.rows) * k_count) out.push_back(pr - s.begin * k_count);
+  return out;
+}
 
 /// Runs one scenario: forward, backward, observe + update twice (the second
 /// forward routes with the updated bias), each compared with the reference,
@@ -59,11 +84,9 @@ void run_scenario(const Scenario& sc, const std::function<void(std::vector<Exper
   if (prepare) prepare(ref.experts());
   test::copy_values(ref.params(), ep.params());
   if (prepare) prepare(ep.experts());  // options that are not parameters (κ's U)
-  if (sc.to_last_rank) {
-    const auto b = bias_to_last_rank(cfg.n_experts, ep.shard().first(comm.size() - 1));
-    ref.balancer().set_bias(b);
-    ep.balancer().set_bias(b);
-  }
+  const RowVector<double> bias0 = initial_bias(sc, ep.shard().first(comm.size() - 1));
+  ref.balancer().set_bias(bias0);
+  ep.balancer().set_bias(bias0);
 
   std::vector<Matrix<double>> first_y, first_dx, first_grads;
   for (int run = 0; run < 2; ++run) {
@@ -76,6 +99,8 @@ void run_scenario(const Scenario& sc, const std::function<void(std::vector<Exper
       const Matrix<double> y_ref = ref.forward(x_all, &rc);
       const Matrix<double> y = ep.forward(x, &c);
       CHECK(c.routing.experts == rc.routing.experts.middleRows(s.begin, s.rows));  // identical top-K
+      CHECK(c.dropped == local_drops(rc.dropped, s, cfg.n_active));              // identical drops
+      if (sc.expect_drops) CHECK(!rc.dropped.empty());
       CHECK(test::rel_error(y, y_ref.middleRows(s.begin, s.rows)) <= kTol);
       const Matrix<double> dx_ref = ref.backward(dy_all, rc);
       const Matrix<double> dx = ep.backward(dy, c);
@@ -99,14 +124,8 @@ void run_scenario(const Scenario& sc, const std::function<void(std::vector<Exper
     else
       for (std::size_t i = 0; i < grads.size(); ++i) CHECK(grads[i] == first_grads[i]);
     // The second run starts from the first run's initial bias again.
-    if (sc.to_last_rank) {
-      const auto b = bias_to_last_rank(cfg.n_experts, ep.shard().first(comm.size() - 1));
-      ref.balancer().set_bias(b);
-      ep.balancer().set_bias(b);
-    } else {
-      ref.balancer().set_bias(RowVector<double>::Zero(cfg.n_experts));
-      ep.balancer().set_bias(RowVector<double>::Zero(cfg.n_experts));
-    }
+    ref.balancer().set_bias(bias0);
+    ep.balancer().set_bias(bias0);
   }
 }
 
@@ -304,4 +323,146 @@ TEST_CASE("FFNSublayer with the expert-parallel FFN when one rank skips every to
       test::check_params_match(ep.params(), ref.params(), kTol);
     }
   }
+}
+
+// ---- Routing options, the shared-expert gate and the capacity limit ----
+
+namespace {
+
+/// The family's MoEConfig on test shapes: d = 8, f = 6, E experts, K per token.
+MoEConfig small_family(MoEFamily family, Index n_experts, Index k, Index n_shared, Index d_shared = 0) {
+  MoEConfig c = family_preset(family);
+  c.d_model = 8;
+  c.d_ffn = 6;
+  c.n_experts = n_experts;
+  c.n_active = k;
+  c.n_shared = n_shared;
+  c.d_shared_ffn = d_shared;
+  return c;
+}
+
+/// Non-zero α and b, so κ ≠ 1 and the logit path carries gradient.
+void prepare_kappa(std::vector<KappaSwiGLU<double>>& experts) {
+  for (auto& e : experts) {
+    e.kappa_alpha() = test::random_matrix(1, e.d_ffn(), 31, 0.5);
+    e.kappa_bias() = test::random_matrix(1, e.d_ffn(), 32, 0.5);
+    e.set_U(3.0);
+  }
+}
+
+/// A bias that steers most tokens to experts 0 and 1 (so they overflow any
+/// capacity near the mean), and mildly perturbs the rest.
+const std::vector<double> kSkewed = {1.0, 1.0, -0.6, -0.2, -1.0, -0.4, -0.8, 0.0};
+/// A balancing bias of moderate size, so selection depends on it.
+const std::vector<double> kMixed = {0.3, -0.2, 0.5, -0.4, 0.1, 0.0, -0.3, 0.2};
+
+}  // namespace
+
+TEST_CASE("ExpertParallelMoE with DeepSeek-V3 routing: sigmoid, groups, bias, renormalisation, scale", "[mpi]") {
+  // 4 groups of 2 experts, the best 2 kept; σ scores, renormalised, × 2.5.
+  MoEConfig cfg = small_family(MoEFamily::DeepSeekV3, 8, 3, 1, 12);
+  cfg.routing.n_groups = 4;
+  cfg.routing.topk_group = 2;
+  REQUIRE(cfg.routing.scoring == Scoring::Sigmoid);
+  REQUIRE(cfg.routing.routed_scale == 2.5);
+  std::vector<Scenario> scenarios = {
+      {"top-2-sum groups, a rank with 0 tokens", cfg, {7, 0, 12, 4}, 1.0, false, kMixed},
+      {"one rank's batch far larger", cfg, {300, 2, 3, 1}, 1.0, false, kMixed},
+  };
+  MoEConfig max_groups = cfg;  // DeepSeek-V3's Gate without a bias: groups by their max, weights from ℓ
+  max_groups.routing.group_score = GroupScore::Max;
+  max_groups.weights_from_unbiased = true;
+  scenarios.push_back(
+      {"max-score groups, weights from the unbiased scores", max_groups, {5, 9, 1}, 1.0, false, kMixed});
+  for (const auto& sc : scenarios) run_scenario<SwiGLU<double>>(sc);
+}
+
+TEST_CASE("ExpertParallelMoE with softmax over all experts", "[mpi]") {
+  const MoEConfig olmoe = small_family(MoEFamily::OLMoE, 7, 3, 0);  // not renormalised
+  REQUIRE(olmoe.routing.scoring == Scoring::SoftmaxAll);
+  REQUIRE(!olmoe.routing.renormalize);
+  const MoEConfig mixtral = small_family(MoEFamily::Mixtral, 8, 2, 1);  // renormalised
+  std::vector<Scenario> scenarios = {
+      {"without renormalisation, E = 7", olmoe, {5, 9, 0, 3}, 1.0, false, kMixed},
+      {"without renormalisation, every token to the last rank", olmoe, {40, 0, 25, 9}, 0.1, true},
+      {"renormalised (Mixtral)", mixtral, {11, 4, 6}, 1.0, false, kMixed},
+  };
+  for (const auto& sc : scenarios) run_scenario<SwiGLU<double>>(sc);
+}
+
+TEST_CASE("ExpertParallelMoE with Qwen2-MoE's gated shared expert of another width", "[mpi]") {
+  const MoEConfig qwen = small_family(MoEFamily::Qwen2MoE, 6, 2, 1, 14);
+  REQUIRE(qwen.shared_expert_gate);
+  REQUIRE(qwen.shared_ffn() != qwen.d_ffn);
+  MoEConfig two = qwen;  // the gate scales the sum of several shared experts
+  two.n_shared = 2;
+  MoEConfig none = qwen;  // a gate without shared experts gates nothing
+  none.n_shared = 0;
+  std::vector<Scenario> scenarios = {
+      {"one gated shared expert, f_shared = 14", qwen, {9, 3, 0, 14}},
+      {"two gated shared experts", two, {6, 0, 10}, 1.0, false, kMixed},
+      {"gate without shared experts", none, {4, 7}},
+  };
+  for (const auto& sc : scenarios) run_scenario<SwiGLU<double>>(sc);
+}
+
+TEST_CASE("ExpertParallelMoE with kappa-SwiGLU experts under sigmoid and softmax-over-all scoring", "[mpi]") {
+  MoEConfig sigmoid = test::moe_config(6, 2, 1, 8, 10);
+  sigmoid.routing = family_routing(MoEFamily::DeepSeekV3);
+  sigmoid.routing.n_groups = 3;
+  sigmoid.routing.topk_group = 2;
+  MoEConfig softmax_all = test::moe_config(6, 2, 1, 8, 10);
+  softmax_all.routing = family_routing(MoEFamily::OLMoE);
+  std::vector<Scenario> scenarios = {
+      {"kappa, sigmoid with groups", sigmoid, {9, 3, 0, 14}, 1.0, false, kMixed},
+      {"kappa, softmax over all", softmax_all, {5, 8, 2}},
+  };
+  for (const auto& sc : scenarios) run_scenario<KappaSwiGLU<double>>(sc, prepare_kappa);
+}
+
+TEST_CASE("ExpertParallelMoE with a capacity factor drops what MoEFFN drops on the concatenated batch", "[mpi]") {
+  MoEConfig cfg = test::moe_config(8, 2, 1, 8, 12);
+  cfg.routing.capacity_factor = 1.0;
+  MoEConfig tight = cfg;
+  tight.routing.capacity_factor = 0.3;  // C = 1 for small batches
+  MoEConfig qwen = small_family(MoEFamily::Qwen2MoE, 8, 2, 1, 14);
+  qwen.routing.capacity_factor = 1.25;
+  MoEConfig deepseek = small_family(MoEFamily::DeepSeekV3, 8, 2, 1, 12);
+  deepseek.routing.n_groups = 4;
+  deepseek.routing.topk_group = 2;
+  deepseek.routing.capacity_factor = 1.0;
+  std::vector<Scenario> scenarios = {
+      {"skewed, a rank with 0 tokens", cfg, {9, 0, 14, 6}, 1.0, false, kSkewed, true},
+      {"every token to the last rank's experts", cfg, {40, 0, 25, 9}, 0.1, true, {}, true},
+      {"tight, one rank's batch far larger", tight, {300, 2, 3, 1}, 1.0, false, kSkewed, true},
+      {"Qwen2-MoE routing and gate", qwen, {7, 12, 0}, 1.0, false, kSkewed, true},
+      {"DeepSeek-V3 routing", deepseek, {10, 5, 8, 0}, 1.0, false, kSkewed, true},
+      {"no tokens anywhere but rank 0", cfg, {12, 0}, 1.0, false, kSkewed, true},
+  };
+  for (const auto& sc : scenarios) run_scenario<SwiGLU<double>>(sc);
+
+  MoEConfig kappa = deepseek;  // κ's logit path of a dropped pair gets no gradient either
+  run_scenario<KappaSwiGLU<double>>({"kappa, sigmoid, capacity", kappa, {9, 0, 14, 6}, 1.0, false, kSkewed, true},
+                                    prepare_kappa);
+}
+
+TEST_CASE("ExpertParallelMoE's capacity limit in float drops what the float MoEFFN drops", "[mpi]") {
+  Communicator comm;
+  MoEConfig cfg = test::moe_config(8, 2, 1, 8, 12);
+  cfg.routing.capacity_factor = 1.0;
+  const test::Slice s = test::slice_of(comm, {10, 0, 7, 13});
+  const Matrix<float> x_all = test::rnd<float>(s.total, cfg.d_model, 3);
+  MoEFFN<float> ref(cfg, 9);
+  ExpertParallelMoE<float> ep(cfg, comm, 9);
+  RowVector<float> b(cfg.n_experts);
+  for (Index e = 0; e < cfg.n_experts; ++e) b(e) = float(kSkewed[std::size_t(e)]);
+  ref.balancer().set_bias(b);
+  ep.balancer().set_bias(b);
+  typename MoEFFN<float>::Cache rc;
+  typename ExpertParallelMoE<float>::Cache c;
+  const Matrix<float> y_ref = ref.forward(x_all, &rc);
+  const Matrix<float> y = ep.forward(x_all.middleRows(s.begin, s.rows), &c);
+  REQUIRE(!rc.dropped.empty());
+  CHECK(c.dropped == local_drops(rc.dropped, s, cfg.n_active));
+  CHECK(test::rel_error(y, y_ref.middleRows(s.begin, s.rows)) <= 1e-5);
 }

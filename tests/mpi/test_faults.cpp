@@ -6,8 +6,12 @@
 
 #include <catch2/catch.hpp>
 
+#include <cmath>
+#include <functional>
 #include <limits>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "mpi_fixtures.hpp"
 
@@ -92,6 +96,61 @@ TEST_CASE("An error on one rank during forward or backward throws on every rank"
   }
   // After every fault the layer still works on every rank.
   EP::Cache c;
+  const Matrix<double> y = ep.forward(x, &c);
+  CHECK(y.allFinite());
+  CHECK(ep.backward(Matrix<double>::Ones(x.rows(), cfg.d_model), c).allFinite());
+}
+
+TEST_CASE("A routing option that differs on one rank is the same ConfigError on every rank", "[mpi]") {
+  Communicator comm;
+  if (comm.size() == 1) return;  // nothing can differ
+  const bool culprit = comm.rank() == comm.size() - 1;
+  const auto base = [] {
+    MoEConfig c = test::moe_config(8, 2, 1, 8, 12);
+    c.routing.scoring = Scoring::SoftmaxAll;
+    c.routing.n_groups = 2;
+    return c;
+  };
+  // Each variant is a valid configuration by itself: only the comparison can catch it.
+  const std::vector<std::pair<std::string, std::function<void(MoEConfig&)>>> variants = {
+      {"scoring sigmoid", [](MoEConfig& c) { c.routing.scoring = Scoring::Sigmoid; }},
+      {"n_groups 4", [](MoEConfig& c) { c.routing.n_groups = 4; }},
+      {"topk_group 2", [](MoEConfig& c) { c.routing.topk_group = 2; }},
+      {"group_score max", [](MoEConfig& c) { c.routing.group_score = GroupScore::Max; }},
+      {"renormalize 0", [](MoEConfig& c) { c.routing.renormalize = false; }},
+      {"routed_scale", [](MoEConfig& c) { c.routing.routed_scale = std::nextafter(1.0, 2.0); }},
+      {"capacity_factor", [](MoEConfig& c) { c.routing.capacity_factor = 1.25; }},
+      {"d_shared_ffn 14", [](MoEConfig& c) { c.d_shared_ffn = 14; }},
+      {"shared_expert_gate 1", [](MoEConfig& c) { c.shared_expert_gate = true; }},
+  };
+  for (const auto& [text, change] : variants) {
+    INFO("variant " << text);
+    MoEConfig cfg = base();
+    if (culprit) change(cfg);
+    test::throws<ConfigError>([&] { EP(cfg, comm, 1); }, {"configuration differs between ranks", text});
+  }
+  CHECK_NOTHROW(EP(base(), comm, 1));
+}
+
+TEST_CASE("A fault on one rank with the capacity limit on throws on every rank", "[mpi]") {
+  Communicator comm;
+  MoEConfig cfg = test::moe_config(6, 2, 1, 8, 12);
+  cfg.routing.capacity_factor = 1.0;
+  cfg.routing.scoring = Scoring::Sigmoid;
+  EP ep(cfg, comm, 3);
+  const bool culprit = comm.rank() == comm.size() - 1;
+  const Matrix<double> x = test::random_matrix(5 + comm.rank(), cfg.d_model, 40 + std::uint64_t(comm.rank()));
+  Matrix<double> bad = x;
+  if (culprit) bad(1, 2) = std::numeric_limits<double>::quiet_NaN();
+  EP::Cache c;
+  test::throws<ValueError>([&] { ep.forward(bad, &c); }, {"not finite"});
+  // A cache whose dropped list is not of this forward's shape, on one rank.
+  ep.forward(x, &c);
+  EP::Cache broken = c;
+  if (culprit) broken.dropped.push_back(x.rows() * cfg.n_active);
+  test::throws<ShapeError>([&] { ep.backward(Matrix<double>::Ones(x.rows(), cfg.d_model), broken); },
+                           {"cache.dropped"});
+  // Still usable on every rank.
   const Matrix<double> y = ep.forward(x, &c);
   CHECK(y.allFinite());
   CHECK(ep.backward(Matrix<double>::Ones(x.rows(), cfg.d_model), c).allFinite());

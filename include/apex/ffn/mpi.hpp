@@ -10,6 +10,7 @@
 ///     expert_shard.hpp        ExpertShard: contiguous, near-equal expert shards
 ///     exchange_plan.hpp       ExchangePlan: counts, expert-major reordering, exchange_rows
 ///     local_experts.hpp       a rank's expert compute (tasks as MoEFFN's)
+///     global_capacity.hpp     global_capacity_drops: the capacity limit on all ranks' batch
 ///     expert_parallel_moe.hpp ExpertParallelMoE<T, Expert>
 ///     kappa_moe.hpp           κ-SwiGLU's layer-wide regulariser across ranks
 ///
@@ -23,5 +24,6 @@
 #include "mpi/expert_parallel_moe.hpp"
 #include "mpi/expert_shard.hpp"
 #include "mpi/fixed_order_sum.hpp"
+#include "mpi/global_capacity.hpp"
 #include "mpi/kappa_moe.hpp"
 #include "mpi/local_experts.hpp"

@@ -6,8 +6,8 @@
 /// rows of different widths or counts for experts that do not exist: at best
 /// an MPI truncation error, at worst silently wrong numbers or a hang in a
 /// later collective. So a layer describes itself as text (`fingerprint`:
-/// library version, layer, scalar type, expert type, every MoEConfig field,
-/// doubles as exact hex), every rank allgathers every description, and each
+/// library version, layer, scalar type, expert type, every MoEConfig field
+/// including every routing option, doubles as exact hex), every rank allgathers every description, and each
 /// rank compares all of them to rank 0's. Every rank reaches the same
 /// verdict, so on a mismatch every rank throws the same ConfigError naming
 /// the first rank that differs and both descriptions. Cost: two small
@@ -34,6 +34,15 @@ inline std::string exact(double v) {
   return buf;
 }
 
+/// Every RoutingConfig field, as text (doubles exact).
+inline std::string routing_fingerprint(const RoutingConfig& r) {
+  return std::string("scoring ") + scoring_name(r.scoring) + "; n_groups " + std::to_string(r.n_groups) +
+         "; topk_group " + std::to_string(r.topk_group) + "; group_score " +
+         (r.group_score == GroupScore::Top2Sum ? "top2_sum" : "max") + "; renormalize " +
+         (r.renormalize ? "1" : "0") + "; routed_scale " + exact(r.routed_scale) + "; capacity_factor " +
+         exact(r.capacity_factor);
+}
+
 /// A description of an MoE layer: equal on two ranks iff they build the same
 /// layer. `extra` is appended (e.g. expert options).
 template <class T, class Expert>
@@ -43,7 +52,9 @@ std::string fingerprint(const char* layer, const MoEConfig& c, const std::string
          "; d_model " + std::to_string(c.d_model) + "; d_ffn " + std::to_string(c.d_ffn) + "; n_experts " +
          std::to_string(c.n_experts) + "; n_active " + std::to_string(c.n_active) + "; n_shared " +
          std::to_string(c.n_shared) + "; weights_from_unbiased " + (c.weights_from_unbiased ? "1" : "0") +
-         "; balancer_alpha " + exact(c.balancer_alpha) + (extra.empty() ? "" : "; " + extra);
+         "; balancer_alpha " + exact(c.balancer_alpha) + "; " + routing_fingerprint(c.routing) + "; d_shared_ffn " +
+         std::to_string(c.d_shared_ffn) + "; shared_expert_gate " + (c.shared_expert_gate ? "1" : "0") +
+         (extra.empty() ? "" : "; " + extra);
 }
 
 /// Allgathers every rank's `text` (collective) and throws ConfigError on

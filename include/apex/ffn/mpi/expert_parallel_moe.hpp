@@ -5,9 +5,18 @@
 /// the router, the shared experts and the balancer; each brings its own
 /// tokens (data parallel). docs/expert_parallel.md has the cost model.
 ///
+/// Every MoEConfig option is MoEFFN's: the router's scoring, groups,
+/// renormalisation and scale (routing_config.hpp) act per token, so each
+/// rank routes its own tokens; the shared experts (of width d_shared_ffn)
+/// and Qwen2-MoE's shared-expert gate are replicated; the capacity limit is
+/// decided on the whole batch (global_capacity.hpp).
+///
 /// Forward, per rank (N local tokens, the plan of dispatch.hpp):
 ///  1. route, plan, gather x (and the experts' side input, κ's logit) into
 ///     plan order — by global expert, hence by (owner rank, local expert);
+///     with a capacity factor, allgather every rank's routing and drop what
+///     MoEFFN drops on the concatenated batch (dropped pairs still travel and
+///     are computed, as MoEFFN computes them; their weight is 0);
 ///  2. `MPI_Alltoall` of the per-(rank, expert) row counts;
 ///  3. `MPI_Alltoallv` of the rows (and side inputs) to their owners;
 ///  4. the owner reorders what it received to expert-major order (expert j:
@@ -15,10 +24,11 @@
 ///     MoEFFN does (same tiling), and the shared experts on its own tokens;
 ///  5. the reverse `MPI_Alltoallv` (counts swapped) returns every output row
 ///     to its token's rank, in plan order;
-///  6. combine per token in fixed slot order (dispatch::combine).
+///  6. gate the shared experts' outputs (shared_expert_gate), combine per
+///     token in fixed slot order (dispatch::combine).
 /// Backward mirrors it with the saved counts: combine_backward, g·dy out,
 /// expert backward, ∂L/∂x (and ∂L/∂ℓ) back, router backward, gather_backward;
-/// then the replicated gradients (router, shared experts) of this step are
+/// then the replicated gradients (router, shared experts, shared gate) of this step are
 /// summed across ranks in rank order (fixed_order_sum.hpp) and added, so
 /// every rank holds the same values, bitwise, run after run.
 ///
@@ -46,6 +56,7 @@
 #include "../dispatch.hpp"
 #include "../errors.hpp"
 #include "../expert_contract.hpp"
+#include "../init.hpp"
 #include "../load_balancer.hpp"
 #include "../moe.hpp"
 #include "../parallel.hpp"
@@ -57,6 +68,7 @@
 #include "expert_shard.hpp"
 #include "exchange_plan.hpp"
 #include "fixed_order_sum.hpp"
+#include "global_capacity.hpp"
 #include "local_experts.hpp"
 
 namespace apex::mpi {
@@ -91,7 +103,10 @@ class ExpertParallelMoE {
     Matrix<T> work;                      ///< R × expert.work_cols()
     Matrix<T> y_sorted;                  ///< NK × d: expert outputs, plan order
     std::vector<Matrix<T>> shared_work;  ///< per shared expert: N × work_cols()
-    std::vector<Matrix<T>> shared_y;     ///< per shared expert: N × d
+    std::vector<Matrix<T>> shared_y;     ///< per shared expert: N × d (gated, with a shared gate)
+    Vector<T> shared_gate;               ///< N: σ(x·w_gate) with shared_expert_gate, else empty
+    Matrix<T> kept_weights;              ///< N × K: g with dropped pairs 0 (capacity on), else empty
+    std::vector<Index> dropped;          ///< this rank's pairs t·K + k (local t) the capacity limit drops, ascending
   };
 
   /// The layer MoEFFN(config, rng) would build, this rank keeping its shard
@@ -99,21 +114,16 @@ class ExpertParallelMoE {
   /// order (keeping one at a time), so the weights equal the single-process
   /// layer's for the same seed; for large layers load a checkpoint instead.
   /// ConfigError on every rank if the configuration is invalid on any rank,
-  /// differs between ranks, or P > E.
+  /// differs between ranks (any field, routing options included), or P > E.
   ExpertParallelMoE(const MoEConfig& config, Communicator comm, Rng& rng)
       : config_(config), comm_(std::move(comm)), shard_(1, 1) {
     constexpr const char* where = "ExpertParallelMoE";
-    comm_.step(where, [&] {
-      config.validate(where);
-      // Not carried through the exchange yet: refuse rather than compute APEX-1's routing.
-      apex::detail::require_config(config.routing.is_default() && config.d_shared_ffn == 0 && !config.shared_expert_gate,
-                                   where, "routing options, d_shared_ffn and shared_expert_gate (docs/routing.md) "
-                                          "are not supported by the expert-parallel layer yet");
-    });
+    comm_.step(where, [&] { config.validate(where); });
     agree_on_config(comm_, where, fingerprint<T, Expert>(where, config));
     comm_.step(where, [&] {
       shard_ = ExpertShard(config.n_experts, comm_.size());
       router_.emplace(config.d_model, config.n_experts, config.n_active, rng);
+      router_->set_routing(config.routing);
       balancer_.emplace(config.n_experts, config.n_active, config.balancer_alpha);
       const Index first = shard_.first(comm_.rank()), last = shard_.first(comm_.rank() + 1);
       experts_.reserve(std::size_t(last - first));
@@ -121,7 +131,12 @@ class ExpertParallelMoE {
         if (e >= first && e < last) experts_.emplace_back(config.d_model, config.d_ffn, rng);
         else Expert(config.d_model, config.d_ffn, rng);  // the same draws, discarded
       }
-      for (Index s = 0; s < config.n_shared; ++s) shared_.emplace_back(config.d_model, config.d_ffn, rng);
+      for (Index s = 0; s < config.n_shared; ++s) shared_.emplace_back(config.d_model, config.shared_ffn(), rng);
+      if (config.shared_expert_gate) {  // drawn last, as MoEFFN draws it
+        shared_gate_.resize(1, config.d_model);
+        init_linear(shared_gate_, rng);
+        shared_gate_grad_ = Matrix<T>::Zero(1, config.d_model);
+      }
     });
   }
   ExpertParallelMoE(const MoEConfig& config, Communicator comm, Rng&& rng)
@@ -167,6 +182,8 @@ class ExpertParallelMoE {
       send_counts = counts_by_owner(shard_, c.plan.counts());
     });
     clock.lap(times_.route);
+    apply_capacity(where, c);
+    clock.lap(times_.exchange);
     alltoall_counts(comm_, send_counts, shard_.max_count(), recv_counts);  // 2. counts
     comm_.step(where, [&] {
       c.exchange.build(send_counts, recv_counts, comm_.size(), shard_.max_count(), Index(experts_.size()));
@@ -184,6 +201,13 @@ class ExpertParallelMoE {
       if constexpr (expert_side_cols<Expert> == 1) c.exchange.to_expert_major(side_recv, c.side_local);
       detail::local_forward(experts_, shared_, x, c.x_local, c.side_local, c.exchange.local_offset, c.work, y_local,
                             c.shared_work, c.shared_y, kMaxTileRows, threads);
+      // shared gate: D_s ← σ(x·w_gate) ⊙ D_s per token (Qwen2-MoE), MoEFFN's expression
+      if (config_.shared_expert_gate) {
+        c.shared_gate = ((-(x * shared_gate_.transpose()).array()).exp() + T(1)).inverse().matrix();
+        for (auto& ys : c.shared_y) ys = c.shared_gate.asDiagonal() * ys;
+      } else {
+        c.shared_gate.resize(0);
+      }
       y_recv.resize(y_local.rows(), d);
       c.exchange.to_received(y_local, y_recv);
       c.y_sorted.resize(c.plan.rows(), d);
@@ -193,7 +217,7 @@ class ExpertParallelMoE {
     clock.lap(times_.exchange);
     comm_.step(where, [&] {  // 6. combine
       y.resize(x.rows(), d);
-      dispatch::combine(c.plan, c.routing.weights, c.y_sorted, c.shared_y, y, threads);
+      dispatch::combine(c.plan, combine_weights(c), c.y_sorted, c.shared_y, y, threads);
       if (cache) c.x = x;
     });
     clock.lap(times_.combine);
@@ -208,6 +232,7 @@ class ExpertParallelMoE {
     const Index d = d_model(), n = c.x.rows(), rows = c.exchange.received(), n_shared = Index(shared_.size());
     const ExchangePlan& ex = c.exchange;
     Matrix<T> d_weights, dy_sorted, dy_recv, dx_recv, dx_sorted, d_pair, dx;
+    Matrix<T> dy_shared, dz;  // N × d: σ ⊙ dy for the shared experts; N × 1: ∂L/∂(x·w_gate)
     Vector<T> dside_local, dside_recv, dside_sorted;
     std::vector<std::int64_t> peer_rows;
     StepGradientSum<T> replicated(comm_, replicated_params(), grad_stash_);
@@ -217,7 +242,9 @@ class ExpertParallelMoE {
       check_cache(where, c);
       apex::detail::check_shape(where, "dy", dy, n, d);
       dy_sorted.resize(c.plan.rows(), d);
-      dispatch::combine_backward(c.plan, c.routing.weights, dy, c.y_sorted, d_weights, dy_sorted, threads);
+      dispatch::combine_backward(c.plan, combine_weights(c), dy, c.y_sorted, d_weights, dy_sorted, threads);
+      // A dropped pair has no effect on y, so no gradient (MoEFFN::backward).
+      for (Index pr : c.dropped) d_weights(pr / config_.n_active, pr % config_.n_active) = T(0);
       dy_recv.resize(rows, d);
     });
     // The caches of one forward agree on who sends what; a cache from
@@ -238,8 +265,19 @@ class ExpertParallelMoE {
         auto shared_dx = apex::detail::thread_workspace<T, SharedDxTag>(n_shared * n, d);
         dside_local = Vector<T>::Zero(rows * expert_side_cols<Expert>);
         ex.to_expert_major(dy_recv, dy_local);
-        detail::local_backward(experts_, shared_, c.x, dy, c.x_local, c.side_local, ex.local_offset, c.work,
-                               c.shared_work, dy_local, dx_local, dside_local, shared_dx, threads);
+        // shared gate: the shared experts see σ ⊙ dy; ∂L/∂z_t = (1 − σ_t) ⟨dy_t, Σ_s D_s[t]⟩
+        // (D_s gated), z = x·w_gate: ∂L/∂w_gate += ∂zᵀ·X (this rank's part of
+        // a replicated gradient, summed below), ∂L/∂x += ∂z·w_gate (after the gather).
+        if (gated()) {
+          dy_shared = c.shared_gate.asDiagonal() * dy;
+          dz = Matrix<T>::Zero(n, 1);
+          for (const auto& ys : c.shared_y) dz += (ys.cwiseProduct(dy)).rowwise().sum();
+          dz.array() *= T(1) - c.shared_gate.array();
+          shared_gate_grad_.noalias() += dz.transpose() * c.x;
+        }
+        const ConstMatrixRef<T> dy_for_shared = gated() ? ConstMatrixRef<T>(dy_shared) : dy;
+        detail::local_backward(experts_, shared_, c.x, dy_for_shared, c.x_local, c.side_local, ex.local_offset,
+                               c.work, c.shared_work, dy_local, dx_local, dside_local, shared_dx, threads);
         dx_recv.resize(rows, d);
         dside_recv.resize(dside_local.size());
         ex.to_received(dx_local, dx_recv);
@@ -258,6 +296,7 @@ class ExpertParallelMoE {
         // The same per-thread buffer local_backward wrote (same tag, same size: not reallocated).
         auto shared_dx = apex::detail::thread_workspace<T, SharedDxTag>(n_shared * n, d);
         dispatch::gather_backward(c.plan, dx_sorted, shared_dx, n_shared, dx, threads);
+        if (gated()) dx.noalias() += dz * shared_gate_;
       });
       clock.lap(times_.route);
       replicated.finish();
@@ -287,7 +326,8 @@ class ExpertParallelMoE {
   const std::vector<SharedType>& shared_experts() const { return shared_; }
 
   /// `router.weight`, `experts.{e}.…` for this rank's e (global ids),
-  /// `shared_experts.{s}.…`: MoEFFN's names, this rank's subset.
+  /// `shared_experts.{s}.…`, `shared_expert_gate.weight`: MoEFFN's names and
+  /// order, this rank's subset.
   ParamList<T> params() {
     ParamList<T> out = replicated_params();
     ParamList<T> routed;
@@ -297,18 +337,22 @@ class ExpertParallelMoE {
     out.insert(out.begin() + 1, routed.begin(), routed.end());  // after router.weight, as MoEFFN orders them
     return out;
   }
-  /// The parameters every rank holds a replica of (router, shared experts).
+  /// The parameters every rank holds a replica of (router, shared experts,
+  /// shared gate).
   ParamList<T> replicated_params() {
     ParamList<T> out;
     apex::detail::append_prefixed(out, "router.", router_->params());
     for (std::size_t s = 0; s < shared_.size(); ++s)
       apex::detail::append_prefixed(out, "shared_experts." + std::to_string(s) + ".", shared_[s].params());
+    if (config_.shared_expert_gate)
+      out.push_back(apex::detail::make_param<T>("shared_expert_gate.weight", shared_gate_, shared_gate_grad_));
     return out;
   }
   void zero_grad() {
     router_->zero_grad();
     for (auto& e : experts_) e.zero_grad();
     for (auto& s : shared_) s.zero_grad();
+    shared_gate_grad_.setZero();
   }
 
  private:
@@ -326,6 +370,26 @@ class ExpertParallelMoE {
       last = now;
     }
   };
+
+  bool capacity_on() const { return config_.routing.capacity_factor > 0; }
+  /// The gate acts only if there are shared experts to gate (as in MoEFFN).
+  bool gated() const { return config_.shared_expert_gate && !shared_.empty(); }
+  /// The weights the combine reads: with the capacity limit, g with the dropped pairs 0.
+  const Matrix<T>& combine_weights(const Cache& c) const { return capacity_on() ? c.kept_weights : c.routing.weights; }
+
+  /// Capacity limit (capacity.hpp) on the whole batch (global_capacity.hpp),
+  /// collective: lists this rank's dropped pairs in c.dropped and zeroes
+  /// their weights in c.kept_weights.
+  void apply_capacity(const char* where, Cache& c) const {
+    c.dropped.clear();
+    if (!capacity_on()) {
+      c.kept_weights.resize(0, 0);
+      return;
+    }
+    c.dropped = global_capacity_drops(comm_, where, c.routing, config_.routing.capacity_factor, config_.n_experts,
+                                      limit_, times_.bytes_sent);
+    comm_.step(where, [&] { dispatch::zero_dropped(c.routing.weights, c.dropped, c.kept_weights); });
+  }
 
   void exchange(const T* send, const std::vector<Index>& send_rows, T* recv, const std::vector<Index>& recv_rows,
                 Index width) const {
@@ -370,6 +434,13 @@ class ExpertParallelMoE {
         c.shared_work.size() != shared_.size() || c.shared_y.size() != shared_.size())
       throw ShapeError(std::string(where) + ": argument 'cache' was not filled by a forward of this layer");
     for (const auto& w : c.shared_work) apex::detail::check_shape(where, "cache.shared_work", w, n, apex::detail::kAny);
+    apex::detail::check_shape(where, "cache.shared_gate", c.shared_gate, config_.shared_expert_gate ? n : 0, 1);
+    if (capacity_on())
+      apex::detail::check_shape(where, "cache.kept_weights", c.kept_weights, n, config_.n_active);
+    for (Index pr : c.dropped)
+      if (pr < 0 || pr >= n * config_.n_active)
+        throw ShapeError(std::string(where) + ": argument 'cache.dropped' holds pair " + std::to_string(pr) +
+                         ", expected a value in [0, " + std::to_string(n * config_.n_active) + ")");
   }
 
   static Cache& thread_scratch() {
@@ -384,6 +455,8 @@ class ExpertParallelMoE {
   std::optional<LoadBalancer<T>> balancer_;
   std::vector<Expert> experts_;
   std::vector<SharedType> shared_;
+  Matrix<T> shared_gate_;       ///< 1 × d with shared_expert_gate (Qwen2-MoE), else 0 × 0
+  Matrix<T> shared_gate_grad_;  ///< 1 × d, or 0 × 0
   int threads_ = 0;
   Index limit_ = kMaxIntCount;
   std::vector<T> grad_stash_;  ///< the replicated gradients before a backward (StepGradientSum)
