@@ -15,6 +15,13 @@
 /// K = 2, 1 shared expert, gate hidden 16). There is no attention: the trunk
 /// sees a fixed window of the last `c` characters, which is enough to show
 /// every FFN feature of the library training end to end.
+///
+/// The sublayer types are a parameter (`Layers`): `TrainingLayers<T>`, the
+/// default, are the trainable float/double layers built from a config and a
+/// seed; a forward-only model on other sublayers (the packed inference
+/// layers, packed_char_model.hpp) is converted from a trained model and runs
+/// this same forward and loss code, so evaluation and decoding are written
+/// once for both.
 
 #include <apex/ffn/cross_entropy.hpp>
 #include <apex/ffn/ffn_sublayer.hpp>
@@ -67,13 +74,27 @@ struct BatchLoss {
   std::vector<CrossEntropyStats> heads;  ///< head i predicts token t+2+i
 };
 
+/// The trainable sublayers: dense SwiGLU and a κ-SwiGLU MoE, each in an
+/// FFNSublayer (norm, optional skip gate).
 template <class T>
+struct TrainingLayers {
+  using Dense = FFNSublayer<T, SwiGLU<T>>;
+  using Sparse = FFNSublayer<T, MoEFFN<T, KappaSwiGLU<T>>>;
+  /// Built from a config and a seed, with gradients and backward.
+  static constexpr bool kTrainable = true;
+};
+
+/// `Layers` names the dense and MoE sublayer types (`Layers::Dense`,
+/// `Layers::Sparse`). Only a model on trainable layers has a seeded
+/// constructor; backward, params() and the training controls are members
+/// that compile only for sublayers with gradients.
+template <class T, class Layers = TrainingLayers<T>>
 class CharModel {
  public:
   using Scalar = T;
-  using Dense = FFNSublayer<T, SwiGLU<T>>;
-  using MoE = MoEFFN<T, KappaSwiGLU<T>>;
-  using Sparse = FFNSublayer<T, MoE>;
+  using Dense = typename Layers::Dense;
+  using Sparse = typename Layers::Sparse;
+  using MoE = typename Sparse::FFNType;
 
   /// Activations of one forward pass, owned by the caller.
   struct Cache {
@@ -94,6 +115,8 @@ class CharModel {
   CharModel(const CharModelConfig& cfg, std::uint64_t seed) : cfg_((cfg.validate(), cfg)), rng_(seed),
       embed_(cfg.vocab, cfg.context, cfg.embed, cfg.preset.d_model, rng_), norm_(cfg.preset.d_model),
       mtp_(cfg.preset.d_model, cfg.vocab, mtp_options(cfg), rng_) {
+    static_assert(Layers::kTrainable, "CharModel: only trainable layers are built from a seed; convert a trained "
+                                      "model instead (packed_char_model.hpp)");
     const ModelPreset& p = cfg.preset;
     for (Index l = 0; l < p.n_layers; ++l) {
       const bool moe = ModelPreset::is_moe_layer(l);
@@ -124,6 +147,22 @@ class CharModel {
     head_.resize(cfg.vocab, p.d_model);
     init_linear(head_, rng_);
     head_grad_ = Matrix<T>::Zero(cfg.vocab, p.d_model);
+  }
+
+  /// The model `src` with each of its FFN sublayers replaced by
+  /// `convert(sublayer)` (an overload set taking src's Dense and Sparse
+  /// sublayers), e.g. packed for inference. Everything else — embedding,
+  /// final norm, heads, layer order, mode — is copied, so the converted
+  /// model computes what src does up to the converted layers. It has no
+  /// gradient for the main head (backward needs trainable layers anyway).
+  template <class SrcLayers, class Convert>
+  CharModel(const CharModel<T, SrcLayers>& src, const Convert& convert)
+      : cfg_(src.cfg_), rng_(src.rng_), embed_(src.embed_), order_(src.order_), norm_(src.norm_),
+        head_(src.head_), mtp_(src.mtp_), mode_(src.mode_) {
+    dense_.reserve(src.dense_.size());
+    sparse_.reserve(src.sparse_.size());
+    for (const auto& s : src.dense_) dense_.push_back(convert(s));
+    for (const auto& s : src.sparse_) sparse_.push_back(convert(s));
   }
 
   const CharModelConfig& config() const { return cfg_; }
@@ -305,6 +344,9 @@ class CharModel {
   }
 
  private:
+  template <class, class>
+  friend class CharModel;  // the converting constructor reads its source's parts
+
   static MultiTokenOptions mtp_options(const CharModelConfig& cfg) {
     MultiTokenOptions o;
     o.num_heads = cfg.mtp_heads;

@@ -22,6 +22,7 @@ struct DemoOptions {
   int threads = 1;                         ///< threads of the MoE dispatch
   std::string out = "demo-output";         ///< folder for report.md, log.csv and the plots
   std::string checkpoint;                  ///< save the trained model here (safetensors) when set
+  std::string packed = "bf16";             ///< weights of the packed inference copy: bf16, float or none
   std::string data = APEX_DEMO_DEFAULT_DATA;  ///< training text
 };
 
@@ -44,6 +45,8 @@ inline std::string usage(const std::string& prog) {
          "  --threads T         threads for the mixture-of-experts dispatch (default " + std::to_string(d.threads) + ")\n"
          "  --out DIR           output folder for report.md, log.csv and plots (default " + d.out + ")\n"
          "  --checkpoint PATH   save the trained model to PATH (safetensors, written atomically)\n"
+         "  --packed W          after training, pack the FFN layers for inference with W = bf16, float\n"
+         "                      or none, and evaluate and decode with them too (default " + d.packed + ")\n"
          "  --data PATH         training text (default " + d.data + ")\n"
          "  --help              show this help\n";
 }
@@ -78,7 +81,7 @@ inline ParsedArgs parse_args(int argc, const char* const* argv) {
       continue;
     }
     const bool known = arg == "--steps" || arg == "--contrast-steps" || arg == "--seed" || arg == "--threads" ||
-                       arg == "--out" || arg == "--checkpoint" || arg == "--data";
+                       arg == "--out" || arg == "--checkpoint" || arg == "--packed" || arg == "--data";
     if (!known) {
       r.error = "unknown option '" + arg + "'";
       return r;
@@ -116,6 +119,12 @@ inline ParsedArgs parse_args(int argc, const char* const* argv) {
       o.out = value;
     } else if (arg == "--checkpoint") {
       o.checkpoint = value;
+    } else if (arg == "--packed") {
+      if (value != "bf16" && value != "float" && value != "none") {
+        r.error = "option '--packed' expects bf16, float or none, got '" + value + "'";
+        return r;
+      }
+      o.packed = value;
     } else {
       o.data = value;
     }

@@ -9,6 +9,9 @@
 /// model on [x_{t+1}, d_0, …, d_{N−1}]" is one forward pass over the N+1
 /// context windows that end at each of those tokens — one batched step, as a
 /// transformer's verification pass would be.
+///
+/// Both work on any CharModel: the training layers or packed inference
+/// layers (packed_char_model.hpp).
 
 #include <apex/ffn/cross_entropy.hpp>
 #include <apex/ffn/init.hpp>
@@ -52,8 +55,8 @@ Index sample_logits(const Row& z, double temperature, Rng& rng) {
 
 /// Plain decoding: `n` tokens after `prompt`, each from one forward pass;
 /// greedy when temperature ≤ 0.
-template <class T>
-std::vector<Index> generate(const CharModel<T>& model, std::vector<Index> seq, Index n, double temperature, Rng& rng,
+template <class T, class Layers>
+std::vector<Index> generate(const CharModel<T, Layers>& model, std::vector<Index> seq, Index n, double temperature, Rng& rng,
                             Index pad) {
   std::vector<Index> out;
   for (Index s = 0; s < n; ++s) {
@@ -76,8 +79,8 @@ struct SpeculativeRun {
 /// that temperature, with the heads' own tempered softmax as the draft
 /// distribution q. One prefill forward picks the first token; every further
 /// main-model forward is one verification step in `stats`.
-template <class T>
-SpeculativeRun speculative_generate(const CharModel<T>& model, std::vector<Index> seq, Index n, double temperature,
+template <class T, class Layers>
+SpeculativeRun speculative_generate(const CharModel<T, Layers>& model, std::vector<Index> seq, Index n, double temperature,
                                     Rng& rng, Index pad) {
   const bool sample = temperature > 0;
   const double inv_t = sample ? 1.0 / temperature : 1.0;
@@ -85,7 +88,7 @@ SpeculativeRun speculative_generate(const CharModel<T>& model, std::vector<Index
   // Prefill: the main head picks x_{t+1}, the heads draft from the same h_t.
   auto o = model.forward(draft_windows(seq, {}, model.context(), pad));
   Index next = sample ? sample_logits(o.logits.row(0), temperature, rng) : detail::argmax(o.logits.row(0));
-  auto draft_from = [&](const typename CharModel<T>::Output& out, Index row) {
+  auto draft_from = [&](const typename CharModel<T, Layers>::Output& out, Index row) {
     const Matrix<T> z = model.mtp().draft_logits(out.head_logits, row) * T(inv_t);  // N × V
     return sample ? draft_sample(z, rng) : draft_greedy(z);
   };

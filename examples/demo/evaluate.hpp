@@ -30,9 +30,10 @@ struct EvalResult {
 };
 
 /// Scores positions `first … first + count − 1` of `text` (clipped to it) in
-/// sequences of `chunk_len`, `chunks` sequences per forward pass.
-template <class T>
-EvalResult evaluate(CharModel<T>& model, const std::vector<Index>& text, Index first, Index count, Index pad,
+/// sequences of `chunk_len`, `chunks` sequences per forward pass. Any
+/// CharModel: on the training layers or on packed inference layers.
+template <class T, class Layers>
+EvalResult evaluate(CharModel<T, Layers>& model, const std::vector<Index>& text, Index first, Index count, Index pad,
                     Index chunk_len = 256, Index chunks = 4) {
   const SublayerMode saved = model.mode();
   model.set_mode(SublayerMode::inference);
@@ -46,7 +47,7 @@ EvalResult evaluate(CharModel<T>& model, const std::vector<Index>& text, Index f
   double loss_sum = 0, correct = 0;
   std::vector<double> head_sum(std::size_t(heads), 0.0), head_correct(std::size_t(heads), 0.0),
       head_count(std::size_t(heads), 0.0);
-  typename CharModel<T>::Cache cache;
+  typename CharModel<T, Layers>::Cache cache;
   Index batches = 0;
   for (Index c0 = 0; c0 < n_chunks; c0 += chunks) {
     std::vector<Index> starts;
