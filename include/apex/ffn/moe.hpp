@@ -174,6 +174,8 @@ class MoEFFN {
   const std::vector<Expert>& experts() const { return experts_; }
   std::vector<SharedType>& shared_experts() { return shared_; }
   const std::vector<SharedType>& shared_experts() const { return shared_; }
+  /// The shared-expert gate weight w_gate: 1 × d with shared_expert_gate, else 0 × 0.
+  const Matrix<T>& shared_gate_weight() const { return shared_gate_; }
 
   /// `router.weight`, `experts.{e}.…`, `shared_experts.{s}.…` (state_dict order).
   ParamList<T> params() {
