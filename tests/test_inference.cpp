@@ -732,6 +732,14 @@ TEST_CASE("memory-fit check: ConfigError with the bytes needed and available", "
   const auto p = PackedMoE<bf16>::from(moe);
   CHECK(PackedMoE<bf16>::weight_bytes(cfg) >= p.expert_bytes());
   CHECK(PackedMoE<bf16>::weight_bytes(cfg) <= p.expert_bytes() + 2 * 4 * 5 * 37 + 4 * 5);
+  // Shared experts at their own width, and the float gate weight (d floats).
+  for (Index width : {Index(43), Index(200)}) {
+    const MoEConfig gc = full_config(2, width, Scoring::SoftmaxAll, 0.0);
+    const auto g = PackedMoE<bf16, KappaSwiGLU<float>>::from(MoEFFN<float, KappaSwiGLU<float>>(gc, 2));
+    INFO("d_shared_ffn " << width);
+    CHECK(PackedMoE<bf16, KappaSwiGLU<float>>::weight_bytes(gc) ==
+          g.expert_bytes() + 6 * 2 * 4 * 53 + 2 * 4 * 6 * 37 + 4 * 6 + 4 * 37);  // + κ α, b; router ×2; bias; gate
+  }
 }
 
 TEST_CASE("packed layers reject bad input with typed errors", "[inference][errors]") {

@@ -301,8 +301,9 @@ class PackedMoE {
     // route → plan → gather: the float layer's code
     detail::serial([&] { router_.route(x, bias_, config_.weights_from_unbiased, c.routing); });
     c.plan.build(c.routing.experts, config_.n_experts);
-    apply_capacity(c);
-    const Matrix<float>& combine_weights = capacity_on() ? c.kept_weights : c.routing.weights;
+    // capacity limit: MoEFFN's rule (capacity.hpp) on the same routing, so the same drops
+    const Matrix<float>& combine_weights = dispatch::apply_capacity(
+        config_.routing.capacity_factor, config_.n_experts, c.plan, c.routing.weights, c.dropped, c.kept_weights);
     dispatch::gather_rows(c.plan, x, c.x_sorted, threads);
     if constexpr (kKappa) dispatch::gather_side_input(RouterLogitInput{}, c.plan, c.routing, c.side_sorted);
     else c.side_sorted.resize(0);
@@ -328,21 +329,6 @@ class PackedMoE {
     shared_.apply_gate(x, c.shared_gate, c.shared_y);
     // combine: shared experts, then slots 0..K−1, per token in fixed order
     dispatch::combine(c.plan, combine_weights, c.y_sorted, c.shared_y, y, threads);
-  }
-
-  bool capacity_on() const { return config_.routing.capacity_factor > 0; }
-
-  /// The capacity limit as MoEFFN::apply_capacity applies it (capacity.hpp):
-  /// the dropped pairs in c.dropped, their weights zeroed in c.kept_weights.
-  void apply_capacity(Cache& c) const {
-    c.dropped.clear();
-    if (!capacity_on()) {
-      c.kept_weights.resize(0, 0);
-      return;
-    }
-    const Index cap = dispatch::expert_capacity(config_.routing.capacity_factor, c.plan.rows(), config_.n_experts);
-    c.dropped = dispatch::capacity_drops(c.plan, c.routing.weights, cap);
-    dispatch::zero_dropped(c.routing.weights, c.dropped, c.kept_weights);
   }
 
   static Cache& thread_scratch() {
