@@ -1,17 +1,25 @@
 // Inference layers on packed weights (docs/inference.md): PackedMoE with
-// SwiGLU and κ-SwiGLU experts, PackedSwiGLU, the packed sublayer, loading
-// from checkpoints the training layers save, stale copies, the memory check.
+// SwiGLU and κ-SwiGLU experts, gated shared experts of their own width and
+// capacity drops, PackedSwiGLU, the packed sublayer, loading from checkpoints
+// the training layers save and from the open MoE families' checkpoints,
+// stale copies, the memory check.
 #include <catch2/catch.hpp>
 
 #include <apex/ffn/checkpoint.hpp>
 #include <apex/ffn/inference.hpp>
 #include <apex/ffn/inference/packed_load.hpp>
 #include <apex/ffn/kappa_swiglu.hpp>
+#include <apex/ffn/name_maps.hpp>
 
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "families.hpp"
 #include "fixtures.hpp"
 
 using namespace apex;
@@ -40,11 +48,14 @@ bool bitwise_equal(const Matrix<float>& a, const Matrix<float>& b) {
          (a.size() == 0 || std::memcmp(a.data(), b.data(), std::size_t(a.size()) * sizeof(float)) == 0);
 }
 
-/// Rounds every routed and shared expert weight of `moe` to bf16 (router kept).
+/// Rounds every routed and shared expert weight of `moe` to bf16 (router,
+/// κ parameters and shared gate kept: the packed layers keep them float).
 template <class Expert>
 void round_experts(MoEFFN<float, Expert>& moe) {
   for (auto& p : moe.params()) {
-    if (p.name.rfind("router.", 0) == 0 || p.name.find("kappa_") != std::string::npos) continue;
+    if (p.name.rfind("router.", 0) == 0 || p.name.find("kappa_") != std::string::npos ||
+        p.name == "shared_expert_gate.weight")
+      continue;
     for (Index i = 0; i < p.size(); ++i) p.value_data[i] = packed::round_to_bf16(p.value_data[i]);
   }
 }
@@ -95,10 +106,10 @@ std::vector<unsigned char> raw_file(const std::vector<std::tuple<std::string, st
   }
   json += "}";
   while (json.size() % 8) json += ' ';
-  std::vector<unsigned char> out(8);
+  // sized once and filled in place (GCC 12 flags vector::insert here with a false -Warray-bounds)
+  std::vector<unsigned char> out(8 + json.size() + off, 0);
   for (int i = 0; i < 8; ++i) out[std::size_t(i)] = (unsigned char)((json.size() >> (8 * i)) & 0xFF);
-  out.insert(out.end(), json.begin(), json.end());
-  out.resize(out.size() + off, 0);
+  std::memcpy(out.data() + 8, json.data(), json.size());
   return out;
 }
 
@@ -106,10 +117,93 @@ safetensors::Reader reader(const std::vector<unsigned char>& bytes) {
   return safetensors::Reader::from_memory(bytes.data(), bytes.size());
 }
 
+/// The float layer of `cfg` loaded from a file written by `save` (bias included).
+MoEFFN<float> load_float(const std::vector<unsigned char>& bytes, const MoEConfig& cfg) {
+  MoEFFN<float> back(cfg, 0);
+  RowVector<float> bias(1, cfg.n_experts);
+  ParamList<float> state = back.params();
+  state.push_back({"expert_bias", bias.data(), nullptr, 1, bias.cols()});
+  load_checkpoint(reader(bytes), state);
+  back.balancer().set_bias(bias);
+  return back;
+}
+
 /// Odd sizes on purpose: d, f not multiples of any vector width.
 MoEConfig odd_config(Index n_shared = 1) { return test::moe_config(5, 2, n_shared, 37, 53); }
 
 const Index kRowCounts[] = {0, 1, 3, 33, 301};  // empty, decode, small block, blocked, several tiles
+
+/// Everything of docs/routing.md the packed layer computes beyond plain
+/// routing, at once: S shared experts of an odd width f_s ≠ f (and ≠ d, so a
+/// transposed shared matrix cannot pass), Qwen2-MoE's shared gate, a capacity
+/// factor φ that drops (φ < 1 drops at every batch of ≥ 3 tokens here), and
+/// `scoring` (sigmoid: 2 groups, 1 kept, routed scale 1.5).
+MoEConfig full_config(Index n_shared, Index d_shared, Scoring scoring, double capacity) {
+  MoEConfig c = test::moe_config(6, 2, n_shared, 37, 53);
+  c.d_shared_ffn = d_shared;
+  c.shared_expert_gate = true;
+  c.routing.scoring = scoring;
+  if (scoring == Scoring::Sigmoid) {
+    c.routing.n_groups = 2;
+    c.routing.topk_group = 1;
+    c.routing.routed_scale = 1.5;
+  }
+  c.routing.capacity_factor = capacity;
+  return c;
+}
+
+/// Packed float and bf16 layers of `moe` against it, for every row count of
+/// kRowCounts and every kernel path the CPU has: selection, routing weights,
+/// capacity drops and shared gate bit for bit the float layer's; output
+/// within float rounding (1e-6 relative; measured ≤ 2.6e-7); bf16 bit for
+/// bit the packed float layer on the bf16-rounded experts (which a wrong
+/// rounding fails), and within the weight rounding of the float layer
+/// (5.5e-3, 1.5× the largest measured). Returns the number of drops the float layer made.
+template <class Expert>
+std::size_t check_against_float(const MoEFFN<float, Expert>& moe, std::uint64_t seed) {
+  MoEFFN<float, Expert> rounded = moe;
+  round_experts(rounded);
+  auto pf = PackedMoE<float, Expert>::from(moe);
+  auto pb = PackedMoE<bf16, Expert>::from(moe);
+  const auto pr = PackedMoE<float, Expert>::from(rounded);
+  std::size_t drops = 0;
+  for (Index n : kRowCounts) {
+    const Matrix<float> x = test::rnd<float>(n, moe.d_model(), seed + std::uint64_t(n), 2.0);
+    typename MoEFFN<float, Expert>::Cache c0;
+    const Matrix<float> y0 = moe.forward(x, &c0);
+    const Matrix<float> yr = pr.forward(x);
+    drops += c0.dropped.size();
+    CHECK(c0.shared_gate.size() == n);
+    for (packed::Isa isa : packed::kAllIsas) {
+      if (!packed::cpu_supports(isa)) continue;
+      INFO("rows " << n << ", path " << packed::isa_name(isa) << ", float layer dropped " << c0.dropped.size());
+      pf.set_kernel_options({isa, packed::Bf16Products::widened});
+      pb.set_kernel_options({isa, packed::Bf16Products::widened});
+      typename PackedMoE<float, Expert>::Cache c1;
+      typename PackedMoE<bf16, Expert>::Cache c2;
+      const Matrix<float> y1 = pf.forward(x, &c1), y2 = pb.forward(x, &c2);
+      CHECK(c1.routing.experts == c0.routing.experts);
+      CHECK(c2.routing.experts == c0.routing.experts);
+      CHECK(bitwise_equal(c1.routing.weights, c0.routing.weights));
+      CHECK(c1.dropped == c0.dropped);
+      CHECK(c2.dropped == c0.dropped);
+      CHECK(bitwise_equal(c1.kept_weights, c0.kept_weights));
+      CHECK(bitwise_equal(c1.shared_gate, c0.shared_gate));
+      CHECK(bitwise_equal(c2.shared_gate, c0.shared_gate));
+      CHECK(rel(y1, y0) <= 1e-6);
+      CHECK(bitwise_equal(y2, yr));
+      // measured 2.6e-3 – 3.7e-3 (3 rows: few terms, the widest spread)
+      if (n > 0) CHECK(rel(y2, y0) <= 5.5e-3);
+    }
+    pf.set_kernel_options({});
+    pb.set_kernel_options({});
+    pb.set_threads(1);
+    const Matrix<float> y1t = pb.forward(x);
+    pb.set_threads(2);
+    CHECK(bitwise_equal(pb.forward(x), y1t));
+  }
+  return drops;
+}
 
 }  // namespace
 
@@ -196,6 +290,34 @@ TEST_CASE("packed kappa-SwiGLU MoE equals the float layer", "[inference][kappa]"
   perturb_kappa(plain, 99);
   const Matrix<float> x = test::rnd<float>(9, 37, 8, 2.0);
   CHECK(rel(pf.forward(x), plain.forward(x)) > 1e-3);
+}
+
+TEST_CASE("packed MoE: gated shared experts of their own width and capacity drops, as the float layer",
+          "[inference][shared][capacity]") {
+  SECTION("SwiGLU experts, softmax over all, two gated shared experts of width 43, phi = 0.75") {
+    MoEFFN<float> moe(full_config(2, 43, Scoring::SoftmaxAll, 0.75), 61);
+    set_bias(moe, 62);
+    CHECK(check_against_float(moe, 600) > 0);  // real drops
+  }
+  SECTION("kappa-SwiGLU experts, sigmoid scoring with groups, one gated shared expert of width 37, phi = 1") {
+    MoEFFN<float, KappaSwiGLU<float>> moe(full_config(1, 37, Scoring::Sigmoid, 1.0), 63);
+    perturb_kappa(moe, 64);
+    set_bias(moe, 65);
+    CHECK(check_against_float(moe, 700) > 0);
+  }
+  SECTION("the gate and the drops change the output") {
+    // What the checks above would miss if the packed layer skipped them.
+    const MoEConfig cfg = full_config(1, 43, Scoring::SoftmaxAll, 0.75);
+    MoEFFN<float> moe(cfg, 66);
+    MoEConfig plain = cfg;
+    plain.shared_expert_gate = false;
+    plain.routing.capacity_factor = 0;
+    MoEFFN<float> ungated(plain, 66);  // the same seed: the same experts and router
+    for (std::size_t i = 0; i < ungated.params().size(); ++i)
+      CHECK(ungated.params()[i].value() == moe.params()[i].value());
+    const Matrix<float> x = test::rnd<float>(33, 37, 67, 2.0);
+    CHECK(rel(PackedMoE<float>::from(moe).forward(x), ungated.forward(x)) > 1e-2);
+  }
 }
 
 TEST_CASE("packed layers are bitwise identical across thread counts and kernel paths", "[inference][threads]") {
@@ -291,17 +413,41 @@ TEST_CASE("packed MoE loads from F32 and BF16 checkpoints of the training layer"
   }
   SECTION("BF16: the float layer loaded from the same file, packed") {
     const auto bytes = save(moe, safetensors::DType::BF16);
-    MoEFFN<float> back(cfg, 0);
-    RowVector<float> bias(1, cfg.n_experts);
-    ParamList<float> state = back.params();
-    state.push_back({"expert_bias", bias.data(), nullptr, 1, bias.cols()});
-    load_checkpoint(reader(bytes), state);
-    back.balancer().set_bias(bias);
+    const MoEFFN<float> back = load_float(bytes, cfg);
     const auto pb = load_packed_moe<bf16>(reader(bytes), cfg);
     const auto pf = load_packed_moe<float>(reader(bytes), cfg);
     CHECK(bitwise_equal(pb.forward(x), PackedMoE<bf16>::from(back).forward(x)));
     CHECK(bitwise_equal(pf.forward(x), pb.forward(x)));  // bf16 values: float storage holds them exactly
     CHECK(rel(pf.forward(x), back.forward(x)) <= 1e-6);
+  }
+  SECTION("a gated shared expert of its own width, capacity on, F32 and BF16") {
+    const MoEConfig gc = full_config(1, 43, Scoring::SoftmaxAll, 0.75);
+    MoEFFN<float> g(gc, 27);
+    set_bias(g, 28);
+    for (const auto dtype : {safetensors::DType::F32, safetensors::DType::BF16}) {
+      INFO(safetensors::dtype_name(dtype));
+      const auto bytes = save(g, dtype);
+      CHECK(reader(bytes).at("shared_expert_gate.weight").shape == std::vector<std::uint64_t>{1, 37});
+      const MoEFFN<float> back = load_float(bytes, gc);
+      const auto pf = load_packed_moe<float>(reader(bytes), gc);
+      const auto pb = load_packed_moe<bf16>(reader(bytes), gc);
+      PackedMoE<float>::Cache c1;
+      MoEFFN<float>::Cache c0;
+      CHECK(bitwise_equal(pf.forward(x, &c1), PackedMoE<float>::from(back).forward(x)));
+      CHECK(bitwise_equal(pb.forward(x), PackedMoE<bf16>::from(back).forward(x)));
+      CHECK(rel(pf.forward(x), back.forward(x, &c0)) <= 1e-6);
+      CHECK(c1.dropped == c0.dropped);
+      CHECK_FALSE(c0.dropped.empty());
+      CHECK(bitwise_equal(pf.shared_gate_weight(), back.shared_gate_weight()));
+      CHECK_NOTHROW(pf.check_source(back));
+      CHECK_NOTHROW(pb.check_source(back));
+    }
+    CHECK_NOTHROW(load_packed_moe<float>(reader(save(g, safetensors::DType::F32)), gc).check_source(g));
+    // The gate weight is in the fingerprint: a changed gate is a stale copy.
+    const auto p = PackedMoE<bf16>::from(g);
+    for (auto& q : g.params())
+      if (q.name == "shared_expert_gate.weight") q.value_data[3] += 1.0f;
+    CHECK_THROWS_AS(p.check_source(g), ValueError);
   }
   SECTION("kappa experts, file without the bias") {
     MoEFFN<float, KappaSwiGLU<float>> k(cfg, 23);
@@ -363,6 +509,40 @@ TEST_CASE("packed loaders reject bad files with typed errors", "[inference][chec
     o.allow_unexpected = true;
     CHECK_NOTHROW(load_packed_moe<float>(reader(extra), cfg, o));
   }
+  SECTION("shared gate and shared width: missing tensor, wrong shapes, gate the layer has not") {
+    MoEConfig gc = test::moe_config(2, 1, 1, 4, 6);
+    gc.d_shared_ffn = 3;
+    gc.shared_expert_gate = true;
+    MoEFFN<float> g(gc, 33);
+    const auto gated = save(g, safetensors::DType::BF16);
+    CHECK_NOTHROW(load_packed_moe<bf16>(reader(gated), gc));
+    MoEConfig ungated_cfg = gc;
+    ungated_cfg.shared_expert_gate = false;
+    MoEFFN<float> plain(ungated_cfg, 34);
+    const auto ungated = save(plain, safetensors::DType::F32);
+    CHECK_THROWS_MATCHES(load_packed_moe<float>(reader(ungated), gc), FormatError,
+                         Message("load_packed_moe(memory buffer): the file does not match the layer: missing "
+                                 "'shared_expert_gate.weight';"));
+    CHECK_THROWS_CONTAINING(load_packed_moe<float>(reader(gated), ungated_cfg), FormatError,
+                            "unexpected 'shared_expert_gate.weight'");
+    MoEConfig wider = gc;
+    wider.d_shared_ffn = 5;
+    CHECK_THROWS_CONTAINING(load_packed_moe<bf16>(reader(gated), wider), ShapeError,
+                            "'shared_experts.0.w_gate.weight' is [3, 4] in the file, the layer needs [5, 4]");
+    std::vector<std::tuple<std::string, std::string, std::vector<int>>> ts{{"router.weight", "F32", {2, 4}}};
+    for (const char* e : {"experts.0.", "experts.1."})
+      for (const auto& [w, r, c] : {std::tuple<const char*, int, int>{"w_gate.weight", 6, 4}, {"w_up.weight", 6, 4},
+                                    {"w_down.weight", 4, 6}})
+        ts.push_back({std::string(e) + w, "BF16", {r, c}});
+    for (const auto& [w, r, c] : {std::tuple<const char*, int, int>{"w_gate.weight", 3, 4}, {"w_up.weight", 3, 4},
+                                  {"w_down.weight", 4, 3}})
+      ts.push_back({std::string("shared_experts.0.") + w, "BF16", {r, c}});
+    ts.push_back({"shared_expert_gate.weight", "F32", {4}});  // 1-D, as [1, 4]
+    CHECK_NOTHROW(load_packed_moe<bf16>(reader(raw_file(ts)), gc));
+    ts.back() = {"shared_expert_gate.weight", "F32", {1, 5}};
+    CHECK_THROWS_CONTAINING(load_packed_moe<bf16>(reader(raw_file(ts)), gc), ShapeError,
+                            "'shared_expert_gate.weight' is [1, 5] in the file, the layer needs [1, 4]");
+  }
   SECTION("NaN or Inf where the float layer rejects them") {
     MoEFFN<float> bad = moe;
     bad.router().weight()(1, 2) = std::numeric_limits<float>::quiet_NaN();
@@ -377,6 +557,132 @@ TEST_CASE("packed loaders reject bad files with typed errors", "[inference][chec
     nan_expert.experts()[0].w_down()(0, 0) = std::numeric_limits<float>::quiet_NaN();
     CHECK_NOTHROW(load_packed_moe<bf16>(reader(save(nan_expert, safetensors::DType::BF16)), cfg));
   }
+}
+
+namespace {
+
+/// Bound on ‖y_bf16 − y_ref‖ / ‖y_ref‖ of a family fixture: 1.5× the error
+/// measured on the committed fixture (1.45× for Qwen2-MoE), below the error
+/// of the same layer on truncated instead of rounded weights. The fixtures
+/// are tiny (4 tokens, d 4, f 2), so the errors differ widely by family.
+double bf16_bound(MoEFamily f) {
+  switch (f) {
+    case MoEFamily::DeepSeekV3: return 2.7e-3;  // measured 1.80e-3, truncated 7.71e-3
+    case MoEFamily::Mixtral: return 6.0e-3;     // measured 3.99e-3, truncated 7.38e-3
+    case MoEFamily::Qwen2MoE: return 9.1e-3;    // measured 6.29e-3, truncated 9.54e-3
+    case MoEFamily::Qwen3MoE: return 1.5e-3;    // measured 1.00e-3, truncated 6.98e-3
+    case MoEFamily::OLMoE: return 3.2e-3;       // measured 2.13e-3, truncated 1.04e-2
+  }
+  return 0;
+}
+
+/// `moe` with every routed and shared expert weight truncated to bf16 (a
+/// wrong rounding), router and shared gate kept.
+MoEFFN<float> truncated_experts(const MoEFFN<float>& moe) {
+  MoEFFN<float> t = moe;
+  for (auto& p : t.params()) {
+    if (p.name.rfind("router.", 0) == 0 || p.name == "shared_expert_gate.weight") continue;
+    for (Index i = 0; i < p.size(); ++i) {
+      std::uint32_t u;
+      std::memcpy(&u, p.value_data + i, 4);
+      u &= 0xFFFF0000u;
+      std::memcpy(p.value_data + i, &u, 4);
+    }
+  }
+  return t;
+}
+
+}  // namespace
+
+TEST_CASE("packed MoE loads the open MoE families' checkpoints under their names", "[inference][families]") {
+  namespace fs = std::filesystem;
+  const fs::path data = fs::path(__FILE__).parent_path() / "data";
+  for (MoEFamily f : test::kFamilies) {
+    const std::string path = (data / ("family_" + std::string(family_name(f)) + ".safetensors")).string();
+    INFO(path);
+    const safetensors::Reader file(path);
+    const std::string prefix = file.metadata().at("prefix");
+    const MoEConfig cfg = test::fixture_config(f, file);
+    // The float layer, by the float path's loader.
+    MoEFFN<float> moe(cfg, 7);
+    LoadOptions lo;
+    lo.allow_unexpected = true;  // test.* and grad.*
+    load_family_checkpoint(file, moe, f, prefix, lo);
+    // The packed layers, strict: test.* and grad.* lie outside the prefix.
+    PackedLoadOptions po;
+    po.prefix = prefix;
+    po.family = f;
+    auto pf = load_packed_moe<float>(file, cfg, po);
+    auto pb = load_packed_moe<bf16>(file, cfg, po);
+    CHECK(pf.shared_experts().size() == std::size_t(cfg.n_shared));
+    CHECK(pf.shared_gate_weight().size() == (f == MoEFamily::Qwen2MoE ? cfg.d_model : 0));
+    CHECK_NOTHROW(pf.check_source(moe));
+    CHECK_NOTHROW(pb.check_source(moe));
+
+    const Index n = Index(file.at("test.x").shape[0]), d = cfg.d_model, k = cfg.n_active;
+    const Matrix<float> x = test::read_tensor(file, "test.x", n, d).cast<float>();
+    const Matrix<double> y_ref = test::read_tensor(file, "test.y", n, d);
+    const Matrix<double> experts_ref = test::read_tensor(file, "test.experts", n, k);
+    const Matrix<float> ypf = PackedMoE<float>::from(moe).forward(x), ypb = PackedMoE<bf16>::from(moe).forward(x);
+    const Matrix<float> ytrunc = truncated_experts(moe).forward(x);
+    for (packed::Isa isa : packed::kAllIsas) {
+      if (!packed::cpu_supports(isa)) continue;
+      INFO("path " << packed::isa_name(isa));
+      pf.set_kernel_options({isa, packed::Bf16Products::widened});
+      pb.set_kernel_options({isa, packed::Bf16Products::widened});
+      PackedMoE<float>::Cache c1;
+      PackedMoE<bf16>::Cache c2;
+      const Matrix<float> y1 = pf.forward(x, &c1), y2 = pb.forward(x, &c2);
+      for (Index t = 0; t < n; ++t)
+        for (Index j = 0; j < k; ++j) {
+          CHECK(c1.routing.experts(t, j) == Index(experts_ref(t, j)));
+          CHECK(c2.routing.experts(t, j) == Index(experts_ref(t, j)));
+        }
+      // Against the PyTorch reference (F64): packed float within float
+      // rounding (measured 1.0e-7 – 1.9e-7), bf16 within its bound, which
+      // truncated weights exceed.
+      const auto err = [&](const Matrix<float>& y) { return (y.cast<double>() - y_ref).norm() / y_ref.norm(); };
+      CHECK(err(y1) <= 1e-6);
+      CHECK(err(y2) <= bf16_bound(f));
+      CHECK(err(ytrunc) > bf16_bound(f));
+      // The loaded layers are the packed float layer loaded from the same file.
+      CHECK(bitwise_equal(y1, ypf));
+      CHECK(bitwise_equal(y2, ypb));
+      // One row alone: the same bits as in the batch.
+      const Matrix<float> x1 = x.topRows(1);
+      CHECK(bitwise_equal(pb.forward(x1), y2.topRows(1)));
+      CHECK(pf.forward(x.topRows(0)).rows() == 0);
+    }
+  }
+}
+
+TEST_CASE("family name maps on the packed loader: the float path's checks", "[inference][families][errors]") {
+  namespace fs = std::filesystem;
+  const fs::path data = fs::path(__FILE__).parent_path() / "data";
+  const safetensors::Reader qwen3((data / "family_qwen3_moe.safetensors").string());
+  const safetensors::Reader qwen2((data / "family_qwen2_moe.safetensors").string());
+  PackedLoadOptions po;
+  po.prefix = "model.layers.1.";
+  po.family = MoEFamily::Mixtral;
+  CHECK_THROWS_CONTAINING(load_packed_moe<bf16>(qwen3, test::fixture_config(MoEFamily::Mixtral, qwen3), po),
+                          FormatError, "the mixtral name map was applied to a checkpoint of another family");
+  po.family = MoEFamily::Qwen2MoE;
+  MoEConfig no_gate = test::fixture_config(MoEFamily::Qwen2MoE, qwen2);
+  no_gate.shared_expert_gate = false;
+  CHECK_THROWS_CONTAINING(load_packed_moe<float>(qwen2, no_gate, po), ConfigError,
+                          "one gated shared expert (n_shared = 1, shared_expert_gate)");
+  CHECK_THROWS_CONTAINING(
+      (load_packed_moe<float, KappaSwiGLU<float>>(qwen2, test::fixture_config(MoEFamily::Qwen2MoE, qwen2), po)),
+      ConfigError, "no names for kappa-SwiGLU parameters");
+  MoEConfig wrong_width = test::fixture_config(MoEFamily::Qwen2MoE, qwen2);
+  wrong_width.d_shared_ffn = 5;
+  CHECK_THROWS_CONTAINING(load_packed_moe<float>(qwen2, wrong_width, po), ShapeError,
+                          "'model.layers.1.mlp.shared_expert.gate_proj.weight' is [3, 4] in the file, the layer "
+                          "needs [5, 4]");
+  // The library's own names do not read a family file (strict by default).
+  po.family.reset();
+  CHECK_THROWS_CONTAINING(load_packed_moe<float>(qwen2, test::fixture_config(MoEFamily::Qwen2MoE, qwen2), po),
+                          FormatError, "missing 'model.layers.1.router.weight'");
 }
 
 TEST_CASE("a packed copy of a changed source is reported stale", "[inference][errors]") {
@@ -426,6 +732,14 @@ TEST_CASE("memory-fit check: ConfigError with the bytes needed and available", "
   const auto p = PackedMoE<bf16>::from(moe);
   CHECK(PackedMoE<bf16>::weight_bytes(cfg) >= p.expert_bytes());
   CHECK(PackedMoE<bf16>::weight_bytes(cfg) <= p.expert_bytes() + 2 * 4 * 5 * 37 + 4 * 5);
+  // Shared experts at their own width, and the float gate weight (d floats).
+  for (Index width : {Index(43), Index(200)}) {
+    const MoEConfig gc = full_config(2, width, Scoring::SoftmaxAll, 0.0);
+    const auto g = PackedMoE<bf16, KappaSwiGLU<float>>::from(MoEFFN<float, KappaSwiGLU<float>>(gc, 2));
+    INFO("d_shared_ffn " << width);
+    CHECK(PackedMoE<bf16, KappaSwiGLU<float>>::weight_bytes(gc) ==
+          g.expert_bytes() + 6 * 2 * 4 * 53 + 2 * 4 * 6 * 37 + 4 * 6 + 4 * 37);  // + κ α, b; router ×2; bias; gate
+  }
 }
 
 TEST_CASE("packed layers reject bad input with typed errors", "[inference][errors]") {
@@ -441,10 +755,24 @@ TEST_CASE("packed layers reject bad input with typed errors", "[inference][error
                          Message("PackedMoE::forward: bf16_products = paired is not supported for kappa-SwiGLU "
                                  "experts"));
   }
-  MoEConfig capped = odd_config(1);
-  capped.routing.capacity_factor = 1.25;
-  CHECK_THROWS_CONTAINING(PackedMoE<float>::from(MoEFFN<float>(capped, 1)), ConfigError,
-                          "routing.capacity_factor > 0 is not supported by the packed layer yet");
+  // The assembling constructor: the shared gate weight and the shared width.
+  const MoEConfig gc = full_config(1, 43, Scoring::SoftmaxAll, 0.0);
+  const auto g = PackedMoE<float>::from(MoEFFN<float>(gc, 52));
+  const auto assemble = [&](const MoEConfig& c, std::vector<packed::PackedExpert> shared, Matrix<float> gate) {
+    return PackedMoE<float>(c, g.router().weight(), g.bias(), g.experts(), {}, std::move(shared), std::move(gate));
+  };
+  CHECK_NOTHROW(assemble(gc, g.shared_experts(), g.shared_gate_weight()));
+  CHECK_THROWS_CONTAINING(assemble(gc, g.shared_experts(), Matrix<float>()), ShapeError,
+                          "PackedMoE: argument 'shared_gate' has shape [0 x 0], expected [1 x 37]");
+  CHECK_THROWS_CONTAINING(assemble(gc, g.shared_experts(), Matrix<float>::Zero(37, 1)), ShapeError, "shared_gate");
+  MoEConfig ungated = gc;
+  ungated.shared_expert_gate = false;
+  CHECK_THROWS_CONTAINING(assemble(ungated, g.shared_experts(), g.shared_gate_weight()), ShapeError,
+                          "shared_gate (config.shared_expert_gate is off)");
+  MoEConfig narrow = gc;
+  narrow.d_shared_ffn = 0;  // the routed width, 53
+  CHECK_THROWS_CONTAINING(assemble(narrow, g.shared_experts(), g.shared_gate_weight()), ShapeError,
+                          "PackedMoE: argument 'shared' has shape [43 x 37], expected [53 x 37]");
   const auto f = PackedSwiGLU<float>::from(SwiGLU<float>(8, 12, 1));
   CHECK_THROWS_AS(PackedSwiGLU<bf16>(f.weights()), ConfigError);
 }

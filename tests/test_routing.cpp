@@ -16,6 +16,7 @@
 
 #include <unistd.h>
 
+#include "families.hpp"
 #include "gradcheck.hpp"
 #include "sweep.hpp"
 
@@ -31,37 +32,9 @@ namespace {
 namespace fs = std::filesystem;
 namespace st = apex::safetensors;
 
-const MoEFamily kFamilies[] = {MoEFamily::DeepSeekV3, MoEFamily::Mixtral, MoEFamily::Qwen2MoE, MoEFamily::Qwen3MoE,
-                               MoEFamily::OLMoE};
-
-/// The small layer of a family fixture (tools/moe_families.py, its "config" metadata).
-MoEConfig fixture_config(MoEFamily f, const st::Reader& file) {
-  const auto j = nlohmann::json::parse(file.metadata().at("config"));
-  MoEConfig c;
-  c.routing = family_routing(f);
-  c.d_model = j["d"].get<Index>();
-  c.d_ffn = j["f"].get<Index>();
-  c.n_experts = j["E"].get<Index>();
-  c.n_active = j["K"].get<Index>();
-  c.d_shared_ffn = j["shared"].get<Index>();
-  c.n_shared = c.d_shared_ffn > 0 ? 1 : 0;
-  c.shared_expert_gate = f == MoEFamily::Qwen2MoE;
-  if (j.contains("groups")) {
-    c.routing.n_groups = j["groups"].get<Index>();
-    c.routing.topk_group = j["topk_group"].get<Index>();
-  }
-  return c;
-}
-
-Matrix<double> read_tensor(const st::Reader& file, const std::string& name, Index rows, Index cols) {
-  Matrix<double> m(rows, cols);
-  const auto& t = file.at(name);
-  REQUIRE(t.shape.size() == 2);
-  REQUIRE(Index(t.shape[0]) == rows);
-  REQUIRE(Index(t.shape[1]) == cols);
-  file.read(t, m.data());
-  return m;
-}
+using apex::test::fixture_config;
+using apex::test::kFamilies;
+using apex::test::read_tensor;
 
 double rel_error(const Matrix<double>& a, const Matrix<double>& b) {
   const double scale = std::max(a.norm(), b.norm());
@@ -451,11 +424,15 @@ TEST_CASE("the packed layer routes with the float layer's routing options", "[ro
     CHECK(c1.routing.weights == c0.routing.weights);
     CHECK((y1 - y0).norm() <= 1e-6 * y0.norm());
   }
+  // Qwen2-MoE's gated shared expert of its own width (tests/test_inference.cpp tests more).
   MoEConfig gated = routed_config(8, 2, 1, family_routing(MoEFamily::Qwen2MoE));
   gated.shared_expert_gate = true;
+  gated.d_shared_ffn = 7;
   MoEFFN<float> moe(gated, 5);
-  apex::test::expect(apex::test::outcome([&] { PackedMoE<float>::from(moe); }), "ConfigError",
-                     {"PackedMoE", "shared_expert_gate", "not supported"});
+  const auto p = PackedMoE<float>::from(moe);
+  const Matrix<float> x = random_matrix(17, 6, 8).cast<float>();
+  const Matrix<float> y0 = moe.forward(x);
+  CHECK((p.forward(x) - y0).norm() <= 1e-6 * y0.norm());
 }
 
 TEST_CASE("capacity factor drops the lowest-weighted overflow assignments", "[routing][capacity]") {

@@ -70,4 +70,22 @@ void zero_dropped(const Matrix<T>& weights, const std::vector<Index>& dropped, M
   for (Index p : dropped) kept(p / k_count, p % k_count) = T(0);
 }
 
+/// The capacity limit of one forward, as MoEFFN and PackedMoE apply it. With
+/// factor > 0: `dropped` = the pairs capacity_drops gives for
+/// C = expert_capacity(factor, plan.rows(), n_experts), `kept` = weights
+/// with those zeroed, and `kept` is returned; with factor 0 (off): both
+/// emptied and `weights` returned. The combine reads the returned weights.
+template <class T>
+const Matrix<T>& apply_capacity(double factor, Index n_experts, const DispatchPlan& plan, const Matrix<T>& weights,
+                                std::vector<Index>& dropped, Matrix<T>& kept) {
+  dropped.clear();
+  if (!(factor > 0)) {
+    kept.resize(0, 0);
+    return weights;
+  }
+  dropped = capacity_drops(plan, weights, expert_capacity(factor, plan.rows(), n_experts));
+  zero_dropped(weights, dropped, kept);
+  return kept;
+}
+
 }  // namespace apex::dispatch

@@ -174,6 +174,8 @@ class MoEFFN {
   const std::vector<Expert>& experts() const { return experts_; }
   std::vector<SharedType>& shared_experts() { return shared_; }
   const std::vector<SharedType>& shared_experts() const { return shared_; }
+  /// The shared-expert gate weight w_gate: 1 × d with shared_expert_gate, else 0 × 0.
+  const Matrix<T>& shared_gate_weight() const { return shared_gate_; }
 
   /// `router.weight`, `experts.{e}.…`, `shared_experts.{s}.…` (state_dict order).
   ParamList<T> params() {
@@ -209,8 +211,9 @@ class MoEFFN {
     // route → plan → gather
     detail::serial([&] { router_.route(x, balancer_.bias(), config_.weights_from_unbiased, c.routing); });
     c.plan.build(c.routing.experts, config_.n_experts);
-    apply_capacity(c);
-    const Matrix<T>& combine_weights = capacity_on() ? c.kept_weights : c.routing.weights;
+    // capacity limit (capacity.hpp): drops listed in c.dropped, their weights 0 in c.kept_weights
+    const Matrix<T>& combine_weights = dispatch::apply_capacity(config_.routing.capacity_factor, config_.n_experts,
+                                                                c.plan, c.routing.weights, c.dropped, c.kept_weights);
     dispatch::gather_rows(c.plan, x, c.x_sorted, threads);
     dispatch::gather_side_input(Side{}, c.plan, c.routing, c.side_sorted);
 
@@ -245,19 +248,6 @@ class MoEFFN {
   }
 
   bool capacity_on() const { return config_.routing.capacity_factor > 0; }
-
-  /// Capacity limit (capacity.hpp): lists the pairs it drops in c.dropped
-  /// and zeroes their weights in c.kept_weights, which the combine reads.
-  void apply_capacity(Cache& c) const {
-    c.dropped.clear();
-    if (!capacity_on()) {
-      c.kept_weights.resize(0, 0);
-      return;
-    }
-    const Index cap = dispatch::expert_capacity(config_.routing.capacity_factor, c.plan.rows(), config_.n_experts);
-    c.dropped = dispatch::capacity_drops(c.plan, c.routing.weights, cap);
-    dispatch::zero_dropped(c.routing.weights, c.dropped, c.kept_weights);
-  }
 
   /// ShapeError naming the cache unless it holds a forward of a layer of
   /// this configuration (a default-constructed cache holds none).

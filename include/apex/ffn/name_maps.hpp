@@ -98,6 +98,31 @@ inline bool family_matches(MoEFamily f, const std::string& detected) {
   return detected == family_name(f);
 }
 
+/// The name of a family's balancing-bias tensor under `prefix` (DeepSeek-V3's
+/// `mlp.gate.e_score_correction_bias`, shape [E]), or "" for a family whose
+/// checkpoints have none.
+inline std::string family_bias_name(MoEFamily f, const std::string& prefix) {
+  return f == MoEFamily::DeepSeekV3 ? prefix + "mlp.gate.e_score_correction_bias" : std::string();
+}
+
+/// FormatError naming the problem if the file's names under `prefix` are
+/// another family's, or a DeepSeek-V3 (sigmoid router) file lacks its
+/// correction bias. Every loader of family checkpoints (float and packed)
+/// applies this one rule.
+inline void check_family_file(const std::string& where, const safetensors::Reader& file, MoEFamily f,
+                              const std::string& prefix) {
+  const std::string detected = detect_family(file, prefix);
+  const std::string bias_name = family_bias_name(f, prefix);
+  if (!bias_name.empty() && (detected == "deepseek_v3" || detected == "qwen3_moe or olmoe") &&
+      !file.header().find(bias_name))
+    throw FormatError(where + ": the sigmoid router of " + family_name(f) + " needs its correction bias '" + bias_name +
+                      "', which the checkpoint lacks");
+  if (!family_matches(f, detected))
+    throw FormatError(where + ": the " + std::string(family_name(f)) +
+                      " name map was applied to a checkpoint of another family (its tensor names are " + detected +
+                      "'s)");
+}
+
 }  // namespace detail
 
 /// The layer's parameters under the family's names (prefix prepended).
@@ -135,16 +160,9 @@ template <class T, class Expert>
 LoadResult load_family_checkpoint(const safetensors::Reader& file, MoEFFN<T, Expert>& moe, MoEFamily f,
                                   const std::string& prefix = "", const LoadOptions& options = {}) {
   const std::string where = "load_family_checkpoint(" + file.source().description() + ")";
-  const std::string detected = detail::detect_family(file, prefix);
-  const bool wants_bias = f == MoEFamily::DeepSeekV3;
-  const std::string bias_name = prefix + "mlp.gate.e_score_correction_bias";
-  if (wants_bias && (detected == "deepseek_v3" || detected == "qwen3_moe or olmoe") && !file.header().find(bias_name))
-    throw FormatError(where + ": the sigmoid router of " + family_name(f) + " needs its correction bias '" + bias_name +
-                      "', which the checkpoint lacks");
-  if (!detail::family_matches(f, detected))
-    throw FormatError(where + ": the " + std::string(family_name(f)) +
-                      " name map was applied to a checkpoint of another family (its tensor names are " + detected +
-                      "'s)");
+  detail::check_family_file(where, file, f, prefix);
+  const std::string bias_name = detail::family_bias_name(f, prefix);
+  const bool wants_bias = !bias_name.empty();
   ParamList<T> params = family_params(moe, f, prefix);
   RowVector<T> bias = moe.balancer().bias();
   if (wants_bias) params.push_back(Param<T>{bias_name, bias.data(), bias.data(), 1, bias.cols()});

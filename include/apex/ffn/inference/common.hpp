@@ -18,6 +18,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "../checked_size.hpp"
 #include "../packed/bf16.hpp"
 #include "../packed/packed_weights.hpp"
 #include "../types.hpp"
@@ -41,6 +42,17 @@ namespace detail::inference {
 /// task amortises streaming its expert's weights.
 inline constexpr Index kMaxTileRows = 256;
 
+/// Bytes of one packed d × f SwiGLU expert of `dtype` (packed_weights.hpp:
+/// gate/up panels of 16 hidden units × 32 lanes over d, down panels of 32
+/// outputs over f; bf16 pads d and f to even), computed without allocating.
+/// ConfigError naming `where` if the count overflows.
+inline Index packed_expert_bytes(const char* where, packed::Dtype dtype, Index d, Index f) {
+  const Index b = packed::dtype_bytes(dtype);
+  const Index pad_d = dtype == packed::Dtype::bf16 ? d + (d & 1) : d;
+  const Index pad_f = dtype == packed::Dtype::bf16 ? f + (f & 1) : f;
+  return checked_sum(where, "expert bytes", checked_product(where, "gate_up bytes", {(f + 15) / 16, pad_d, 32, b}),
+                     checked_product(where, "down bytes", {(d + 31) / 32, pad_f, 32, b}));
+}
 
 inline constexpr Index kFingerprintSamples = 64;
 

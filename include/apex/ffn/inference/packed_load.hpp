@@ -3,12 +3,14 @@
 /// Packed inference layers straight from a safetensors checkpoint, under the
 /// state_dict names the training layers save (`router.weight`,
 /// `experts.3.w_gate.weight`, `experts.3.kappa_alpha`,
-/// `shared_experts.0.w_down.weight`, …; see MoEFFN::params), in F32, F64 or
-/// BF16.
+/// `shared_experts.0.w_down.weight`, `shared_expert_gate.weight`, …; see
+/// MoEFFN::params) or, with `PackedLoadOptions::family`, under the Hugging
+/// Face names of an open MoE family (name_maps.hpp: DeepSeek-V3, Mixtral,
+/// Qwen2-MoE, Qwen3-MoE, OLMoE), in F32, F64 or BF16.
 ///
 /// Loading goes expert by expert: one expert's three matrices are decoded
-/// into a float staging buffer (3·f·d floats, reused) and packed at once, so
-/// the process never holds a float copy of the whole model. BF16 tensors
+/// into a float staging buffer (3·max(f, f_s)·d floats, reused) and packed at
+/// once, so the process never holds a float copy of the whole model. BF16 tensors
 /// pack without loss into a bf16 layer (bf16 → float → bf16 is exact).
 ///
 /// Checks, all before the first expert is packed and as load_checkpoint
@@ -22,11 +24,15 @@
 ///
 /// The balancing bias is not a parameter; a file may carry it as the
 /// optional tensor `expert_bias` (docs/checkpoints.md). Without it the bias
-/// is zero. κ's options (U, c) are not in checkpoints: pass them.
+/// is zero. Under a family's names it is DeepSeek-V3's required
+/// `mlp.gate.e_score_correction_bias`, and no other family has one — as
+/// load_family_checkpoint reads them. κ's options (U, c) are not in
+/// checkpoints: pass them.
 ///
 /// Needs the `apex::checkpoint` target (nlohmann_json), like checkpoint.hpp;
 /// the layers themselves (inference.hpp) need only Eigen.
 
+#include <algorithm>
 #include <optional>
 #include <set>
 #include <string>
@@ -34,6 +40,8 @@
 
 #include "../checkpoint.hpp"
 #include "../errors.hpp"
+#include "../family_presets.hpp"
+#include "../name_maps.hpp"
 #include "../safetensors.hpp"
 #include "packed_moe.hpp"
 #include "packed_sublayer.hpp"
@@ -48,8 +56,17 @@ struct PackedLoadOptions {
   std::string prefix;
   /// Ignore tensors under the prefix that the layer does not name.
   bool allow_unexpected = false;
-  /// Name (under the prefix) of the optional balancing-bias tensor; empty: none.
+  /// Name (under the prefix) of the optional balancing-bias tensor; empty:
+  /// none. Ignored under a family's names (see `family`).
   std::string bias_name = "expert_bias";
+  /// Read the MoE layer under the Hugging Face names of this open MoE family
+  /// (name_maps.hpp; the prefix is still prepended, e.g. "model.layers.3."),
+  /// with the checks of load_family_checkpoint: FormatError for another
+  /// family's file or a DeepSeek-V3 file without its correction bias,
+  /// ConfigError for a configuration the family's block cannot hold (its
+  /// shared experts; κ-SwiGLU experts, which no family has). Unset: the
+  /// library's own names.
+  std::optional<MoEFamily> family;
   /// Options of κ-SwiGLU experts (not stored in checkpoints).
   KappaOptions kappa;
   /// Caps applied while reading the file.
@@ -115,15 +132,17 @@ void read_into(const std::string& where, const safetensors::Reader& file, const 
                      " contains NaN or Inf (the float layer rejects the router logits it would give)");
 }
 
-/// Reads the SwiGLU at `p` (p + "w_gate.weight", …) into the staging
-/// buffers (gu: 2f × d, gate rows first; down: d × f) and packs it.
-inline packed::PackedExpert read_expert(const std::string& where, const safetensors::Reader& file,
-                                        const std::string& p, Matrix<float>& gu, Matrix<float>& down,
-                                        packed::Dtype dtype, std::uint64_t& fp) {
+/// Reads the SwiGLU at `p` (name(p + "w_gate.weight"), …; `name` maps the
+/// library's names to the file's) into the staging buffers (gu: 2f × d,
+/// gate rows first; down: d × f) and packs it.
+template <class Name>
+packed::PackedExpert read_expert(const std::string& where, const safetensors::Reader& file, const Name& name,
+                                 const std::string& p, Matrix<float>& gu, Matrix<float>& down, packed::Dtype dtype,
+                                 std::uint64_t& fp) {
   const Index f = gu.rows() / 2, d = gu.cols();
-  file.read(file.at(p + "w_gate.weight"), gu.data());
-  file.read(file.at(p + "w_up.weight"), gu.data() + f * d);
-  read_into(where, file, p + "w_down.weight", down, false);
+  file.read(file.at(name(p + "w_gate.weight")), gu.data());
+  file.read(file.at(name(p + "w_up.weight")), gu.data() + f * d);
+  read_into(where, file, name(p + "w_down.weight"), down, false);
   fingerprint_add(fp, gu.data(), gu.size());
   fingerprint_add(fp, down.data(), down.size());
   return packed::PackedExpert(gu.topRows(f), gu.bottomRows(f), down, dtype);
@@ -139,7 +158,8 @@ inline void add_swiglu_names(std::vector<Expected>& want, const std::string& p, 
 
 /// A PackedMoE of `config` from `file` (see the file comment). The layer's
 /// fingerprint is that of the values read, so check_source(src) passes for
-/// the float layer that saved an F32 file and has not changed since.
+/// the float layer that saved an F32 file (or loaded the same file) and has
+/// not changed since.
 template <class Storage, class Expert = SwiGLU<float>>
 PackedMoE<Storage, Expert> load_packed_moe(const safetensors::Reader& file, const MoEConfig& config,
                                            const PackedLoadOptions& options = {}) {
@@ -148,28 +168,55 @@ PackedMoE<Storage, Expert> load_packed_moe(const safetensors::Reader& file, cons
   const std::string where = "load_packed_moe(" + file.source().description() + ")";
   config.validate(where.c_str());
   const std::string& p = options.prefix;
-  const Index d = config.d_model, f = config.d_ffn, E = config.n_experts;
-  std::vector<inf::Expected> want{{p + "router.weight", E, d}};
+  const std::optional<MoEFamily>& family = options.family;
+  if (family) {
+    detail::require_config(!Layer::kKappa, where.c_str(),
+                           std::string("the ") + family_name(*family) +
+                               " name map has no names for kappa-SwiGLU parameters (kappa_alpha, kappa_bias)");
+    detail::check_family_fit(where.c_str(), config, *family);
+    detail::check_family_file(where, file, *family, p);
+  }
+  // The file's name of the layer's parameter `internal` (MoEFFN::params()).
+  const auto name = [&](const std::string& internal) {
+    return p + (family ? detail::family_tensor_name(*family, internal) : internal);
+  };
+  const Index d = config.d_model, f = config.d_ffn, fs = config.shared_ffn(), E = config.n_experts;
+  std::vector<inf::Expected> want{{name("router.weight"), E, d}};
+  const auto add_swiglu = [&](const std::string& q, Index width) {  // width × d, width × d, d × width
+    want.push_back({name(q + "w_gate.weight"), width, d});
+    want.push_back({name(q + "w_up.weight"), width, d});
+    want.push_back({name(q + "w_down.weight"), d, width});
+  };
   for (Index e = 0; e < E; ++e) {
-    const std::string q = p + "experts." + std::to_string(e) + ".";
-    inf::add_swiglu_names(want, q, d, f);
+    const std::string q = "experts." + std::to_string(e) + ".";
+    add_swiglu(q, f);
     if constexpr (Layer::kKappa) {
-      want.push_back({q + "kappa_alpha", 1, f});
-      want.push_back({q + "kappa_bias", 1, f});
+      want.push_back({name(q + "kappa_alpha"), 1, f});
+      want.push_back({name(q + "kappa_bias"), 1, f});
     }
   }
-  for (Index s = 0; s < config.n_shared; ++s)
-    inf::add_swiglu_names(want, p + "shared_experts." + std::to_string(s) + ".", d, f);
-  const std::string bias_name = options.bias_name.empty() ? std::string() : p + options.bias_name;
-  const bool has_bias = !bias_name.empty() && file.header().find(bias_name) != nullptr;
+  for (Index s = 0; s < config.n_shared; ++s) add_swiglu("shared_experts." + std::to_string(s) + ".", fs);
+  if (config.shared_expert_gate) want.push_back({name("shared_expert_gate.weight"), 1, d});
+  // The bias: optional under the library's names, required by DeepSeek-V3's.
+  std::string bias_name;
+  bool has_bias = false;
+  if (family) {
+    bias_name = detail::family_bias_name(*family, p);
+    has_bias = !bias_name.empty();
+  } else if (!options.bias_name.empty()) {
+    bias_name = p + options.bias_name;
+    has_bias = file.header().find(bias_name) != nullptr;
+  }
   if (has_bias) want.push_back({bias_name, 1, E});
   inf::check_tensors(where, file, want, p, bias_name, options.allow_unexpected);
-  const std::uint64_t staging = std::uint64_t(detail::checked_product(where.c_str(), "staging", {3, f, d, 4}));
+  const std::uint64_t staging =
+      std::uint64_t(detail::checked_product(where.c_str(), "staging", {3, std::max(f, fs), d, 4}));
   Layer::check_fits(where.c_str(), config, staging);
 
+  // Read in the order of PackedMoE::fingerprint: router, bias, experts, shared, gate.
   std::uint64_t fp = inf::kFingerprintSeed;
   Matrix<float> router(E, d);
-  inf::read_into(where, file, p + "router.weight", router, true);
+  inf::read_into(where, file, name("router.weight"), router, true);
   RowVector<float> bias = RowVector<float>::Zero(E);
   if (has_bias) inf::read_into(where, file, bias_name, bias, true);
   inf::fingerprint_add(fp, router.data(), router.size());
@@ -180,21 +227,31 @@ PackedMoE<Storage, Expert> load_packed_moe(const safetensors::Reader& file, cons
   std::vector<KappaGate> gates;
   experts.reserve(std::size_t(E));
   for (Index e = 0; e < E; ++e) {
-    const std::string q = p + "experts." + std::to_string(e) + ".";
-    experts.push_back(inf::read_expert(where, file, q, gu, down, Layer::kDtype, fp));
+    const std::string q = "experts." + std::to_string(e) + ".";
+    experts.push_back(inf::read_expert(where, file, name, q, gu, down, Layer::kDtype, fp));
     if constexpr (Layer::kKappa) {
       KappaGate g{RowVector<float>(f), RowVector<float>(f), options.kappa};
-      inf::read_into(where, file, q + "kappa_alpha", g.alpha, false);
-      inf::read_into(where, file, q + "kappa_bias", g.bias, false);
+      inf::read_into(where, file, name(q + "kappa_alpha"), g.alpha, false);
+      inf::read_into(where, file, name(q + "kappa_bias"), g.bias, false);
       inf::fingerprint_add(fp, g.alpha.data(), f);
       inf::fingerprint_add(fp, g.bias.data(), f);
       gates.push_back(std::move(g));
     }
   }
+  gu.resize(2 * fs, d);  // the shared experts' own width f_s
+  down.resize(d, fs);
   for (Index s = 0; s < config.n_shared; ++s)
     shared.push_back(
-        inf::read_expert(where, file, p + "shared_experts." + std::to_string(s) + ".", gu, down, Layer::kDtype, fp));
-  Layer out(config, router, bias, std::move(experts), std::move(gates), std::move(shared));
+        inf::read_expert(where, file, name, "shared_experts." + std::to_string(s) + ".", gu, down, Layer::kDtype, fp));
+  Matrix<float> shared_gate;  // 1 × d, or empty without a shared gate
+  if (config.shared_expert_gate) {
+    // Not checked finite: the float layer propagates a NaN gate weight into
+    // the shared experts' output, it does not reject it.
+    shared_gate.resize(1, d);
+    inf::read_into(where, file, name("shared_expert_gate.weight"), shared_gate, false);
+    inf::fingerprint_add(fp, shared_gate.data(), shared_gate.size());
+  }
+  Layer out(config, router, bias, std::move(experts), std::move(gates), std::move(shared), std::move(shared_gate));
   out.set_source_fingerprint(fp);
   return out;
 }
@@ -223,7 +280,9 @@ PackedSwiGLU<Storage> load_packed_swiglu(const safetensors::Reader& file, Index 
       std::uint64_t(detail::checked_product(where.c_str(), "staging", {3, d_ffn, d_model, 4})));
   std::uint64_t fp = inf::kFingerprintSeed;
   Matrix<float> gu(2 * d_ffn, d_model), down(d_model, d_ffn);
-  PackedSwiGLU<Storage> out(inf::read_expert(where, file, options.prefix, gu, down, PackedSwiGLU<Storage>::kDtype, fp));
+  const auto name = [](const std::string& n) { return n; };
+  PackedSwiGLU<Storage> out(
+      inf::read_expert(where, file, name, options.prefix, gu, down, PackedSwiGLU<Storage>::kDtype, fp));
   out.set_source_fingerprint(fp);
   return out;
 }

@@ -5,20 +5,27 @@
 /// `MoEFFN<float, Expert>` without gradients, caches for backward, or a float
 /// copy of the expert weights (docs/inference.md):
 ///
-///     MoE(X) = Σ_s Shared_s(X) + Σ_k g_k · Expert_{e_k}(X)
+///     MoE(X) = Σ_s γ ⊙ Shared_s(X) + Σ_k g_k · Expert_{e_k}(X)
 ///
-/// Everything that decides selection stays float and is the float layer's
-/// own code: the router (`Router<float>::route`, its weights copied), the
-/// balancing bias, and κ's α and b; so for the same input the top-K choice,
-/// the routing weights and κ are bit for bit those of the float layer. Only
-/// the expert products run on packed weights, through dispatch.hpp's plan,
-/// gather and fixed-order combine, as in MoEFFN:
-///  1. route, plan (counting sort of the N·K pairs by expert), gather;
+/// with γ = σ(X·w_gateᵀ) per token under `shared_expert_gate` (Qwen2-MoE,
+/// else 1) and shared experts of their own width `d_shared_ffn`
+/// (inference/packed_shared.hpp). Everything that decides selection stays
+/// float and is the float layer's own code: the router (`Router<float>::route`,
+/// its weights copied), the balancing bias, the capacity limit
+/// (capacity.hpp), κ's α and b and the shared gate; so for the same input the
+/// top-K choice, the routing weights, the dropped assignments, κ and γ are
+/// bit for bit those of the float layer. Only the expert products run on
+/// packed weights, through dispatch.hpp's plan, gather and fixed-order
+/// combine, as in MoEFFN:
+///  1. route, plan (counting sort of the N·K pairs by expert), capacity
+///     drops (their weights zeroed for the combine), gather;
 ///  2. tasks (routed expert × row tile) and (shared expert × row tile) over
 ///     OpenMP threads; each task calls the packed kernels, which take a call
 ///     of ≤ packed::kSmallRows rows (decode) as one weight-streaming block and
-///     larger ones in packed::kRowBlock-row blocks;
+///     larger ones in packed::kRowBlock-row blocks; then the shared gate;
 ///  3. combine per token in fixed slot order.
+/// A dropped assignment's expert rows are still computed (and weighted by
+/// 0), as in MoEFFN, so a NaN there propagates the same way.
 /// The kernels give each row bits that depend on that row only, so results
 /// are bitwise identical for any thread count and tiling.
 ///
@@ -29,7 +36,8 @@
 ///
 /// Memory: the packed experts (padding included, `weight_bytes`), the router
 /// (E × d, plus the E × d gradient buffer `Router<float>` still allocates —
-/// E·d floats, 0.02 % of the experts at the presets' shapes) and the bias.
+/// E·d floats, 0.02 % of the experts at the presets' shapes), the bias and
+/// the shared gate weight (d floats).
 
 #include <cstdint>
 #include <string>
@@ -37,6 +45,7 @@
 #include <utility>
 #include <vector>
 
+#include "../capacity.hpp"
 #include "../dispatch.hpp"
 #include "../errors.hpp"
 #include "../expert_tasks.hpp"
@@ -51,12 +60,13 @@
 #include "../types.hpp"
 #include "common.hpp"
 #include "packed_kappa.hpp"
+#include "packed_shared.hpp"
 
 namespace apex {
 
 /// Inference MoE on packed `Storage` (float or packed::bf16) weights, the
 /// forward of `MoEFFN<float, Expert>`; Expert is SwiGLU<float> or
-/// KappaSwiGLU<float>. Shared experts are SwiGLU.
+/// KappaSwiGLU<float>. Shared experts are SwiGLU, of width config.shared_ffn().
 template <class Storage, class Expert = SwiGLU<float>>
 class PackedMoE {
   static_assert(std::is_same_v<Expert, SwiGLU<float>> || std::is_same_v<Expert, KappaSwiGLU<float>>,
@@ -77,11 +87,15 @@ class PackedMoE {
     Matrix<float> x_sorted;              ///< NK × d
     Vector<float> side_sorted;           ///< NK (κ experts) or 0: the router logit per sorted row
     Matrix<float> y_sorted;              ///< NK × d: Expert_e(x) per sorted row
-    std::vector<Matrix<float>> shared_y; ///< per shared expert: N × d
+    std::vector<Matrix<float>> shared_y; ///< per shared expert: N × d (gated, with a shared gate)
+    Vector<float> shared_gate;           ///< N: σ(x·w_gateᵀ) with shared_expert_gate, else empty
+    Matrix<float> kept_weights;          ///< N × K: g with dropped pairs 0 (capacity on), else empty
+    std::vector<Index> dropped;          ///< pairs t·K + k the capacity limit dropped, ascending (MoEFFN's)
   };
 
   /// Packs a trained float layer: router weights, bias, κ parameters and
-  /// options copied, expert weights packed (bf16: rounded to nearest even).
+  /// options and the shared gate weight copied, expert weights packed (bf16:
+  /// rounded to nearest even).
   /// ConfigError if the packed layer would not fit in physical memory
   /// (memory_budget.hpp).
   static PackedMoE from(const Source& src) {
@@ -97,33 +111,28 @@ class PackedMoE {
     }
     for (const auto& s : src.shared_experts()) shared.emplace_back(s.w_gate(), s.w_up(), s.w_down(), kDtype);
     PackedMoE out(cfg, src.router().weight(), src.balancer().bias(), std::move(experts), std::move(gates),
-                  std::move(shared));
+                  std::move(shared), src.shared_gate_weight());
     out.fingerprint_ = fingerprint(src);
     out.has_source_ = true;
     return out;
   }
 
   /// Assembles a layer from its parts (the loaders use this): router weight
-  /// E × d, bias 1 × E (finite), E packed experts of d × f (κ: E gates of
-  /// 1 × f), S packed shared experts. ShapeError or ValueError on a
-  /// mismatch, as the float layer would raise them.
+  /// E × d, bias 1 × E (finite), E packed experts of f × d (κ: E gates of
+  /// 1 × f), S packed shared experts of f_s × d (f_s = config.shared_ffn()),
+  /// and the shared gate weight: 1 × d with config.shared_expert_gate, else
+  /// empty. ShapeError or ValueError on a mismatch, as the float layer would
+  /// raise them; ConfigError for experts of another dtype.
   PackedMoE(const MoEConfig& config, const Matrix<float>& router_weight, const RowVector<float>& bias,
             std::vector<packed::PackedExpert> experts, std::vector<KappaGate> gates,
-            std::vector<packed::PackedExpert> shared)
+            std::vector<packed::PackedExpert> shared, Matrix<float> shared_gate = Matrix<float>())
       : config_((config.validate("PackedMoE"), config)),
         router_(make_router(config)),
         bias_(bias),
         experts_(std::move(experts)),
         gates_(std::move(gates)),
-        shared_(std::move(shared)) {
+        shared_("PackedMoE", config, kDtype, std::move(shared), std::move(shared_gate)) {
     constexpr const char* where = "PackedMoE";
-    detail::require_config(config.d_shared_ffn == 0 && !config.shared_expert_gate, where,
-                           "d_shared_ffn and shared_expert_gate (docs/routing.md) are not supported by the packed "
-                           "layer yet");
-    // A capacity limit drops assignments after routing (MoEFFN::apply_capacity);
-    // the packed layer combines every assignment, so it would differ silently.
-    detail::require_config(!(config.routing.capacity_factor > 0), where,
-                           "routing.capacity_factor > 0 is not supported by the packed layer yet");
     const Index d = config.d_model, f = config.d_ffn;
     detail::check_shape(where, "router_weight", router_weight, config.n_experts, d);
     detail::check_finite(where, "router_weight", router_weight);
@@ -142,7 +151,6 @@ class PackedMoE {
       }
     };
     check_list("experts", experts_, config.n_experts);
-    check_list("shared", shared_, config.n_shared);
     if (Index(gates_.size()) != (kKappa ? config.n_experts : 0))
       throw ShapeError(std::string(where) + ": argument 'gates' holds " + std::to_string(gates_.size()) +
                        " kappa gates, expected " + std::to_string(kKappa ? config.n_experts : 0));
@@ -158,7 +166,9 @@ class PackedMoE {
   const Router<float>& router() const { return router_; }
   const RowVector<float>& bias() const { return bias_; }
   const std::vector<packed::PackedExpert>& experts() const { return experts_; }
-  const std::vector<packed::PackedExpert>& shared_experts() const { return shared_; }
+  const std::vector<packed::PackedExpert>& shared_experts() const { return shared_.experts(); }
+  /// The shared gate weight w_gate: 1 × d with shared_expert_gate, else 0 × 0.
+  const Matrix<float>& shared_gate_weight() const { return shared_.gate_weight(); }
   const std::vector<KappaGate>& kappa_gates() const { return gates_; }
 
   /// Threads for dispatch (0 = OpenMP's default; ignored without OpenMP).
@@ -173,25 +183,23 @@ class PackedMoE {
   std::size_t expert_bytes() const {
     std::size_t b = 0;
     for (const auto& e : experts_) b += e.bytes();
-    for (const auto& e : shared_) b += e.bytes();
-    return b;
+    return b + shared_.expert_bytes();
   }
 
-  /// Bytes a layer of `config` holds (packed experts with padding, κ gates,
+  /// Bytes a layer of `config` holds (packed routed experts with padding and
+  /// κ gates, packed shared experts at their width and the shared gate,
   /// router weights and gradient buffer, bias), computed without allocating.
   /// ConfigError if the count overflows.
   static std::uint64_t weight_bytes(const MoEConfig& config) {
     constexpr const char* where = "PackedMoE::weight_bytes";
-    const Index d = config.d_model, f = config.d_ffn, b = packed::dtype_bytes(kDtype);
-    const Index pad_d = kDtype == packed::Dtype::bf16 ? d + (d & 1) : d;
-    const Index pad_f = kDtype == packed::Dtype::bf16 ? f + (f & 1) : f;
-    const Index gate_up = detail::checked_product(where, "gate_up bytes", {(f + 15) / 16, pad_d, 32, b});
-    const Index down = detail::checked_product(where, "down bytes", {(d + 31) / 32, pad_f, 32, b});
-    const Index one = detail::checked_sum(where, "expert bytes", gate_up, down) + (kKappa ? 8 * f : 0);
-    const Index all = detail::checked_product(where, "experts bytes",
-                                              {detail::checked_sum(where, "experts", config.n_experts, config.n_shared), one});
+    const Index d = config.d_model, f = config.d_ffn;
+    const Index one = detail::checked_sum(where, "routed expert bytes",
+                                          detail::inference::packed_expert_bytes(where, kDtype, d, f), kKappa ? 8 * f : 0);
+    const Index routed = detail::checked_product(where, "routed experts bytes", {config.n_experts, one});
+    const Index shared = detail::inference::PackedShared::weight_bytes(where, config, kDtype);
     const Index router = detail::checked_product(where, "router bytes", {2, config.n_experts, d, 4});
-    return std::uint64_t(detail::checked_sum(where, "layer bytes", all, router + 4 * config.n_experts));
+    return std::uint64_t(detail::checked_sum(where, "layer bytes", detail::checked_sum(where, "experts bytes", routed, shared),
+                                             router + 4 * config.n_experts));
   }
 
   /// ConfigError unless a layer of `config` (plus `staging` bytes held while
@@ -200,7 +208,8 @@ class PackedMoE {
     config.validate(where);
     check_memory_fit(where,
                      std::string("a packed ") + packed::dtype_name(kDtype) + " MoE layer (d_model " +
-                         std::to_string(config.d_model) + ", d_ffn " + std::to_string(config.d_ffn) + ", " +
+                         std::to_string(config.d_model) + ", d_ffn " + std::to_string(config.d_ffn) +
+                         (config.d_shared_ffn > 0 ? ", d_shared_ffn " + std::to_string(config.d_shared_ffn) : "") + ", " +
                          std::to_string(config.n_experts) + " + " + std::to_string(config.n_shared) + " experts)",
                      weight_bytes(config) + staging);
   }
@@ -222,27 +231,29 @@ class PackedMoE {
   }
 
   /// Throws unless this layer was packed from `src` as it is now: ShapeError
-  /// if src's configuration differs, ValueError if its weights or bias
-  /// changed since packing (sampled fingerprint, inference/common.hpp) or
-  /// this layer was not packed from a float layer.
+  /// if src's shapes differ (d, f, E, K, S, the shared width f_s and whether
+  /// the shared experts are gated), ValueError if its weights, bias or
+  /// shared gate weight changed since packing (sampled fingerprint,
+  /// inference/common.hpp) or this layer was not packed from a float layer.
   void check_source(const Source& src) const {
     constexpr const char* where = "PackedMoE::check_source";
+    const auto shape = [](const MoEConfig& c) {
+      return "d_model " + std::to_string(c.d_model) + ", d_ffn " + std::to_string(c.d_ffn) + ", E " +
+             std::to_string(c.n_experts) + ", K " + std::to_string(c.n_active) + ", S " + std::to_string(c.n_shared) +
+             " of width " + std::to_string(c.shared_ffn()) + (c.shared_expert_gate ? " gated" : "");
+    };
+    if (shape(src.config()) != shape(config_))
+      throw ShapeError(std::string(where) + ": the source layer has " + shape(src.config()) +
+                       "; this packed layer was built for " + shape(config_));
     const MoEConfig& c = src.config();
-    if (c.d_model != config_.d_model || c.d_ffn != config_.d_ffn || c.n_experts != config_.n_experts ||
-        c.n_active != config_.n_active || c.n_shared != config_.n_shared)
-      throw ShapeError(std::string(where) + ": the source layer has d_model " + std::to_string(c.d_model) +
-                       ", d_ffn " + std::to_string(c.d_ffn) + ", E " + std::to_string(c.n_experts) + ", K " +
-                       std::to_string(c.n_active) + ", S " + std::to_string(c.n_shared) +
-                       "; this packed layer was built for d_model " + std::to_string(config_.d_model) + ", d_ffn " +
-                       std::to_string(config_.d_ffn) + ", E " + std::to_string(config_.n_experts) + ", K " +
-                       std::to_string(config_.n_active) + ", S " + std::to_string(config_.n_shared));
     if (!has_source_ || fingerprint(src) != fingerprint_ || c.weights_from_unbiased != config_.weights_from_unbiased)
       throw ValueError(std::string(where) +
                        ": the source layer's weights changed since this layer was packed (stale copy); "
                        "rebuild it with PackedMoE::from");
   }
 
-  /// The sampled fingerprint of a float layer's parameters and bias.
+  /// The sampled fingerprint of a float layer's parameters (shared gate
+  /// weight included) and bias.
   static std::uint64_t fingerprint(const Source& src) {
     std::uint64_t h = detail::inference::kFingerprintSeed;
     const auto add = [&](const auto& m) { detail::inference::fingerprint_add(h, m.data(), m.size()); };
@@ -256,10 +267,7 @@ class PackedMoE {
         add(e.kappa_bias());
       }
     }
-    for (const auto& s : src.shared_experts()) {
-      add(s.w_gate_up());
-      add(s.w_down());
-    }
+    detail::inference::PackedShared::fingerprint_source(h, src.shared_experts(), src.shared_gate_weight());
     return h;
   }
   /// Records `fp` as the fingerprint of the source this layer holds (for a
@@ -293,30 +301,34 @@ class PackedMoE {
     // route → plan → gather: the float layer's code
     detail::serial([&] { router_.route(x, bias_, config_.weights_from_unbiased, c.routing); });
     c.plan.build(c.routing.experts, config_.n_experts);
+    // capacity limit: MoEFFN's rule (capacity.hpp) on the same routing, so the same drops
+    const Matrix<float>& combine_weights = dispatch::apply_capacity(
+        config_.routing.capacity_factor, config_.n_experts, c.plan, c.routing.weights, c.dropped, c.kept_weights);
     dispatch::gather_rows(c.plan, x, c.x_sorted, threads);
     if constexpr (kKappa) dispatch::gather_side_input(RouterLogitInput{}, c.plan, c.routing, c.side_sorted);
     else c.side_sorted.resize(0);
 
     c.y_sorted.resize(c.plan.rows(), d);
-    c.shared_y.resize(shared_.size());
+    c.shared_y.resize(std::size_t(shared_.size()));
     for (auto& ys : c.shared_y) ys.resize(n, d);
     // (expert × row tile) tasks as MoEFFN's (expert_tasks.hpp), largest first
-    const auto tasks = detail::forward_tasks(c.plan.offset, Index(shared_.size()), n, detail::inference::kMaxTileRows);
+    const auto tasks = detail::forward_tasks(c.plan.offset, shared_.size(), n, detail::inference::kMaxTileRows);
     const float* xs = c.x_sorted.data();
     float* ys = c.y_sorted.data();
     detail::parallel_for(Index(tasks.size()), threads, [&](Index i) {
       const Index id = tasks[std::size_t(i)].id, b = tasks[std::size_t(i)].begin, m = tasks[std::size_t(i)].rows;
       if (tasks[std::size_t(i)].shared) {
-        packed::forward(shared_[id], x.data() + b * x.outerStride(), x.outerStride(), m,
-                        c.shared_y[id].data() + b * d, d, kernel_);
+        shared_.forward(id, x, b, m, c.shared_y[std::size_t(id)], kernel_);
       } else if constexpr (kKappa) {
         kappa_forward(experts_[id], gates_[id], xs + b * d, d, c.side_sorted.data() + b, m, ys + b * d, d, kernel_);
       } else {
         packed::forward(experts_[id], xs + b * d, d, m, ys + b * d, d, kernel_);
       }
     });
+    // shared gate: D_s ← σ(x·w_gate) ⊙ D_s per token (Qwen2-MoE); the last read of x, y may alias it
+    shared_.apply_gate(x, c.shared_gate, c.shared_y);
     // combine: shared experts, then slots 0..K−1, per token in fixed order
-    dispatch::combine(c.plan, c.routing.weights, c.y_sorted, c.shared_y, y, threads);
+    dispatch::combine(c.plan, combine_weights, c.y_sorted, c.shared_y, y, threads);
   }
 
   static Cache& thread_scratch() {
@@ -329,7 +341,7 @@ class PackedMoE {
   RowVector<float> bias_;                   ///< 1 × E: the balancing bias, selection only
   std::vector<packed::PackedExpert> experts_;
   std::vector<KappaGate> gates_;            ///< E (κ experts) or empty
-  std::vector<packed::PackedExpert> shared_;
+  detail::inference::PackedShared shared_;  ///< S experts of f_s × d, and the shared gate
   packed::ForwardOptions kernel_;
   int threads_ = 0;
   std::uint64_t fingerprint_ = 0;

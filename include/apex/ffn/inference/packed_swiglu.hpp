@@ -64,13 +64,7 @@ class PackedSwiGLU {
 
   /// Packed bytes of a d × f layer (padding included), without allocating.
   static std::uint64_t weight_bytes(Index d, Index f) {
-    constexpr const char* where = "PackedSwiGLU::weight_bytes";
-    const Index b = packed::dtype_bytes(kDtype);
-    const Index pad_d = kDtype == packed::Dtype::bf16 ? d + (d & 1) : d;
-    const Index pad_f = kDtype == packed::Dtype::bf16 ? f + (f & 1) : f;
-    return std::uint64_t(detail::checked_sum(where, "bytes",
-                                             detail::checked_product(where, "gate_up", {(f + 15) / 16, pad_d, 32, b}),
-                                             detail::checked_product(where, "down", {(d + 31) / 32, pad_f, 32, b})));
+    return std::uint64_t(detail::inference::packed_expert_bytes("PackedSwiGLU::weight_bytes", kDtype, d, f));
   }
   /// ConfigError unless a d × f layer plus `staging` bytes fits in physical memory.
   static void check_fits(const char* where, Index d, Index f, std::uint64_t staging) {
