@@ -3,7 +3,7 @@
 /// Packed inference layers straight from a safetensors checkpoint, under the
 /// state_dict names the training layers save (`router.weight`,
 /// `experts.3.w_gate.weight`, `experts.3.kappa_alpha`,
-/// `shared_experts.0.w_down.weight`, …; see MoEFFN::params), in F32, F64 or
+/// `shared_experts.0.w_down.weight`, …; see MoEFFN::param_values), in F32, F64 or
 /// BF16.
 ///
 /// Loading goes expert by expert: one expert's three matrices are decoded
@@ -251,8 +251,8 @@ PackedSublayer<PackedMoE<Storage, Expert>> load_packed_sublayer(const safetensor
   std::optional<SkipGate<float>> g;
   if (gate) g.emplace(*gate);
   ParamList<float> small;
-  detail::append_prefixed(small, p + "norm.", norm.params());
-  if (g) detail::append_prefixed(small, p + "skip_gate.", g->params());
+  detail::append_prefixed(small, p + "norm.", norm.param_values());  // values only: no gradients allocated
+  if (g) detail::append_prefixed(small, p + "skip_gate.", g->param_values());
   // Names under the prefix that belong to nobody.
   if (!options.allow_unexpected) {
     std::vector<std::string> unexpected;
