@@ -12,15 +12,15 @@
 //              measured time: the fraction of the bandwidth bound reached;
 //   float_bw_frac — the same for the float layer at 4-byte weights;
 //   rel_err  — ‖y − y_float‖ / ‖y_float‖ of the last step;
-//   rss_over_weights — BM_Resident: (VmRSS after construction − VmRSS
-//              before) / the layer's weight bytes.
+//   rss_over_weights — BM_Resident, BM_ResidentTraining: (VmRSS after
+//              construction − VmRSS before) / the layer's weight bytes.
 // Decode steps start with cold caches (a 1 GiB buffer is rewritten before
 // each timed step, untimed), as in a model whose weights do not fit in cache.
 //
 //   cmake --preset bench && cmake --build --preset bench --target bench_inference
 //   build/bench/benchmarks/bench_inference --benchmark_filter=BM_Packed --benchmark_repetitions=5
 //       --benchmark_report_aggregates_only=true   (one line)
-//   build/bench/benchmarks/bench_inference --benchmark_filter=BM_Resident   # 4.3 GB, then 8.6 GB
+//   build/bench/benchmarks/bench_inference --benchmark_filter=BM_Resident   # 4.3 GB, 8.6 GB, then 8.9 GB
 //
 // Shapes: small (preset 512/1376/E8/K2/S1), fine (1024/512/E64/K8/S2),
 // coarse (1024/3584/E8/K2/S0); medium (2048/5504/E64/K4/S2) for memory only.
@@ -231,6 +231,36 @@ void BM_Resident(benchmark::State& state) {
 }
 BENCHMARK_TEMPLATE(BM_Resident, bf16)->Iterations(1)->Unit(benchmark::kSecond);
 BENCHMARK_TEMPLATE(BM_Resident, float)->Iterations(1)->Unit(benchmark::kSecond);
+
+// The float training layer of the medium preset used for forward only: its
+// gradients are allocated lazily (param.hpp), so it holds its weights and
+// nothing more — resident set ≈ 1.0× the weight bytes (≈ 2× while every
+// layer allocated its gradients at construction). grads_allocated must stay 0.
+void BM_ResidentTraining(benchmark::State& state) {
+  const MoEConfig c = ModelPreset::medium().moe();
+  for (auto _ : state) {
+    const double before = vm_rss();
+    const std::uint64_t weights = MoEFFN<float>::weight_bytes(c);
+    double after = 0, after_forward = 0;
+    bool grads = true;
+    {
+      MoEFFN<float> moe(c, 1);
+      after = vm_rss();
+      moe.set_threads(2);
+      const Matrix<float> x = random_matrix<float>(16, c.d_model, 5);
+      benchmark::DoNotOptimize(moe.forward(x).data());
+      after_forward = vm_rss();
+      grads = moe.has_gradients();
+    }
+    state.counters["weight_GB"] = double(weights) * 1e-9;
+    state.counters["rss_GB"] = (after - before) * 1e-9;
+    state.counters["rss_over_weights"] = (after - before) / double(weights);
+    state.counters["rss_after_forward_over_weights"] = (after_forward - before) / double(weights);
+    state.counters["grads_allocated"] = grads ? 1 : 0;
+  }
+  state.SetLabel("medium/MoEFFN<float>, forward only");
+}
+BENCHMARK(BM_ResidentTraining)->Iterations(1)->Unit(benchmark::kSecond);
 
 }  // namespace
 

@@ -31,7 +31,7 @@ int main() {
   const Matrix<float> dx = layer.backward(y, cache);
   add_kappa_regularizer_grad(layer.ffn());  // κ-SwiGLU's regulariser, if you train κ
 
-  // One SGD step over the named parameter list (the same list checkpoints use).
+  // One SGD step over the named parameter list (checkpoints use the same names, values only: param_values()).
   const float lr = 0.01f;
   for (const auto& p : layer.params()) p.value() -= lr * p.grad();
 

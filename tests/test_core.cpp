@@ -5,10 +5,13 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <vector>
 
+#include "fixtures.hpp"
 #include "sweep.hpp"
 
 using namespace apex;
@@ -117,11 +120,203 @@ TEST_CASE("params() views the layer's storage", "[core]") {
   CHECK(ps[0].grad().isZero());
 }
 
+// ---- lazily allocated gradients (param.hpp) ----
+
+namespace {
+
+bool bitwise_equal(const Eigen::Map<Matrix<double>>& a, const Eigen::Map<Matrix<double>>& b) {
+  return a.rows() == b.rows() && a.cols() == b.cols() &&
+         std::memcmp(a.data(), b.data(), std::size_t(a.size()) * sizeof(double)) == 0;
+}
+
+/// The lazy-gradient contract for one layer type. `make()` builds a layer
+/// (the same weights every call); `step(layer, backward)` runs a forward
+/// with a cache and, if `backward`, a backward of fixed upstream gradients.
+template <class Make, class Step>
+void check_lazy_gradients(const Make& make, const Step& step) {
+  {  // construction, param_values() and forward allocate nothing; backward does
+    auto layer = make();
+    CHECK_FALSE(layer.has_gradients());
+    const auto values = layer.param_values();
+    REQUIRE_FALSE(values.empty());
+    for (const auto& p : values) {
+      CHECK_FALSE(p.has_grad());
+      CHECK_THROWS_AS(p.grad(), NoGradientError);
+    }
+    step(layer, false);
+    CHECK_FALSE(layer.has_gradients());
+    step(layer, true);
+    CHECK(layer.has_gradients());
+  }
+  {  // zero_grad() allocates them, zeroed
+    auto layer = make();
+    layer.zero_grad();
+    CHECK(layer.has_gradients());
+    for (const auto& p : layer.params()) CHECK(p.grad().isZero());
+  }
+  {  // params() allocates them, zeroed, at pointers that stay valid through backward
+    auto layer = make();
+    const auto ps = layer.params();
+    CHECK(layer.has_gradients());
+    const auto values = layer.param_values();
+    REQUIRE(values.size() == ps.size());
+    for (std::size_t i = 0; i < ps.size(); ++i) {
+      CHECK(ps[i].has_grad());
+      CHECK(ps[i].grad().isZero());
+      CHECK(values[i].name == ps[i].name);
+      CHECK(values[i].value_data == ps[i].value_data);
+      CHECK_FALSE(values[i].has_grad());
+    }
+    step(layer, true);
+    const auto again = layer.params();
+    double norm = 0;
+    for (std::size_t i = 0; i < ps.size(); ++i) {
+      CHECK(again[i].grad_data == ps[i].grad_data);
+      norm += ps[i].grad().norm();
+    }
+    CHECK(norm > 0);
+  }
+  {  // lazily allocated gradients equal eagerly allocated ones bitwise, and accumulate
+    auto lazy = make();
+    auto eager = make();
+    eager.zero_grad();
+    step(lazy, true);
+    step(eager, true);
+    step(lazy, true);
+    step(eager, true);
+    const auto a = lazy.params(), b = eager.params();
+    REQUIRE(a.size() == b.size());
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      INFO(a[i].name);
+      CHECK(bitwise_equal(a[i].grad(), b[i].grad()));
+    }
+  }
+}
+
+const Matrix<double> kX = test::rnd<double>(5, 6, 71);
+const Matrix<double> kDy = test::rnd<double>(5, 6, 72);
+
+}  // namespace
+
+TEST_CASE("Param::grad of a values-only view throws NoGradientError", "[core][lazy]") {
+  RowVector<double> v = RowVector<double>::Ones(3);
+  const Param<double> p = detail::make_value_param<double>("bias", v);
+  CHECK_FALSE(p.has_grad());
+  CHECK_THROWS_AS(p.grad(), NoGradientError);
+  CHECK_THROWS_WITH(p.grad(), Catch::Matchers::Contains("Param::grad: 'bias' is a values-only view"));
+  CHECK_THROWS_AS(zero_grad(ParamList<double>{p}), NoGradientError);
+  CHECK(p.value()(0, 2) == 1.0);  // the values are there
+}
+
+TEST_CASE("SwiGLU allocates its gradients lazily", "[core][lazy]") {
+  check_lazy_gradients([] { return SwiGLU<double>(6, 10, 3); },
+                       [](SwiGLU<double>& l, bool bwd) {
+                         SwiGLU<double>::Cache c;
+                         l.forward(kX, &c);
+                         if (bwd) l.backward(kDy, c);
+                       });
+}
+
+TEST_CASE("RMSNorm allocates its gradient lazily", "[core][lazy]") {
+  check_lazy_gradients([] { return RMSNorm<double>(6); },
+                       [](RMSNorm<double>& l, bool bwd) {
+                         RMSNorm<double>::Cache c;
+                         l.forward(kX, &c);
+                         if (bwd) l.backward(kDy, c);
+                       });
+}
+
+TEST_CASE("Router allocates its gradient lazily", "[core][lazy]") {
+  check_lazy_gradients(
+      [] {
+        Rng rng(5);
+        return Router<double>(6, 4, 2, rng);
+      },
+      [](Router<double>& l, bool bwd) {
+        Routing<double> r;
+        l.route(kX, RowVector<double>::Zero(4), false, r);
+        if (bwd) l.backward(kX, r, test::rnd<double>(5, 2, 73));
+      });
+}
+
+TEST_CASE("SkipGate allocates its gradients lazily", "[core][lazy]") {
+  check_lazy_gradients([] { return SkipGate<double>(test::gate_config(6, 8, 0.5), 4); },
+                       [](SkipGate<double>& l, bool bwd) {
+                         SkipGate<double>::Cache c;
+                         l.forward(kX, &c);
+                         if (bwd) l.backward(Vector<double>::LinSpaced(5, -1.0, 1.0), c);
+                       });
+}
+
+TEST_CASE("KappaSwiGLU allocates its gradients (and its SwiGLU's) lazily", "[core][lazy]") {
+  const auto make = [] {
+    KappaSwiGLU<double> k(6, 10, 3);
+    k.kappa_alpha() = test::rnd<double>(1, 10, 74);
+    return k;
+  };
+  check_lazy_gradients(make, [](KappaSwiGLU<double>& l, bool bwd) {
+    KappaSwiGLU<double>::Cache c;
+    l.forward(kX, Vector<double>::LinSpaced(5, -2.0, 2.0), &c);
+    if (bwd) l.backward(kDy, c);
+  });
+  auto k = make();
+  CHECK_FALSE(k.swiglu().has_gradients());
+  k.add_regularizer_grad();  // writes into α's and b's gradients: allocates them
+  CHECK(k.has_gradients());
+  CHECK(k.swiglu().has_gradients());
+}
+
+TEST_CASE("MultiTokenHeads allocates its gradients lazily", "[core][lazy]") {
+  check_lazy_gradients([] { return MultiTokenHeads<double>(6, 11, MultiTokenOptions{}, 2); },
+                       [](MultiTokenHeads<double>& l, bool bwd) {
+                         MultiTokenHeads<double>::Cache c;
+                         l.forward(kX, &c);
+                         if (bwd) l.backward(test::rnd<double>(5, 4 * 11, 75), c);
+                       });
+  MultiTokenHeads<double> heads(6, 11, MultiTokenOptions{}, 2);
+  CHECK_THROWS_AS(heads.weight_grad(0), NoGradientError);
+}
+
+TEST_CASE("FFNSublayer allocates its parts' gradients lazily", "[core][lazy]") {
+  using Sub = FFNSublayer<double, SwiGLU<double>>;
+  const auto make = [] { return Sub(6, SwiGLU<double>(6, 10, 3), SkipGate<double>(test::gate_config(6, 8, 0.0), 4)); };
+  check_lazy_gradients(make,
+                       [](Sub& l, bool bwd) {
+                         Sub::Cache c;
+                         l.forward(kX, &c);
+                         if (bwd) l.backward(kDy, c);
+                       });
+  Sub sub(6, SwiGLU<double>(6, 10, 3), SkipGate<double>(test::gate_config(6, 8, 0.0), 4));
+  sub.allocate_gradients();
+  CHECK(sub.norm().has_gradients());
+  CHECK(sub.ffn().has_gradients());
+  CHECK(sub.skip_gate()->has_gradients());
+}
+
+TEST_CASE("Gradients that do not fit beside the weights are a ConfigError naming the bytes", "[core][lazy][memory]") {
+  const std::uint64_t phys = physical_memory_bytes();
+  REQUIRE(phys > 0);
+  const char* saved = std::getenv(kAllowOvercommitEnv);
+  const std::string saved_value = saved ? saved : "";
+  ::unsetenv(kAllowOvercommitEnv);
+  CHECK_NOTHROW(check_gradient_fit("X", "a layer", phys / 2, phys / 2));
+  CHECK_THROWS_AS(check_gradient_fit("X", "a layer", phys / 2, phys / 2 + 1), ConfigError);
+  CHECK_THROWS_WITH(check_gradient_fit("X", "a layer", phys / 2, phys / 2 + 1),
+                       Catch::Matchers::StartsWith("X: a layer with its gradients needs ") &&
+                           Catch::Matchers::Contains("of physical memory; set APEX_FFN_ALLOW_OVERCOMMIT=1 to allocate "
+                                                     "them anyway"));
+  ::setenv(kAllowOvercommitEnv, "1", 1);
+  CHECK_NOTHROW(check_gradient_fit("X", "a layer", phys / 2, phys / 2 + 1));
+  if (saved) ::setenv(kAllowOvercommitEnv, saved_value.c_str(), 1);
+  else ::unsetenv(kAllowOvercommitEnv);
+}
+
 // ---- error handling (sweeps) ----
 using namespace apex::test;  // the sweep machinery of support/sweep.hpp
 
 static_assert(std::is_base_of<Error, ShapeError>::value && std::is_base_of<Error, ConfigError>::value &&
-                  std::is_base_of<Error, ValueError>::value && std::is_base_of<Error, FormatError>::value,
+                  std::is_base_of<Error, ValueError>::value && std::is_base_of<Error, FormatError>::value &&
+                  std::is_base_of<Error, NoGradientError>::value,
               "every library exception derives from apex::Error");
 static_assert(std::is_base_of<std::runtime_error, Error>::value, "apex::Error is a std::runtime_error");
 

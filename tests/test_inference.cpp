@@ -11,6 +11,7 @@
 #include <apex/ffn/kappa_swiglu.hpp>
 #include <apex/ffn/name_maps.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -52,7 +53,7 @@ bool bitwise_equal(const Matrix<float>& a, const Matrix<float>& b) {
 /// κ parameters and shared gate kept: the packed layers keep them float).
 template <class Expert>
 void round_experts(MoEFFN<float, Expert>& moe) {
-  for (auto& p : moe.params()) {
+  for (auto& p : moe.param_values()) {
     if (p.name.rfind("router.", 0) == 0 || p.name.find("kappa_") != std::string::npos ||
         p.name == "shared_expert_gate.weight")
       continue;
@@ -80,7 +81,7 @@ template <class Expert>
 std::vector<unsigned char> save(MoEFFN<float, Expert>& moe, safetensors::DType dtype, const std::string& prefix = "") {
   RowVector<float> bias = moe.balancer().bias();
   ParamList<float> state;
-  detail::append_prefixed(state, prefix, moe.params());
+  detail::append_prefixed(state, prefix, moe.param_values());
   state.push_back({prefix + "expert_bias", bias.data(), nullptr, 1, bias.cols()});
   SaveOptions o;
   o.dtype = dtype;
@@ -106,10 +107,11 @@ std::vector<unsigned char> raw_file(const std::vector<std::tuple<std::string, st
   }
   json += "}";
   while (json.size() % 8) json += ' ';
-  // sized once and filled in place (GCC 12 flags vector::insert here with a false -Warray-bounds)
+  // Sized once and filled: GCC 12 at -O3 reports a false -Warray-bounds on
+  // inserting after an 8-byte vector.
   std::vector<unsigned char> out(8 + json.size() + off, 0);
   for (int i = 0; i < 8; ++i) out[std::size_t(i)] = (unsigned char)((json.size() >> (8 * i)) & 0xFF);
-  std::memcpy(out.data() + 8, json.data(), json.size());
+  std::copy(json.begin(), json.end(), out.begin() + 8);
   return out;
 }
 
@@ -121,7 +123,7 @@ safetensors::Reader reader(const std::vector<unsigned char>& bytes) {
 MoEFFN<float> load_float(const std::vector<unsigned char>& bytes, const MoEConfig& cfg) {
   MoEFFN<float> back(cfg, 0);
   RowVector<float> bias(1, cfg.n_experts);
-  ParamList<float> state = back.params();
+  ParamList<float> state = back.param_values();
   state.push_back({"expert_bias", bias.data(), nullptr, 1, bias.cols()});
   load_checkpoint(reader(bytes), state);
   back.balancer().set_bias(bias);
@@ -253,7 +255,7 @@ TEST_CASE("bf16 error bound fails on a truncating rounding", "[inference][bf16]"
   // on truncated weights against the bf16 layer differs far beyond rounding.
   MoEFFN<float> moe(odd_config(1), 13);
   MoEFFN<float> truncated = moe;
-  for (auto& p : truncated.params()) {
+  for (auto& p : truncated.param_values()) {
     if (p.name.rfind("router.", 0) == 0) continue;
     for (Index i = 0; i < p.size(); ++i) {
       std::uint32_t u;
@@ -453,7 +455,7 @@ TEST_CASE("packed MoE loads from F32 and BF16 checkpoints of the training layer"
     MoEFFN<float, KappaSwiGLU<float>> k(cfg, 23);
     perturb_kappa(k, 50);
     safetensors::VectorSink sink;
-    write_checkpoint(sink, k.params());
+    write_checkpoint(sink, k.param_values());
     const auto p = load_packed_moe<float, KappaSwiGLU<float>>(reader(sink.bytes), cfg);
     CHECK(rel(p.forward(x), k.forward(x)) <= 1e-6);
     CHECK_NOTHROW(p.check_source(k));
@@ -461,13 +463,13 @@ TEST_CASE("packed MoE loads from F32 and BF16 checkpoints of the training layer"
   SECTION("dense SwiGLU and a gated sublayer") {
     SwiGLU<float> mlp(37, 53, 24);
     safetensors::VectorSink s1;
-    write_checkpoint(s1, mlp.params());
+    write_checkpoint(s1, mlp.param_values());
     CHECK(bitwise_equal(load_packed_swiglu<float>(reader(s1.bytes), 37, 53).forward(x),
                         PackedSwiGLU<float>::from(mlp).forward(x)));
     FFNSublayer<float, MoEFFN<float>> sub(37, MoEFFN<float>(cfg, 25), SkipGate<float>(test::gate_config(37, 8, 0.9), 4));
     safetensors::VectorSink s2;
     ParamList<float> state;
-    detail::append_prefixed(state, "blk.", sub.params());
+    detail::append_prefixed(state, "blk.", sub.param_values());
     write_checkpoint(s2, state);
     PackedLoadOptions o;
     o.prefix = "blk.";
@@ -707,6 +709,26 @@ TEST_CASE("a packed copy of a changed source is reported stale", "[inference][er
   const auto d = PackedSwiGLU<float>::from(mlp);
   mlp.w_down() *= 2.0f;
   CHECK_THROWS_AS(d.check_source(mlp), ValueError);
+}
+
+TEST_CASE("packing and loading packed layers allocate no gradients", "[inference][lazy]") {
+  MoEFFN<float, KappaSwiGLU<float>> moe(odd_config(1), 3);
+  const auto p = PackedMoE<bf16, KappaSwiGLU<float>>::from(moe);
+  CHECK_NOTHROW(p.check_source(moe));
+  SwiGLU<float> mlp(8, 12, 1);
+  (void)PackedSwiGLU<float>::from(mlp);
+  CHECK_FALSE(moe.has_gradients());
+  CHECK_FALSE(moe.experts()[0].has_gradients());
+  CHECK_FALSE(mlp.has_gradients());
+  const MoEConfig cfg = odd_config(2);
+  FFNSublayer<float, MoEFFN<float>> sub(cfg.d_model, MoEFFN<float>(cfg, 4),
+                                        SkipGate<float>(test::gate_config(cfg.d_model, 8, 0.5), 5));
+  safetensors::VectorSink sink;
+  write_checkpoint(sink, sub.param_values());
+  const auto packed = load_packed_sublayer<float>(reader(sink.bytes), cfg, test::gate_config(cfg.d_model, 8, 0.5));
+  CHECK_FALSE(packed.norm().has_gradients());
+  CHECK_FALSE(sub.has_gradients());
+  CHECK_FALSE(sub.ffn().has_gradients());
 }
 
 TEST_CASE("memory-fit check: ConfigError with the bytes needed and available", "[inference][memory]") {

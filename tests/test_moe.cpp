@@ -9,6 +9,9 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
 
 #include "gradcheck.hpp"
 #include "sweep.hpp"
@@ -381,8 +384,9 @@ TEST_CASE("constructors with sizes near the Index limit raise ConfigError, not o
       {"KappaSwiGLU d = 2^62", [=] { KappaSwiGLU<float>(huge, 4, 0); }, {"SwiGLU", "2*d_ffn*d_model"}},
       {"default_ffn_width", [=] { (void)default_ffn_width(huge); }, {"default_ffn_width", "8*d_model"}},
       {"Router d = 2^62", [=] { Rng rng(0); Router<float>(huge, 4, 2, rng); }, {"Router", "n_experts*d_model"}},
-      {"MoEFFN d = 2^62", [=] { MoEFFN<float>(config(huge, 4)); }, {"Router", "n_experts*d_model"}},
-      {"MoEFFN f = 2^62", [=] { MoEFFN<float>(config(4, huge)); }, {"SwiGLU", "2*d_ffn*d_model"}},
+      // MoEFFN counts its weight bytes before it builds anything (memory_budget.hpp).
+      {"MoEFFN d = 2^62", [=] { MoEFFN<float>(config(huge, 4)); }, {"MoEFFN", "d_ffn*d_model"}},
+      {"MoEFFN f = 2^62", [=] { MoEFFN<float>(config(4, huge)); }, {"MoEFFN", "d_ffn*d_model"}},
       {"LoadBalancer::observe N = 2^62",
        [=] { LoadBalancer<float>(4, 2).observe({huge, huge, 0, 0}, huge); },
        {"LoadBalancer::observe", "n_experts*tokens"}},
@@ -391,6 +395,113 @@ TEST_CASE("constructors with sizes near the Index limit raise ConfigError, not o
     INFO(p.what);
     expect(outcome_isolated(p.call), "ConfigError", p.names);
   }
+}
+
+namespace {
+
+/// Whether the router, every routed and shared expert, and the layer say they hold gradients.
+template <class Expert>
+std::vector<bool> gradient_state(const MoEFFN<double, Expert>& moe) {
+  std::vector<bool> out{moe.has_gradients(), moe.router().has_gradients()};
+  for (const auto& e : moe.experts()) out.push_back(e.has_gradients());
+  for (const auto& s : moe.shared_experts()) out.push_back(s.has_gradients());
+  return out;
+}
+
+template <class Expert>
+void check_moe_lazy_gradients() {
+  MoEConfig cfg = moe_config(4, 2, 2, 6, 5);
+  cfg.shared_expert_gate = true;
+  const Matrix<double> x = random_matrix(9, 6, 81), dy = random_matrix(9, 6, 82);
+  const auto step = [&](MoEFFN<double, Expert>& m) {
+    typename MoEFFN<double, Expert>::Cache c;
+    m.forward(x, &c);
+    m.backward(dy, c);
+  };
+  const std::vector<bool> none(2 + 4 + 2, false), all(2 + 4 + 2, true);
+
+  MoEFFN<double, Expert> moe(cfg, 7);
+  CHECK(gradient_state(moe) == none);
+  const ParamList<double> values = moe.param_values();
+  CHECK(gradient_state(moe) == none);           // param_values() allocates nothing
+  CHECK(moe.params().size() == values.size());  // params() allocates every gradient
+  CHECK(gradient_state(moe) == all);
+
+  MoEFFN<double, Expert> fwd(cfg, 7);
+  for (const auto& p : fwd.param_values()) CHECK_THROWS_AS(p.grad(), NoGradientError);
+  typename MoEFFN<double, Expert>::Cache c;
+  fwd.forward(x, &c);
+  fwd.forward(x);
+  fwd.observe(c);
+  CHECK(gradient_state(fwd) == none);
+  fwd.backward(dy, c);  // allocates every gradient before the parallel expert tasks
+  CHECK(gradient_state(fwd) == all);
+
+  MoEFFN<double, Expert> zeroed(cfg, 7);
+  zeroed.zero_grad();
+  CHECK(gradient_state(zeroed) == all);
+  for (const auto& p : zeroed.params()) CHECK(p.grad().isZero());
+
+  // Lazily allocated gradients equal those of a layer zeroed first, bitwise,
+  // with threads, and accumulate; views taken before backward see them.
+  MoEFFN<double, Expert> lazy(cfg, 7), eager(cfg, 7);
+  lazy.set_threads(2);
+  eager.set_threads(2);
+  eager.zero_grad();
+  const ParamList<double> before = eager.params();
+  step(lazy);
+  step(eager);
+  step(lazy);
+  step(eager);
+  const ParamList<double> a = lazy.params(), b = eager.params();
+  REQUIRE(a.size() == b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    INFO(a[i].name);
+    CHECK(a[i].name == values[i].name);
+    CHECK(b[i].grad_data == before[i].grad_data);
+    CHECK(std::memcmp(a[i].grad_data, b[i].grad_data, std::size_t(a[i].size()) * sizeof(double)) == 0);
+  }
+  CHECK(a.back().name == "shared_expert_gate.weight");
+  CHECK(a.back().grad().norm() > 0);
+}
+
+}  // namespace
+
+TEST_CASE("MoEFFN allocates every gradient lazily, all at once", "[moe][lazy]") {
+  SECTION("SwiGLU experts") { check_moe_lazy_gradients<SwiGLU<double>>(); }
+  SECTION("kappa-SwiGLU experts") { check_moe_lazy_gradients<KappaSwiGLU<double>>(); }
+}
+
+TEST_CASE("A large-preset MoE layer is a ConfigError in milliseconds, naming bytes needed and available",
+          "[moe][memory]") {
+  const MoEConfig large = ModelPreset::large().moe();
+  const std::uint64_t bytes = MoEFFN<float>::weight_bytes(large);
+  CHECK(bytes > 400000000000ull);  // ≈ 406 GB of float weights
+  CHECK(MoEFFN<float, KappaSwiGLU<float>>::weight_bytes(large) > bytes);  // α and b too
+  // The constructor checks what it will hold: a small layer's bytes.
+  CHECK(MoEFFN<float>::weight_bytes(moe_config(4, 2, 1, 6, 5)) == 4u * (4 * 3 * 5 * 6 + 3 * 5 * 6 + 5 * 6 + 4));
+  if (bytes <= physical_memory_bytes() || overcommit_allowed()) {
+    WARN("this machine holds a large-preset layer (or APEX_FFN_ALLOW_OVERCOMMIT=1): nothing to reject");
+    return;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_AS(MoEFFN<float>(large), ConfigError);
+  CHECK_THROWS_WITH(MoEFFN<float>(large),
+                       Catch::Matchers::StartsWith("MoEFFN: a float MoE layer (d_model 7168, d_ffn 18432, 256 + 4 "
+                                                   "experts) needs " +
+                                                   detail::bytes_string(bytes) + ", the machine has " +
+                                                   detail::bytes_string(physical_memory_bytes()) +
+                                                   " of physical memory; set APEX_FFN_ALLOW_OVERCOMMIT=1"));
+  using KappaMoE = MoEFFN<float, KappaSwiGLU<float>>;
+  CHECK_THROWS_AS(KappaMoE(large), ConfigError);
+  CHECK_THROWS_AS(SwiGLU<float>(7168, 18432 * 4096), ConfigError);  // a dense layer too (≈ 1.6 TB)
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  CHECK(seconds < 1.0);
+  // The override turns the check off (then only the check is run: building the layer would take the machine).
+  ::setenv(kAllowOvercommitEnv, "1", 1);
+  CHECK_NOTHROW(check_memory_fit("MoEFFN", "a layer", bytes));
+  ::unsetenv(kAllowOvercommitEnv);
+  CHECK_THROWS_AS(check_memory_fit("MoEFFN", "a layer", bytes), ConfigError);
 }
 
 TEST_CASE("MoE configuration is validated", "[moe][errors]") {

@@ -12,6 +12,6 @@ int main() {
     std::puts("consumer: unexpected output");
     return 1;
   }
-  std::printf("consumer: ok (%d params)\n", int(apex::parameter_count(ffn.params())));
+  std::printf("consumer: ok (%d params)\n", int(apex::parameter_count(ffn.param_values())));
   return 0;
 }

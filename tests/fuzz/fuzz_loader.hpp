@@ -42,13 +42,13 @@ inline void exercise(const std::uint8_t* data, std::size_t size) {
   // Loading into a layer: strict first (usually rejected), then lenient.
   SwiGLU<double> ffn(2, 3, std::uint64_t(0));
   try {
-    load_checkpoint(file, ffn.params());
+    load_checkpoint(file, ffn.param_values());
   } catch (const Error&) {
   }
   LoadOptions lenient;
   lenient.allow_missing = lenient.allow_unexpected = true;
   try {
-    load_checkpoint(file, ffn.params(), lenient);
+    load_checkpoint(file, ffn.param_values(), lenient);
   } catch (const ShapeError&) {
   } catch (const FormatError&) {
   }

@@ -1,22 +1,27 @@
 #pragma once
 /// \file checkpoint.hpp
-/// Checkpoints of any layer or model: its `params()` list saved to and
+/// Checkpoints of any layer or model: its parameter list saved to and
 /// loaded from a safetensors file, one tensor per parameter under the name
 /// PyTorch's `state_dict` gives it (`router.weight`,
 /// `experts.3.w_gate.weight`, …), so a file moves between apex-ffn and
 /// PyTorch unchanged.
 ///
-///     apex::save_checkpoint("moe.safetensors", moe.params());          // F64 for a double layer
-///     apex::save_checkpoint("moe.bf16.safetensors", moe.params(), {apex::safetensors::DType::BF16});
-///     apex::load_checkpoint("moe.safetensors", moe.params());          // strict: names, shapes, dtypes
+///     apex::save_checkpoint("moe.safetensors", moe.param_values());    // F64 for a double layer
+///     apex::save_checkpoint("moe.bf16.safetensors", moe.param_values(), {apex::safetensors::DType::BF16});
+///     apex::load_checkpoint("moe.safetensors", moe.param_values());    // strict: names, shapes, dtypes
+///
+/// Pass `param_values()`, the values-only view: a checkpoint reads and
+/// writes values only, and `params()` would allocate the layer's gradients
+/// (param.hpp), doubling the memory of a layer that is only loaded to serve.
+/// Either list works; only values are touched.
 ///
 /// Saves are atomic (safetensors::write_file_atomic). Loads validate the
 /// whole file and match every name, dtype and shape before the first
 /// parameter is written, so a rejected file leaves the layer as it was.
 ///
 /// State that is not a parameter (the MoE balancing bias) can travel in the
-/// same file: append a `Param` viewing a buffer of it to the list (its
-/// `grad_data` is never touched here), then apply the buffer after loading.
+/// same file: append a values-only `Param` (`grad_data` nullptr) viewing a
+/// buffer of it to the list, then apply the buffer after loading.
 
 #include <cstdint>
 #include <map>

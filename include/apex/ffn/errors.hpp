@@ -43,6 +43,13 @@ class FormatError : public Error {
   using Error::Error;
 };
 
+/// A gradient was asked of a `Param` that has none: one from a layer's
+/// values-only view `param_values()` (param.hpp).
+class NoGradientError : public Error {
+ public:
+  using Error::Error;
+};
+
 namespace detail {
 
 /// Wildcard for `check_shape`: any extent is accepted in that dimension.

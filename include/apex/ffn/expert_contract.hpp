@@ -17,6 +17,11 @@
 ///     void zero_grad();
 ///     // optional; NoSideInput when absent:
 ///     using SideInput = NoSideInput | RouterLogitInput;
+///     // optional, for lazily allocated gradients (param.hpp); the library's
+///     // experts have all three:
+///     ParamList<T> param_values();                  // values only, never allocates
+///     void allocate_gradients();                    // allocates them, zeroed, once
+///     static std::uint64_t weight_bytes(const char* where, Index d_model, Index d_ffn);
 ///
 ///     // without a side input:
 ///     void forward_block(x, work, y) const;
@@ -36,7 +41,12 @@
 /// - backward_block reads what forward_block wrote into `work`, assigns `dx`
 ///   (∂L/∂x for the block, given dy = ∂L/∂y) and `ds` (∂L/∂s), and *adds*
 ///   ∂L/∂θ into its own parameter gradients (those `params()` exposes), so
-///   gradients accumulate across micro-batches until zero_grad. MoEFFN runs
+///   gradients accumulate across micro-batches until zero_grad. An expert
+///   with lazily allocated gradients allocates them on its first
+///   backward_block; MoEFFN calls every expert's allocate_gradients (or,
+///   lacking it, params()) before its parallel section, so no task allocates.
+///   Without param_values(), checkpoints and packing of the layer call
+///   params(), which allocates. MoEFFN runs
 ///   one backward_block per expert per step, never two at once on the same
 ///   expert; different experts run concurrently, so an expert must not write
 ///   state it shares with another expert.

@@ -195,7 +195,9 @@ class FFNSublayer {
     if (cache.ffn_ran || collective) ffn_.observe(cache.ffn);
   }
 
-  /// `norm.weight`, `ffn.…`, then (gated) `skip_gate.w1.weight`, ….
+  /// `norm.weight`, `ffn.…`, then (gated) `skip_gate.w1.weight`, …, with
+  /// their gradients, which this allocates (zeroed) where not yet: the views
+  /// must stay valid for the layer's life (param.hpp).
   ParamList<T> params() {
     ParamList<T> out;
     detail::append_prefixed(out, "norm.", norm_.params());
@@ -203,10 +205,30 @@ class FFNSublayer {
     if (gate_) detail::append_prefixed(out, "skip_gate.", gate_->params());
     return out;
   }
+  /// The same tensors, values only: never allocates gradients (param.hpp).
+  ParamList<T> param_values() {
+    ParamList<T> out;
+    detail::append_prefixed(out, "norm.", norm_.param_values());
+    detail::append_prefixed(out, "ffn.", detail::param_values_of(ffn_));
+    if (gate_) detail::append_prefixed(out, "skip_gate.", gate_->param_values());
+    return out;
+  }
+  /// Zeroes every gradient (allocating them, zeroed, where not yet).
   void zero_grad() {
     norm_.zero_grad();
     ffn_.zero_grad();
     if (gate_) gate_->zero_grad();
+  }
+  /// Whether the norm's, the FFN's and the gate's gradients all exist.
+  bool has_gradients() const {
+    return norm_.has_gradients() && ffn_.has_gradients() && (!gate_ || gate_->has_gradients());
+  }
+  /// Allocates every gradient, zeroed, where not yet (each part's backward
+  /// would allocate its own; this is the explicit form).
+  void allocate_gradients() {
+    norm_.allocate_gradients();
+    detail::allocate_gradients_of(ffn_);
+    if (gate_) gate_->allocate_gradients();
   }
 
   RMSNorm<T>& norm() { return norm_; }

@@ -85,8 +85,7 @@ class KappaSwiGLU {
     const Index f = mlp_.d_ffn();
     alpha_ = RowVector<T>::Zero(f);
     bias_ = RowVector<T>::Zero(f);
-    alpha_grad_ = RowVector<T>::Zero(f);
-    bias_grad_ = RowVector<T>::Zero(f);
+    // Gradients (this layer's and mlp_'s): allocate_gradients() (param.hpp).
   }
 
   Index d_model() const { return mlp_.d_model(); }
@@ -193,6 +192,7 @@ class KappaSwiGLU {
                       const ConstMatrixRef<T>& dy, const Eigen::MatrixBase<DX>& dx,
                       const Eigen::MatrixBase<DL>& dlogit_) {
     auto& dlogit = const_cast<Eigen::MatrixBase<DL>&>(dlogit_);
+    allocate_gradients();
     mlp_.gated_backward(x, work, dy, dx, [&](auto& dh) {  // dh: n × 2f, [dG | dU], dA in the dU half
       const Index f = d_ffn();
       const T rho_c = T(opt_.rho * opt_.c);
@@ -236,6 +236,7 @@ class KappaSwiGLU {
   /// it on every expert with scale = 1/E and sum (see add_kappa_regularizer_grad).
   T add_regularizer_grad(T scale = T(1)) {
     const T g = scale * T(2 * opt_.reg_weight) / T(d_ffn());
+    allocate_gradients();
     alpha_grad_ += g * alpha_;
     bias_grad_ += g * bias_;
     return scale * regularizer();
@@ -244,16 +245,44 @@ class KappaSwiGLU {
 
   /// `w_gate.weight`, `w_up.weight` (f × d), `w_down.weight` (d × f) as in
   /// SwiGLU, then `kappa_alpha`, `kappa_bias` (1 × f).
+  /// With their gradients, which this allocates (zeroed) if not yet: the
+  /// views must stay valid for the layer's life (param.hpp).
   ParamList<T> params() {
+    allocate_gradients();
     ParamList<T> out = mlp_.params();
     out.push_back(detail::make_param<T>("kappa_alpha", alpha_, alpha_grad_));
     out.push_back(detail::make_param<T>("kappa_bias", bias_, bias_grad_));
     return out;
   }
+  /// The same tensors, values only: never allocates gradients (param.hpp).
+  ParamList<T> param_values() {
+    ParamList<T> out = mlp_.param_values();
+    out.push_back(detail::make_value_param<T>("kappa_alpha", alpha_));
+    out.push_back(detail::make_value_param<T>("kappa_bias", bias_));
+    return out;
+  }
+  /// Zeroes every gradient (allocating them, zeroed, if not yet).
   void zero_grad() {
+    if (!has_gradients()) return allocate_gradients();
     mlp_.zero_grad();
     alpha_grad_.setZero();
     bias_grad_.setZero();
+  }
+  /// Whether the gradients exist (param.hpp: allocated lazily).
+  bool has_gradients() const { return has_grads_; }
+  /// Bytes of the weights of a d_model × d_ffn layer: the SwiGLU's plus α, b.
+  static std::uint64_t weight_bytes(const char* where, Index d_model, Index d_ffn) {
+    return SwiGLU<T>::weight_bytes(where, d_model, d_ffn) +
+           detail::scalar_bytes<T>(where, "kappa weight bytes", detail::checked_product(where, "2*d_ffn", {2, d_ffn}));
+  }
+  /// Allocates every gradient (the SwiGLU's too), zeroed, unless they exist.
+  /// ConfigError as SwiGLU::allocate_gradients.
+  void allocate_gradients() {
+    if (has_grads_) return;
+    mlp_.allocate_gradients();
+    alpha_grad_ = RowVector<T>::Zero(d_ffn());
+    bias_grad_ = RowVector<T>::Zero(d_ffn());
+    has_grads_ = true;
   }
 
   /// The gate/up/down weights (a SwiGLU).
@@ -265,7 +294,8 @@ class KappaSwiGLU {
   auto w_gate() const { return mlp_.w_gate(); }
   auto w_up() const { return mlp_.w_up(); }
   const Matrix<T>& w_down() const { return mlp_.w_down(); }
-  /// 1 × f: α and b of every gate unit, and their gradients.
+  /// 1 × f: α and b of every gate unit, and their gradients (empty until
+  /// allocated, has_gradients()).
   RowVector<T>& kappa_alpha() { return alpha_; }
   RowVector<T>& kappa_bias() { return bias_; }
   const RowVector<T>& kappa_alpha() const { return alpha_; }
@@ -315,6 +345,7 @@ class KappaSwiGLU {
   RowVector<T> bias_;        ///< 1 × f: b, init 0
   RowVector<T> alpha_grad_;  ///< 1 × f
   RowVector<T> bias_grad_;   ///< 1 × f
+  bool has_grads_ = false;   ///< whether the two gradients above (and mlp_'s) are allocated
 };
 
 }  // namespace apex

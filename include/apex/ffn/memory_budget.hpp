@@ -23,6 +23,13 @@
 /// machines with large swap, or layers whose pages are mostly never touched);
 /// the check then does nothing. Where the physical size cannot be queried
 /// (non-POSIX systems) the check passes.
+///
+/// The float training layers (SwiGLU, KappaSwiGLU, MultiTokenHeads, MoEFFN)
+/// check their weight bytes in the constructor, before the first weight is
+/// allocated, and their weights plus gradients when the gradients are first
+/// allocated (they are allocated lazily, param.hpp): a layer that fits for
+/// forward only still constructs and loads, and the first backward, params()
+/// or zero_grad() is what fails. MoEFFN checks all of its gradients at once.
 
 #include <cstdint>
 #include <cstdlib>
@@ -34,7 +41,9 @@
 #include <unistd.h>
 #endif
 
+#include "checked_size.hpp"
 #include "errors.hpp"
+#include "types.hpp"
 
 namespace apex {
 
@@ -68,14 +77,21 @@ inline std::string bytes_string(std::uint64_t bytes) {
 }
 
 /// ConfigError `where: <what> needs N GB (…), the machine has M GB (…) of
-/// physical memory; set APEX_FFN_ALLOW_OVERCOMMIT=1 to construct it anyway`
+/// physical memory; set APEX_FFN_ALLOW_OVERCOMMIT=1 to <action> anyway`
 /// when `needed > available` (available = 0: unknown, passes).
 inline void require_memory_fit(const char* where, const std::string& what, std::uint64_t needed,
-                               std::uint64_t available) {
+                               std::uint64_t available, const char* action = "construct it") {
   if (available == 0 || needed <= available) return;
   throw ConfigError(std::string(where) + ": " + what + " needs " + bytes_string(needed) + ", the machine has " +
-                    bytes_string(available) + " of physical memory; set " + kAllowOvercommitEnv +
-                    "=1 to construct it anyway");
+                    bytes_string(available) + " of physical memory; set " + kAllowOvercommitEnv + "=1 to " + action +
+                    " anyway");
+}
+
+/// Bytes of `count` scalars of T; ConfigError naming `what` if that exceeds
+/// the index range.
+template <class T>
+std::uint64_t scalar_bytes(const char* where, const char* what, Index count) {
+  return std::uint64_t(checked_product(where, what, {count, Index(sizeof(T))}));
 }
 
 }  // namespace detail
@@ -86,6 +102,18 @@ inline void require_memory_fit(const char* where, const std::string& what, std::
 inline void check_memory_fit(const char* where, const std::string& what, std::uint64_t needed) {
   if (overcommit_allowed()) return;
   detail::require_memory_fit(where, what, needed, physical_memory_bytes());
+}
+
+/// The check before a layer allocates its gradients: `weight_bytes` are held
+/// already, `gradient_bytes` are about to be. ConfigError `where: <what> with
+/// its gradients needs N GB …, the machine has M GB …; set
+/// APEX_FFN_ALLOW_OVERCOMMIT=1 to allocate them anyway` unless both fit in
+/// physical memory (equivalently: the gradients fit in what the weights leave).
+inline void check_gradient_fit(const char* where, const std::string& what, std::uint64_t weight_bytes,
+                               std::uint64_t gradient_bytes) {
+  if (overcommit_allowed()) return;
+  detail::require_memory_fit(where, what + " with its gradients", weight_bytes + gradient_bytes,
+                             physical_memory_bytes(), "allocate them");
 }
 
 }  // namespace apex

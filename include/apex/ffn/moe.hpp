@@ -18,6 +18,14 @@
 /// weight gradients and its own sorted rows, so nothing is reduced across
 /// threads. Any type meeting the expert contract (expert_contract.hpp) can be
 /// the routed expert.
+///
+/// Memory: the constructor checks the layer's weight bytes against physical
+/// memory before allocating anything (memory_budget.hpp), so a layer the
+/// machine cannot hold (the `large` preset's, ≈ 412 GB in float) is a
+/// ConfigError in milliseconds. Gradients are allocated lazily (param.hpp),
+/// all of the layer's at once — on the first backward, zero_grad() or
+/// params() — after checking weights plus gradients against physical memory:
+/// a layer used for forward only holds its weights and nothing more.
 
 #include <algorithm>
 #include <cmath>
@@ -33,6 +41,7 @@
 #include "expert_tasks.hpp"
 #include "init.hpp"
 #include "load_balancer.hpp"
+#include "memory_budget.hpp"
 #include "moe_config.hpp"
 #include "parallel.hpp"
 #include "param.hpp"
@@ -47,6 +56,14 @@ namespace detail {
 struct MoEDySortedTag;  ///< backward workspace: g·dy in sorted order
 struct MoEDxSortedTag;  ///< backward workspace: the experts' ∂L/∂x in sorted order
 struct MoESharedDxTag;  ///< backward workspace: the shared experts' ∂L/∂x
+
+/// Whether an expert type states its weight bytes before it is built
+/// (`static std::uint64_t weight_bytes(const char* where, Index d_model, Index d_ffn)`).
+template <class E, class = void>
+struct has_static_weight_bytes : std::false_type {};
+template <class E>
+struct has_static_weight_bytes<E, std::void_t<decltype(E::weight_bytes("", Index(1), Index(1)))>>
+    : std::true_type {};
 }  // namespace detail
 
 /// MoE layer. `Expert` is the routed-expert type (SwiGLU by default,
@@ -87,8 +104,10 @@ class MoEFFN {
     std::vector<Index> dropped;         ///< pairs t·K + k dropped by the capacity limit, ascending
   };
 
+  /// ConfigError for an invalid config, or one whose weights exceed physical
+  /// memory (weight_bytes; checked before anything is allocated).
   MoEFFN(const MoEConfig& config, Rng& rng)
-      : config_((config.validate("MoEFFN"), config)),
+      : config_((config.validate("MoEFFN"), check_weights_fit(config), config)),
         router_(config.d_model, config.n_experts, config.n_active, rng),
         balancer_(config.n_experts, config.n_active, config.balancer_alpha) {
     router_.set_routing(config.routing);
@@ -99,8 +118,8 @@ class MoEFFN {
     if (config.shared_expert_gate) {
       shared_gate_.resize(1, config.d_model);
       init_linear(shared_gate_, rng);
-      shared_gate_grad_ = Matrix<T>::Zero(1, config.d_model);
     }
+    // No gradients yet: allocate_gradients().
   }
   MoEFFN(const MoEConfig& config, Rng&& rng) : MoEFFN(config, rng) {}
   explicit MoEFFN(const MoEConfig& config, std::uint64_t seed = 0) : MoEFFN(config, Rng(seed)) {}
@@ -177,8 +196,12 @@ class MoEFFN {
   /// The shared-expert gate weight w_gate: 1 × d with shared_expert_gate, else 0 × 0.
   const Matrix<T>& shared_gate_weight() const { return shared_gate_; }
 
-  /// `router.weight`, `experts.{e}.…`, `shared_experts.{s}.…` (state_dict order).
+  /// `router.weight`, `experts.{e}.…`, `shared_experts.{s}.…`,
+  /// `shared_expert_gate.weight` (state_dict order) with their gradients,
+  /// which this allocates (zeroed, all of the layer's) if not yet: the views
+  /// must stay valid for the layer's life (param.hpp).
   ParamList<T> params() {
+    allocate_gradients();
     ParamList<T> out;
     detail::append_prefixed(out, "router.", router_.params());
     for (std::size_t e = 0; e < experts_.size(); ++e)
@@ -189,11 +212,65 @@ class MoEFFN {
       out.push_back(detail::make_param<T>("shared_expert_gate.weight", shared_gate_, shared_gate_grad_));
     return out;
   }
+  /// The same tensors, values only: never allocates gradients (param.hpp),
+  /// for checkpoints, packing and anything else that reads or writes values.
+  ParamList<T> param_values() {
+    ParamList<T> out;
+    detail::append_prefixed(out, "router.", router_.param_values());
+    for (std::size_t e = 0; e < experts_.size(); ++e)
+      detail::append_prefixed(out, "experts." + std::to_string(e) + ".", detail::param_values_of(experts_[e]));
+    for (std::size_t s = 0; s < shared_.size(); ++s)
+      detail::append_prefixed(out, "shared_experts." + std::to_string(s) + ".", shared_[s].param_values());
+    if (config_.shared_expert_gate)
+      out.push_back(detail::make_value_param<T>("shared_expert_gate.weight", shared_gate_));
+    return out;
+  }
+  /// Zeroes every gradient (allocating them, zeroed, if not yet).
   void zero_grad() {
+    if (!has_gradients()) return allocate_gradients();
     router_.zero_grad();
     for (auto& e : experts_) e.zero_grad();
     for (auto& s : shared_) s.zero_grad();
     shared_gate_grad_.setZero();
+  }
+  /// Whether the layer's gradients exist (allocate_gradients ran).
+  bool has_gradients() const { return has_grads_; }
+  /// Allocates every gradient of the layer — router, experts, shared experts,
+  /// shared gate — zeroed, unless done already; does nothing then. Called by
+  /// backward before its parallel section, so expert tasks never allocate.
+  /// ConfigError (memory_budget.hpp) naming the bytes if the weights plus
+  /// all the gradients exceed physical memory; nothing is allocated then.
+  void allocate_gradients() {
+    if (has_grads_) return;
+    constexpr const char* where = "MoEFFN::allocate_gradients";
+    // Exact for any expert type: every parameter gets a gradient of its size.
+    const std::uint64_t bytes = detail::scalar_bytes<T>(where, "gradient bytes", parameter_count(param_values()));
+    check_gradient_fit(where, description(config_), bytes, bytes);
+    router_.allocate_gradients();
+    for (auto& e : experts_) detail::allocate_gradients_of(e);
+    for (auto& s : shared_) s.allocate_gradients();
+    if (config_.shared_expert_gate) shared_gate_grad_ = Matrix<T>::Zero(1, d_model());
+    has_grads_ = true;
+  }
+
+  /// Bytes of the weights (and balancing bias) of a layer of `config`, as
+  /// the constructor checks them: the routed experts' from
+  /// `Expert::weight_bytes` where the type states it, else estimated as a
+  /// SwiGLU's (3·d_ffn·d_model scalars each). ConfigError naming the
+  /// product (with `where`) beyond the index range; `config` must be valid.
+  static std::uint64_t weight_bytes(const MoEConfig& config, const char* where = "MoEFFN::weight_bytes") {
+    const Index d = config.d_model, f = config.d_ffn;
+    Index expert = 0;
+    if constexpr (detail::has_static_weight_bytes<Expert>::value) expert = Index(Expert::weight_bytes(where, d, f));
+    else expert = Index(SwiGLU<T>::weight_bytes(where, d, f));
+    const Index shared_one = Index(SwiGLU<T>::weight_bytes(where, d, config.shared_ffn()));
+    const Index routed = detail::checked_product(where, "routed bytes n_experts*expert", {config.n_experts, expert});
+    const Index shared = detail::checked_product(where, "shared bytes n_shared*expert", {config.n_shared, shared_one});
+    // router E × d, shared gate d, balancing bias E
+    const Index router = detail::checked_product(where, "router size (n_experts+1)*d_model", {config.n_experts + 1, d});
+    const Index small = Index(detail::scalar_bytes<T>(where, "router bytes", router + config.n_experts));
+    const Index experts = detail::checked_sum(where, "expert bytes", routed, shared);
+    return std::uint64_t(detail::checked_sum(where, "layer bytes", experts, small));
   }
 
  private:
@@ -249,6 +326,17 @@ class MoEFFN {
 
   bool capacity_on() const { return config_.routing.capacity_factor > 0; }
 
+  /// The constructor's memory-fit check (memory_budget.hpp).
+  static void check_weights_fit(const MoEConfig& config) {
+    check_memory_fit("MoEFFN", description(config), weight_bytes(config, "MoEFFN"));
+  }
+  /// "a float MoE layer (d_model 2048, d_ffn 5504, 64 + 2 experts)", for the memory-fit messages.
+  static std::string description(const MoEConfig& config) {
+    return std::string("a ") + (sizeof(T) == 4 ? "float" : sizeof(T) == 8 ? "double" : "") + " MoE layer (d_model " +
+           std::to_string(config.d_model) + ", d_ffn " + std::to_string(config.d_ffn) + ", " +
+           std::to_string(config.n_experts) + " + " + std::to_string(config.n_shared) + " experts)";
+  }
+
   /// ShapeError naming the cache unless it holds a forward of a layer of
   /// this configuration (a default-constructed cache holds none).
   void check_cache(const char* where, const Cache& c) const {
@@ -279,6 +367,8 @@ class MoEFFN {
   Matrix<T> backward_unchecked(const ConstMatrixRef<T>& dy, const Cache& c) {
     const Index n = dy.rows(), d = d_model(), rows = c.plan.rows(), n_shared = Index(shared_.size());
     const int threads = resolve_threads(threads_);
+    // Every gradient exists before the expert tasks run: no task allocates.
+    allocate_gradients();
 
     // combine: ∂L/∂g (N × K) and g·dy in sorted order. The large scratch is
     // per-thread workspace, reused across steps (workspace.hpp).
@@ -344,7 +434,8 @@ class MoEFFN {
   std::vector<Expert> experts_;
   std::vector<SharedType> shared_;
   Matrix<T> shared_gate_;       ///< 1 × d with shared_expert_gate (Qwen2-MoE), else 0 × 0
-  Matrix<T> shared_gate_grad_;  ///< 1 × d
+  Matrix<T> shared_gate_grad_;  ///< 1 × d with shared_expert_gate, once allocated; else 0 × 0
+  bool has_grads_ = false;      ///< allocate_gradients ran
   int threads_ = 0;
 };
 

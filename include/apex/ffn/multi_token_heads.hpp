@@ -34,6 +34,7 @@
 #include "errors.hpp"
 #include "init.hpp"
 #include "linear.hpp"
+#include "memory_budget.hpp"
 #include "param.hpp"
 #include "types.hpp"
 
@@ -176,9 +177,9 @@ class MultiTokenHeads {
     detail::check_mtp_options(where, opt, vocab);
     (void)detail::checked_product(where, "num_heads x vocab x d_model (head weights)", {opt.num_heads, vocab, d_model});
     const Index rows = opt.num_heads * v_;  // fits: the product above did
+    check_memory_fit(where, description(), weight_bytes(where));
     w_.resize(rows, d_);
-    init_linear(w_, rng);
-    w_grad_ = Matrix<T>::Zero(rows, d_);
+    init_linear(w_, rng);  // its gradient: allocate_gradients() (param.hpp)
   }
   MultiTokenHeads(Index d_model, Index vocab, const MultiTokenOptions& opt, Rng&& rng)
       : MultiTokenHeads(d_model, vocab, opt, rng) {}
@@ -222,6 +223,7 @@ class MultiTokenHeads {
     detail::check_shape("MultiTokenHeads::backward", "dy", dy, cache.h.rows(), w_.rows());
     detail::check_shape("MultiTokenHeads::backward", "cache.h", cache.h, detail::kAny, d_);
     // ∂L/∂W_all += dYᵀ·H (N·V × d);  ∂L/∂H = dY·W_all (n × d)
+    allocate_gradients();
     Matrix<T> dh(dy.rows(), d_);
     detail::linear_nt_backward(dy, cache.h, w_, w_grad_, dh);
     return dh;
@@ -250,24 +252,64 @@ class MultiTokenHeads {
   void draft_logits(Matrix<T>&&, Index) const = delete;
   void draft_logits(const Matrix<T>&&, Index) const = delete;
 
-  /// `heads.<i>.weight` (V × d each), in head order.
+  /// `heads.<i>.weight` (V × d each), in head order, with their gradients,
+  /// which this allocates (zeroed) if not yet: the views must stay valid for
+  /// the layer's life (param.hpp).
   ParamList<T> params() {
-    ParamList<T> out;
-    for (Index i = 0; i < opt_.num_heads; ++i)
-      out.push_back({"heads." + std::to_string(i) + ".weight", w_.data() + i * v_ * d_, w_grad_.data() + i * v_ * d_,
-                     v_, d_});
-    return out;
+    allocate_gradients();
+    return param_list(w_grad_.data());
   }
-  void zero_grad() { w_grad_.setZero(); }
+  /// The same tensors, values only: never allocates gradients (param.hpp).
+  ParamList<T> param_values() { return param_list(nullptr); }
+  /// Zeroes the gradients (allocating them, zeroed, if not yet).
+  void zero_grad() {
+    if (!has_gradients()) return allocate_gradients();
+    w_grad_.setZero();
+  }
+  /// Whether the gradients exist (param.hpp: allocated lazily).
+  bool has_gradients() const { return has_grads_; }
+  /// Allocates the gradients, zeroed, unless they exist. ConfigError if the
+  /// weights and gradients together exceed physical memory (memory_budget.hpp).
+  void allocate_gradients() {
+    if (has_grads_) return;
+    constexpr const char* where = "MultiTokenHeads::allocate_gradients";
+    check_gradient_fit(where, description(), weight_bytes(where), weight_bytes(where));
+    w_grad_ = Matrix<T>::Zero(w_.rows(), d_);
+    has_grads_ = true;
+  }
 
   /// V × d weight of head i (k = i + 1), PyTorch layout.
   auto weight(Index i) { return w_.middleRows(checked(i) * v_, v_); }
   auto weight(Index i) const { return w_.middleRows(checked(i) * v_, v_); }
-  auto weight_grad(Index i) const { return w_grad_.middleRows(checked(i) * v_, v_); }
+  /// V × d gradient of head i (ValueError as weight); NoGradientError
+  /// before the gradients are allocated.
+  auto weight_grad(Index i) const {
+    if (!has_grads_)
+      throw NoGradientError("MultiTokenHeads::weight_grad: no gradients yet (allocated by the first backward, "
+                       "zero_grad() or params())");
+    return w_grad_.middleRows(checked(i) * v_, v_);
+  }
   /// N·V × d: every head's weight, head 0 first.
   const Matrix<T>& weights() const { return w_; }
 
  private:
+  /// The head views with gradient base `grad` (nullptr: values only).
+  ParamList<T> param_list(T* grad) {
+    ParamList<T> out;
+    for (Index i = 0; i < opt_.num_heads; ++i)
+      out.push_back({"heads." + std::to_string(i) + ".weight", w_.data() + i * v_ * d_,
+                     detail::offset_or_null(grad, i * v_ * d_), v_, d_});
+    return out;
+  }
+  /// Bytes of the head weights (as many again for the gradients).
+  std::uint64_t weight_bytes(const char* where) const {
+    return detail::scalar_bytes<T>(where, "head weight bytes", opt_.num_heads * v_ * d_);
+  }
+  std::string description() const {
+    return "multi-token heads (" + std::to_string(opt_.num_heads) + " x vocab " + std::to_string(v_) +
+           " x d_model " + std::to_string(d_) + ")";
+  }
+
   Index checked(Index i) const {
     if (i < 0 || i >= opt_.num_heads)
       throw ValueError("MultiTokenHeads::weight: head " + std::to_string(i) + " outside [0, " +
@@ -278,7 +320,8 @@ class MultiTokenHeads {
   Index d_, v_;
   MultiTokenOptions opt_;
   Matrix<T> w_;       ///< N·V × d: [W_1ᵀ; …; W_Nᵀ] (PyTorch layout per head)
-  Matrix<T> w_grad_;  ///< N·V × d
+  Matrix<T> w_grad_;  ///< N·V × d once allocated, else 0 × 0
+  bool has_grads_ = false;
 };
 
 }  // namespace apex

@@ -2,7 +2,7 @@
 /// \file name_maps.hpp
 /// Checkpoints of an MoEFFN under the Hugging Face tensor names of an open
 /// MoE family (docs/routing.md#checkpoints), on top of checkpoint.hpp: the
-/// layer's `params()` renamed, plus the balancing bias where the family
+/// layer's `param_values()` renamed, plus the balancing bias where the family
 /// stores one (DeepSeek-V3's `e_score_correction_bias`). Strict by default,
 /// as load_checkpoint.
 ///
@@ -32,7 +32,7 @@ namespace apex {
 
 namespace detail {
 
-/// The family name of `internal` (a name of MoEFFN::params()); ConfigError
+/// The family name of `internal` (a name of MoEFFN::param_values()); ConfigError
 /// for a parameter the family's block does not have.
 inline std::string family_tensor_name(MoEFamily f, const std::string& internal) {
   const bool mixtral = f == MoEFamily::Mixtral;
@@ -125,15 +125,31 @@ inline void check_family_file(const std::string& where, const safetensors::Reade
 
 }  // namespace detail
 
-/// The layer's parameters under the family's names (prefix prepended).
-/// ConfigError if the layer's shared experts do not fit the family or an
-/// expert has a parameter the family lacks.
+namespace detail {
+/// `list` (the layer's params() or param_values()) under the family's names.
+template <class T>
+ParamList<T> renamed(ParamList<T> list, MoEFamily f, const std::string& prefix) {
+  for (auto& p : list) p.name = prefix + detail::family_tensor_name(f, p.name);
+  return list;
+}
+}  // namespace detail
+
+/// The layer's parameters with their gradients (MoEFFN::params, which
+/// allocates them) under the family's names (prefix prepended). ConfigError
+/// if the layer's shared experts do not fit the family or an expert has a
+/// parameter the family lacks.
 template <class T, class Expert>
 ParamList<T> family_params(MoEFFN<T, Expert>& moe, MoEFamily f, const std::string& prefix = "") {
   detail::check_family_fit("family_params", moe.config(), f);
-  ParamList<T> out = moe.params();
-  for (auto& p : out) p.name = prefix + detail::family_tensor_name(f, p.name);
-  return out;
+  return detail::renamed(moe.params(), f, prefix);
+}
+
+/// As family_params, values only (MoEFFN::param_values): never allocates
+/// gradients. What the family checkpoints below read and write.
+template <class T, class Expert>
+ParamList<T> family_param_values(MoEFFN<T, Expert>& moe, MoEFamily f, const std::string& prefix = "") {
+  detail::check_family_fit("family_param_values", moe.config(), f);
+  return detail::renamed(moe.param_values(), f, prefix);
 }
 
 /// Saves the layer under the family's names; DeepSeek-V3 adds the balancing
@@ -141,11 +157,11 @@ ParamList<T> family_params(MoEFFN<T, Expert>& moe, MoEFamily f, const std::strin
 template <class T, class Expert>
 void save_family_checkpoint(const std::string& path, MoEFFN<T, Expert>& moe, MoEFamily f,
                             const std::string& prefix = "", SaveOptions options = {}) {
-  ParamList<T> params = family_params(moe, f, prefix);
+  ParamList<T> params = family_param_values(moe, f, prefix);
   RowVector<T> bias = moe.balancer().bias();  // 1 × E
   if (f == MoEFamily::DeepSeekV3) {
     const std::string name = prefix + "mlp.gate.e_score_correction_bias";
-    params.push_back(Param<T>{name, bias.data(), bias.data(), 1, bias.cols()});
+    params.push_back(Param<T>{name, bias.data(), nullptr, 1, bias.cols()});
     options.shapes[name] = {std::uint64_t(bias.cols())};
   }
   save_checkpoint(path, params, options);
@@ -163,9 +179,9 @@ LoadResult load_family_checkpoint(const safetensors::Reader& file, MoEFFN<T, Exp
   detail::check_family_file(where, file, f, prefix);
   const std::string bias_name = detail::family_bias_name(f, prefix);
   const bool wants_bias = !bias_name.empty();
-  ParamList<T> params = family_params(moe, f, prefix);
+  ParamList<T> params = family_param_values(moe, f, prefix);
   RowVector<T> bias = moe.balancer().bias();
-  if (wants_bias) params.push_back(Param<T>{bias_name, bias.data(), bias.data(), 1, bias.cols()});
+  if (wants_bias) params.push_back(Param<T>{bias_name, bias.data(), nullptr, 1, bias.cols()});
   LoadResult r = load_checkpoint(file, params, options);
   if (wants_bias && file.header().find(bias_name)) moe.balancer().set_bias(bias);
   return r;

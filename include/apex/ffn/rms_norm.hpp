@@ -36,8 +36,7 @@ class RMSNorm {
       got << double(eps);
       detail::require_config(false, "RMSNorm", "eps must be finite and > 0, got " + got.str());
     }
-    gain_ = RowVector<T>::Ones(d_model);
-    gain_grad_ = RowVector<T>::Zero(d_model);
+    gain_ = RowVector<T>::Ones(d_model);  // dγ: allocate_gradients() (param.hpp)
   }
 
   Index d_model() const { return gain_.cols(); }
@@ -67,6 +66,7 @@ class RMSNorm {
     detail::check_shape("RMSNorm::backward", "cache.x_hat", cache.x_hat, detail::kAny, d_model());
     detail::check_shape("RMSNorm::backward", "cache.r", cache.r, cache.x_hat.rows(), 1);
     detail::check_shape("RMSNorm::backward", "dy", dy, cache.x_hat.rows(), d_model());
+    allocate_gradients();
     // dγ_j += Σ_t dy_tj · x̂_tj
     gain_grad_.noalias() += (dy.array() * cache.x_hat.array()).colwise().sum().matrix();
     // dx̂ = dy ⊙ γ;  dx = r · (dx̂ − x̂ · mean_j(dx̂ ⊙ x̂))
@@ -76,15 +76,31 @@ class RMSNorm {
     return dx;
   }
 
+  /// `weight` (γ) with its gradient, which this allocates (zeroed) if not
+  /// yet: the view must stay valid for the layer's life (param.hpp).
   ParamList<T> params() {
-    ParamList<T> out;
-    out.push_back(detail::make_param<T>("weight", gain_, gain_grad_));
-    return out;
+    allocate_gradients();
+    return {detail::make_param<T>("weight", gain_, &gain_grad_)};
   }
-  void zero_grad() { gain_grad_.setZero(); }
+  /// The same tensor, values only: never allocates the gradient (param.hpp).
+  ParamList<T> param_values() { return {detail::make_value_param<T>("weight", gain_)}; }
+  /// Zeroes dγ (allocating it, zeroed, if not yet).
+  void zero_grad() {
+    if (!has_gradients()) return allocate_gradients();
+    gain_grad_.setZero();
+  }
+  /// Whether dγ exists (param.hpp: allocated lazily).
+  bool has_gradients() const { return has_grads_; }
+  /// Allocates dγ, zeroed, unless it exists.
+  void allocate_gradients() {
+    if (has_grads_) return;
+    gain_grad_ = RowVector<T>::Zero(d_model());
+    has_grads_ = true;
+  }
 
   RowVector<T>& gain() { return gain_; }
   const RowVector<T>& gain() const { return gain_; }
+  /// 1 × d once allocated (has_gradients()), else empty.
   const RowVector<T>& gain_grad() const { return gain_grad_; }
 
  private:
@@ -106,7 +122,8 @@ class RMSNorm {
 
   T eps_;
   RowVector<T> gain_;       ///< 1 × d: γ
-  RowVector<T> gain_grad_;  ///< 1 × d: ∂L/∂γ
+  RowVector<T> gain_grad_;  ///< 1 × d: ∂L/∂γ once allocated, else empty
+  bool has_grads_ = false;
 };
 
 }  // namespace apex

@@ -53,8 +53,7 @@ class Router {
     detail::require_config(n_active >= 1 && n_active <= n_experts, "Router", "need 1 <= n_active <= n_experts");
     detail::checked_product("Router", "weight size n_experts*d_model", {n_experts, d_model});
     weight_.resize(n_experts, d_model);
-    init_linear(weight_, rng);
-    weight_grad_ = Matrix<T>::Zero(n_experts, d_model);
+    init_linear(weight_, rng);  // its gradient: allocate_gradients() (param.hpp)
   }
 
   Index d_model() const { return weight_.cols(); }
@@ -127,6 +126,7 @@ class Router {
       for (Index t = 0; t < x.rows(); ++t)
         for (Index k = 0; k < k_; ++k) d_logits(t, routing.experts(t, k)) += d_pair_logits(t, k);
     Matrix<T> dx(x.rows(), d_model());                                    // N × d
+    allocate_gradients();
     detail::linear_nt_backward(d_logits, x, weight_, weight_grad_, dx);  // ℓ = X·Wᵀ
     return dx;
   }
@@ -142,16 +142,32 @@ class Router {
     add_softmax_backward(routing, d_weights, d_logits);
   }
 
+  /// `weight` with its gradient, which this allocates (zeroed) if not yet:
+  /// the view must stay valid for the layer's life (param.hpp).
   ParamList<T> params() {
-    ParamList<T> out;
-    out.push_back(detail::make_param<T>("weight", weight_, weight_grad_));
-    return out;
+    allocate_gradients();
+    return {detail::make_param<T>("weight", weight_, &weight_grad_)};
   }
-  void zero_grad() { weight_grad_.setZero(); }
+  /// The same tensor, values only: never allocates the gradient (param.hpp).
+  ParamList<T> param_values() { return {detail::make_value_param<T>("weight", weight_)}; }
+  /// Zeroes the gradient (allocating it, zeroed, if not yet).
+  void zero_grad() {
+    if (!has_gradients()) return allocate_gradients();
+    weight_grad_.setZero();
+  }
+  /// Whether the gradient exists (param.hpp: allocated lazily).
+  bool has_gradients() const { return has_grads_; }
+  /// Allocates the gradient, zeroed, unless it exists.
+  void allocate_gradients() {
+    if (has_grads_) return;
+    weight_grad_ = Matrix<T>::Zero(n_experts(), d_model());
+    has_grads_ = true;
+  }
 
   /// E × d (PyTorch `nn.Linear(d, E).weight`).
   Matrix<T>& weight() { return weight_; }
   const Matrix<T>& weight() const { return weight_; }
+  /// E × d once allocated (has_gradients()), else 0 × 0.
   const Matrix<T>& weight_grad() const { return weight_grad_; }
 
  private:
@@ -317,7 +333,8 @@ class Router {
   Index k_;
   RoutingConfig routing_;
   Matrix<T> weight_;       ///< E × d
-  Matrix<T> weight_grad_;  ///< E × d
+  Matrix<T> weight_grad_;  ///< E × d once allocated, else 0 × 0
+  bool has_grads_ = false;
 };
 
 }  // namespace apex

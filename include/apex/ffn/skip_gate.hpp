@@ -95,10 +95,7 @@ class SkipGate {
     fill_uniform(b1_, rng, 1.0 / std::sqrt(double(d_)));
     init_linear(w2_, rng);
     b2_(0, 0) = T(std::log(cfg.initial_gate / (1.0 - cfg.initial_gate)));
-    w1_grad_ = Matrix<T>::Zero(h_, d_);
-    b1_grad_ = RowVector<T>::Zero(h_);
-    w2_grad_ = Matrix<T>::Zero(1, h_);
-    b2_grad_ = Matrix<T>::Zero(1, 1);
+    // Gradients: allocate_gradients() (param.hpp).
   }
   SkipGate(const SkipGateConfig& cfg, Rng&& rng) : SkipGate(cfg, rng) {}
   /// Weights drawn from `Rng(seed)`.
@@ -168,6 +165,7 @@ class SkipGate {
     detail::check_shape(where, "cache.s", cache.s, n, 1);
     detail::check_shape(where, "cache.g", cache.g, n, 1);
     detail::check_shape(where, "dg", dg.rows(), dg.cols(), n, 1);
+    allocate_gradients();
     // ∂(λ·mean g)/∂g_t = λ/N;  ds = ∂L/∂g · σ′(s),  σ′(s) = σ(s)·σ(−s)
     Vector<T> ds = dg;  // N
     if (n > 0) ds.array() += penalty_ / T(n);
@@ -187,15 +185,29 @@ class SkipGate {
     return dx;
   }
 
+  /// `w1.weight`, `w1.bias`, `w2.weight`, `w2.bias` with their gradients,
+  /// which this allocates (zeroed) if not yet: the views must stay valid for
+  /// the layer's life (param.hpp).
   ParamList<T> params() {
-    ParamList<T> out;
-    out.push_back(detail::make_param<T>("w1.weight", w1_, w1_grad_));
-    out.push_back(detail::make_param<T>("w1.bias", b1_, b1_grad_));
-    out.push_back(detail::make_param<T>("w2.weight", w2_, w2_grad_));
-    out.push_back(detail::make_param<T>("w2.bias", b2_, b2_grad_));
-    return out;
+    allocate_gradients();
+    return param_list(true);
   }
+  /// The same tensors, values only: never allocates gradients (param.hpp).
+  ParamList<T> param_values() { return param_list(false); }
+  /// Whether the gradients exist (param.hpp: allocated lazily).
+  bool has_gradients() const { return has_grads_; }
+  /// Allocates the gradients, zeroed, unless they exist.
+  void allocate_gradients() {
+    if (has_grads_) return;
+    w1_grad_ = Matrix<T>::Zero(h_, d_);
+    b1_grad_ = RowVector<T>::Zero(h_);
+    w2_grad_ = Matrix<T>::Zero(1, h_);
+    b2_grad_ = Matrix<T>::Zero(1, 1);
+    has_grads_ = true;
+  }
+  /// Zeroes the gradients (allocating them, zeroed, if not yet).
   void zero_grad() {
+    if (!has_gradients()) return allocate_gradients();
     w1_grad_.setZero();
     b1_grad_.setZero();
     w2_grad_.setZero();
@@ -213,6 +225,16 @@ class SkipGate {
   T b2() const { return b2_(0, 0); }
 
  private:
+  /// params() (grads) or param_values() (!grads).
+  ParamList<T> param_list(bool grads) {
+    ParamList<T> out;
+    out.push_back(detail::make_param<T>("w1.weight", w1_, grads ? &w1_grad_ : nullptr));
+    out.push_back(detail::make_param<T>("w1.bias", b1_, grads ? &b1_grad_ : nullptr));
+    out.push_back(detail::make_param<T>("w2.weight", w2_, grads ? &w2_grad_ : nullptr));
+    out.push_back(detail::make_param<T>("w2.bias", b2_, grads ? &b2_grad_ : nullptr));
+    return out;
+  }
+
   Index d_ = 0, h_ = 0;
   T threshold_ = T(0.15);
   T penalty_ = T(0);
@@ -224,6 +246,7 @@ class SkipGate {
   RowVector<T> b1_grad_;  ///< 1 × h
   Matrix<T> w2_grad_;     ///< 1 × h
   Matrix<T> b2_grad_;     ///< 1 × 1
+  bool has_grads_ = false;  ///< whether the four gradients above are allocated (else all empty)
 };
 
 }  // namespace apex

@@ -18,6 +18,7 @@
 #include "errors.hpp"
 #include "init.hpp"
 #include "linear.hpp"
+#include "memory_budget.hpp"
 #include "param.hpp"
 #include "types.hpp"
 #include "workspace.hpp"
@@ -59,12 +60,12 @@ class SwiGLU {
     // Sizes checked before anything is allocated (d_model·d_ffn of w_down follows from 2·d_ffn·d_model).
     detail::checked_product("SwiGLU", "w_gate_up size 2*d_ffn*d_model", {2, d_ffn, d_model});
     detail::checked_product("SwiGLU", "work_cols 3*d_ffn", {3, d_ffn});
+    check_memory_fit("SwiGLU", description(), weight_bytes("SwiGLU", d_model, d_ffn));
     w_gate_up_.resize(2 * f_, d_);
     w_down_.resize(d_, f_);
     init_linear(w_gate_up_, rng);
     init_linear(w_down_, rng);
-    w_gate_up_grad_ = Matrix<T>::Zero(2 * f_, d_);
-    w_down_grad_ = Matrix<T>::Zero(d_, f_);
+    // No gradients yet: allocate_gradients() (param.hpp).
   }
   SwiGLU(Index d_model, Index d_ffn, Rng&& rng) : SwiGLU(d_model, d_ffn, rng) {}
   /// Weights drawn from `Rng(seed)`; pass `default_ffn_width(d_model)` for the usual width.
@@ -119,6 +120,7 @@ class SwiGLU {
   template <class DX>
   void backward_block(const ConstMatrixRef<T>& x, const ConstMatrixRef<T>& work, const ConstMatrixRef<T>& dy,
                       const Eigen::MatrixBase<DX>& dx) {
+    allocate_gradients();
     gated_backward(x, work, dy, dx, [&](auto& dh) {
       const Index n = x.rows();
       const auto g = work.leftCols(f_);        // n × f
@@ -137,16 +139,38 @@ class SwiGLU {
   }
   ///@}
 
+  /// `w_gate.weight`, `w_up.weight` (f × d), `w_down.weight` (d × f) with
+  /// their gradients, which this allocates (zeroed) if not yet: the views
+  /// must stay valid for the layer's life (param.hpp).
   ParamList<T> params() {
-    ParamList<T> out;
-    out.push_back({"w_gate.weight", w_gate_up_.data(), w_gate_up_grad_.data(), f_, d_});
-    out.push_back({"w_up.weight", w_gate_up_.data() + f_ * d_, w_gate_up_grad_.data() + f_ * d_, f_, d_});
-    out.push_back(detail::make_param<T>("w_down.weight", w_down_, w_down_grad_));
-    return out;
+    allocate_gradients();
+    return param_list(true);
   }
+  /// The same tensors, values only: never allocates gradients (param.hpp).
+  ParamList<T> param_values() { return param_list(false); }
+  /// Zeroes the gradients (allocating them, zeroed, if not yet).
   void zero_grad() {
+    if (!has_gradients()) return allocate_gradients();
     w_gate_up_grad_.setZero();
     w_down_grad_.setZero();
+  }
+  /// Whether the gradient buffers exist (param.hpp: allocated lazily).
+  bool has_gradients() const { return has_grads_; }
+  /// Allocates the gradients, zeroed, unless they exist. ConfigError if the
+  /// weights and gradients together exceed physical memory (memory_budget.hpp).
+  void allocate_gradients() {
+    if (has_grads_) return;
+    const std::uint64_t bytes = weight_bytes("SwiGLU::allocate_gradients", d_, f_);
+    check_gradient_fit("SwiGLU::allocate_gradients", description(), bytes, bytes);
+    w_gate_up_grad_ = Matrix<T>::Zero(2 * f_, d_);
+    w_down_grad_ = Matrix<T>::Zero(d_, f_);
+    has_grads_ = true;
+  }
+  /// Bytes of the weights of a d_model × d_ffn layer (as many again for the
+  /// gradients). ConfigError beyond the index range.
+  static std::uint64_t weight_bytes(const char* where, Index d_model, Index d_ffn) {
+    const Index count = detail::checked_product(where, "3*d_ffn*d_model", {3, d_ffn, d_model});
+    return detail::scalar_bytes<T>(where, "SwiGLU weight bytes", count);
   }
 
   /// f × d views of the gate and value weights, d × f down weight.
@@ -165,6 +189,20 @@ class SwiGLU {
   void check_cache(const char* where, const Cache& cache) const {
     detail::check_shape(where, "cache.x", cache.x, detail::kAny, d_);
     detail::check_shape(where, "cache.work", cache.work, cache.x.rows(), work_cols());
+  }
+
+  /// params() (grads) or param_values() (!grads).
+  ParamList<T> param_list(bool grads) {
+    T* gu = grads ? w_gate_up_grad_.data() : nullptr;
+    ParamList<T> out;
+    out.push_back({"w_gate.weight", w_gate_up_.data(), gu, f_, d_});
+    out.push_back({"w_up.weight", w_gate_up_.data() + f_ * d_, detail::offset_or_null(gu, f_ * d_), f_, d_});
+    out.push_back(detail::make_param<T>("w_down.weight", w_down_, grads ? &w_down_grad_ : nullptr));
+    return out;
+  }
+  /// "a SwiGLU (d_model d, d_ffn f)", for the memory-fit messages.
+  std::string description() const {
+    return "a SwiGLU (d_model " + std::to_string(d_) + ", d_ffn " + std::to_string(f_) + ")";
   }
 
   // κ-SwiGLU is this network with another gate activation: it runs the
@@ -200,8 +238,9 @@ class SwiGLU {
   Index d_, f_;
   Matrix<T> w_gate_up_;       ///< 2f × d: [W_gate; W_up] (PyTorch layout)
   Matrix<T> w_down_;          ///< d × f
-  Matrix<T> w_gate_up_grad_;  ///< 2f × d
-  Matrix<T> w_down_grad_;     ///< d × f
+  Matrix<T> w_gate_up_grad_;  ///< 2f × d once allocated (allocate_gradients), else 0 × 0
+  Matrix<T> w_down_grad_;     ///< d × f once allocated, else 0 × 0
+  bool has_grads_ = false;
 };
 
 }  // namespace apex

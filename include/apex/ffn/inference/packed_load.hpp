@@ -4,9 +4,9 @@
 /// state_dict names the training layers save (`router.weight`,
 /// `experts.3.w_gate.weight`, `experts.3.kappa_alpha`,
 /// `shared_experts.0.w_down.weight`, `shared_expert_gate.weight`, …; see
-/// MoEFFN::params) or, with `PackedLoadOptions::family`, under the Hugging
-/// Face names of an open MoE family (name_maps.hpp: DeepSeek-V3, Mixtral,
-/// Qwen2-MoE, Qwen3-MoE, OLMoE), in F32, F64 or BF16.
+/// MoEFFN::param_values) or, with `PackedLoadOptions::family`, under the
+/// Hugging Face names of an open MoE family (name_maps.hpp: DeepSeek-V3,
+/// Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), in F32, F64 or BF16.
 ///
 /// Loading goes expert by expert: one expert's three matrices are decoded
 /// into a float staging buffer (3·max(f, f_s)·d floats, reused) and packed at
@@ -310,8 +310,8 @@ PackedSublayer<PackedMoE<Storage, Expert>> load_packed_sublayer(const safetensor
   std::optional<SkipGate<float>> g;
   if (gate) g.emplace(*gate);
   ParamList<float> small;
-  detail::append_prefixed(small, p + "norm.", norm.params());
-  if (g) detail::append_prefixed(small, p + "skip_gate.", g->params());
+  detail::append_prefixed(small, p + "norm.", norm.param_values());  // values only: no gradients allocated
+  if (g) detail::append_prefixed(small, p + "skip_gate.", g->param_values());
   // Names under the prefix that belong to nobody.
   if (!options.allow_unexpected) {
     std::vector<std::string> unexpected;

@@ -337,6 +337,19 @@ class ExpertParallelMoE {
     out.insert(out.begin() + 1, routed.begin(), routed.end());  // after router.weight, as MoEFFN orders them
     return out;
   }
+  /// params() values only: never allocates gradients (param.hpp), for checkpoints.
+  ParamList<T> param_values() {
+    ParamList<T> out;
+    apex::detail::append_prefixed(out, "router.", router_->param_values());
+    for (std::size_t j = 0; j < experts_.size(); ++j)
+      apex::detail::append_prefixed(out, "experts." + std::to_string(first_expert() + Index(j)) + ".",
+                                    apex::detail::param_values_of(experts_[j]));
+    for (std::size_t s = 0; s < shared_.size(); ++s)
+      apex::detail::append_prefixed(out, "shared_experts." + std::to_string(s) + ".", shared_[s].param_values());
+    if (config_.shared_expert_gate)
+      out.push_back(apex::detail::make_value_param<T>("shared_expert_gate.weight", shared_gate_));
+    return out;
+  }
   /// The parameters every rank holds a replica of (router, shared experts,
   /// shared gate).
   ParamList<T> replicated_params() {

@@ -44,11 +44,12 @@ namespace apex::mpi {
 
 namespace detail {
 
-/// This rank's tensors: its params() and, on every rank, a view of `bias`
-/// named `expert_bias` (only rank 0 saves it).
+/// This rank's tensors: its param_values() (values only: a checkpoint never
+/// allocates gradients) and, on every rank, a view of `bias` named
+/// `expert_bias` (only rank 0 saves it).
 template <class T, class Expert>
 ParamList<T> state_of(ExpertParallelMoE<T, Expert>& layer, RowVector<T>& bias) {
-  ParamList<T> state = layer.params();
+  ParamList<T> state = layer.param_values();
   state.push_back(Param<T>{"expert_bias", bias.data(), nullptr, 1, bias.cols()});
   return state;
 }
@@ -181,7 +182,7 @@ LoadResult load_checkpoint(const std::string& path, ExpertParallelMoE<T, Expert>
   namespace fs = std::filesystem;
   constexpr const char* where = "apex::mpi::load_checkpoint";
   RowVector<T> bias = layer.balancer().bias();
-  ParamList<T> params = layer.params();
+  ParamList<T> params = layer.param_values();
   LoadResult result;
   std::optional<apex::detail::Staged<T>> staged;
   bool has_bias = false;
