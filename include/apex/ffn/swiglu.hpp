@@ -9,6 +9,22 @@
 ///
 /// `w_gate` and `w_up` live in one `2f × d` buffer (gate rows first), so the
 /// gate and value branches are one matrix product `X·W_guᵀ`.
+///
+/// Products (train_linear.hpp). For `T = float` the forward products
+/// `[G | U] = X·W_guᵀ` and `Y = A·W_downᵀ` and the ∂L/∂x products of the
+/// backward, `∂L/∂A = dY·W_down` and `∂L/∂X = dH·W_gu`, run on the packed
+/// engine's micro-kernels (packed/linear.hpp) once a block has
+/// `packed::kTrainingMinRows` rows and runs single-threaded (MoE expert
+/// tasks; a dense layer with an OpenMP budget of one); the weight gradients `dYᵀ·A`, `dHᵀ·X`
+/// stay Eigen products, and `double` (the finite-difference reference) stays
+/// on Eigen throughout. The forward writes pre-activation G and U (a plain
+/// product, not the engine's fused SiLU kernel) because the backward reads
+/// them. The weights are packed per call into per-thread scratch, never kept:
+/// they change after every optimiser step through raw `Param` pointers this
+/// layer cannot observe, so a persistent packed copy could be stale. Every
+/// row's bits depend on that row only, so outputs, ∂L/∂x and weight gradients
+/// are bitwise identical for any thread count. Measured ratios and the
+/// command: docs/performance.md, "Training products on the packed engine".
 
 #include <cstdint>
 #include <string>
@@ -20,6 +36,7 @@
 #include "linear.hpp"
 #include "memory_budget.hpp"
 #include "param.hpp"
+#include "train_linear.hpp"
 #include "types.hpp"
 #include "workspace.hpp"
 
@@ -216,9 +233,9 @@ class SwiGLU {
   void gated_forward(const ConstMatrixRef<T>& x, const Eigen::MatrixBase<Work>& work_, const Eigen::MatrixBase<Y>& y,
                      Act&& activation) const {
     auto& work = const_cast<Eigen::MatrixBase<Work>&>(work_);
-    detail::linear_nt(x, w_gate_up_, work.leftCols(2 * f_), false);
+    detail::train_linear_nt(x, w_gate_up_, work.leftCols(2 * f_));
     activation(work.leftCols(f_).array(), work.middleCols(f_, f_).array(), work.rightCols(f_).array());
-    detail::linear_nt(work.rightCols(f_), w_down_, y, false);
+    detail::train_linear_nt(work.rightCols(f_), w_down_, y);
   }
 
   /// The gated-FFN backward every SwiGLU variant shares: the two linear
@@ -229,10 +246,10 @@ class SwiGLU {
                       const Eigen::MatrixBase<DX>& dx, GateGrad&& gate_grad) {
     auto dh = detail::thread_workspace<T, detail::SwiGLUGateGradTag>(x.rows(), 2 * f_);  // n × 2f: [dG | dU]
     // ∂L/∂W_down += dYᵀ·A (d × f);  ∂L/∂A = dY·W_down (n × f), held in the dU half until dU replaces it
-    detail::linear_nt_backward(dy, work.rightCols(f_), w_down_, w_down_grad_, dh.rightCols(f_));
+    detail::train_linear_nt_backward(dy, work.rightCols(f_), w_down_, w_down_grad_, dh.rightCols(f_));
     gate_grad(dh);
     // ∂L/∂W_gu += dHᵀ·X (2f × d);  ∂L/∂X = dH·W_gu (n × d)
-    detail::linear_nt_backward(dh, x, w_gate_up_, w_gate_up_grad_, dx);
+    detail::train_linear_nt_backward(dh, x, w_gate_up_, w_gate_up_grad_, dx);
   }
 
   Index d_, f_;
