@@ -20,6 +20,7 @@
 // Shapes: small (preset 512/1376/E8/K2/S1), medium (2048/5504/E64/K4/S2),
 // fine (1024/512/E64/K8/S2), coarse (1024/3584/E8/K2/S0).
 #include <apex/ffn/moe.hpp>
+#include <apex/ffn/packed/linear.hpp>
 
 #include <algorithm>
 #include <map>
@@ -295,6 +296,65 @@ void BM_MoE_ForwardBackward(benchmark::State& state) {
   state.counters["x_dense"] = total / (3.0 * dense_total);
   state.counters["fb_over_f"] = total / forward;
 }
+
+// The training products on the packed engine (packed/linear.hpp) against
+// Eigen's GEMM, in one binary: every iteration runs the step once with the
+// engine and once without, in alternating order, so load from other tenants
+// of the machine hits both alike. x_eigen = engine time / Eigen time.
+// pass 0: forward with a cache (training forward); pass 1: forward+backward.
+void BM_MoE_TrainingEngine(benchmark::State& state) {
+  const int shape_index = int(state.range(0));
+  const Shape& s = kShapes[shape_index];
+  const Index n = state.range(1);
+  const int threads = int(state.range(2));
+  const bool backward = state.range(3) == 1;
+  MoEFFN<T>& moe = layer(shape_index);
+  moe.set_threads(threads);
+  set_routing(moe, RoutingKind(0));
+  const Matrix<T> x = random_matrix<T>(n, s.d, 100 + n);
+  const Matrix<T> dy = random_matrix<T>(n, s.d, 200 + n);
+  MoEFFN<T>::Cache cache;
+  Matrix<T> y(n, s.d);
+  const packed::TrainingEngine on = packed::training_engine();
+  packed::TrainingEngine off = on;
+  off.enabled = false;
+  const auto step = [&](const packed::TrainingEngine& e) {
+    packed::set_training_engine(e);
+    const auto t0 = Clock::now();
+    moe.forward_into(x, y, &cache);
+    if (backward) benchmark::DoNotOptimize(moe.backward(dy, cache).data());
+    benchmark::ClobberMemory();
+    return seconds_since(t0);
+  };
+  step(on);  // warm-up (untimed): cache, scratch and gradient buffers
+  step(off);
+  double engine = 0, eigen = 0;
+  bool engine_first = true;
+  for (auto _ : state) {
+    double te, tg;
+    if (engine_first) {
+      te = step(on);
+      tg = step(off);
+    } else {
+      tg = step(off);
+      te = step(on);
+    }
+    engine_first = !engine_first;
+    state.SetIterationTime(te);
+    engine += te;
+    eigen += tg;
+  }
+  packed::set_training_engine(on);
+  moe.zero_grad();
+  state.SetLabel(std::string(s.name) + (backward ? "/fwd+bwd" : "/fwd"));
+  state.counters["x_eigen"] = engine / eigen;
+}
+BENCHMARK(BM_MoE_TrainingEngine)
+    ->ArgNames({"shape", "N", "threads", "backward"})
+    ->ArgsProduct({{0, 2}, {16, 128, 2048}, {1, 2}, {0, 1}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(0.5);
 
 // Decode (N ≤ 16) forwards evict the caches before every step (~40 ms,
 // untimed), so they run a fixed number of steps; the other runs last a
