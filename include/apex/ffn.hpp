@@ -26,6 +26,7 @@
 #include "ffn/param.hpp"
 #include "ffn/rms_norm.hpp"
 #include "ffn/router.hpp"
+#include "ffn/shared_expert_gate.hpp"
 #include "ffn/skip_gate.hpp"
 #include "ffn/speculative.hpp"
 #include "ffn/swiglu.hpp"

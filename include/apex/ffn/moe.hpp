@@ -46,6 +46,7 @@
 #include "parallel.hpp"
 #include "param.hpp"
 #include "router.hpp"
+#include "shared_expert_gate.hpp"
 #include "swiglu.hpp"
 #include "types.hpp"
 #include "workspace.hpp"
@@ -314,8 +315,7 @@ class MoEFFN {
 
     // shared gate: D_s ← σ(x·w_gate) ⊙ D_s per token (Qwen2-MoE)
     if (config_.shared_expert_gate) {
-      c.shared_gate = ((-(x * shared_gate_.transpose()).array()).exp() + T(1)).inverse().matrix();
-      for (auto& ys : c.shared_y) ys = c.shared_gate.asDiagonal() * ys;
+      detail::shared_gate_forward<T>(x, shared_gate_, c.shared_gate, c.shared_y);
     } else {
       c.shared_gate.resize(0);
     }
@@ -389,13 +389,7 @@ class MoEFFN {
     // (D_s gated), z = x·w_gate: ∂L/∂w_gate += ∂zᵀ·X, ∂L/∂x += ∂z·w_gate.
     const bool gated = config_.shared_expert_gate && n_shared > 0;
     Matrix<T> dy_shared, dz;  // N × d, N × 1
-    if (gated) {
-      dy_shared = c.shared_gate.asDiagonal() * dy;
-      dz = Matrix<T>::Zero(n, 1);
-      for (const auto& ys : c.shared_y) dz += (ys.cwiseProduct(dy)).rowwise().sum();
-      dz.array() *= T(1) - c.shared_gate.array();
-      shared_gate_grad_.noalias() += dz.transpose() * c.x;
-    }
+    if (gated) detail::shared_gate_backward<T>(c.x, dy, c.shared_gate, c.shared_y, shared_gate_grad_, dy_shared, dz);
     const ConstMatrixRef<T> dy_for_shared = gated ? ConstMatrixRef<T>(dy_shared) : dy;
     const auto tasks = detail::backward_tasks(c.plan.offset, n_shared, n);
     detail::parallel_for(Index(tasks.size()), threads, [&](Index i) {

@@ -19,6 +19,7 @@
 
 #include "../checked_size.hpp"
 #include "../errors.hpp"
+#include "../shared_expert_gate.hpp"
 #include "../moe_config.hpp"
 #include "../packed/kernels.hpp"
 #include "../types.hpp"
@@ -83,15 +84,14 @@ class PackedShared {
   }
 
   /// With a gate: gate (N) = σ(x·w_gateᵀ) and every ys (N × d) scaled by it
-  /// row by row; without one: gate emptied. The expressions are MoEFFN's,
+  /// row by row; without one: gate emptied. shared_expert_gate.hpp, as MoEFFN,
   /// so gate and scaled rows are the float layer's bits for the same D_s.
   void apply_gate(const ConstMatrixRef<float>& x, Vector<float>& gate, std::vector<Matrix<float>>& ys) const {
     if (!gated()) {
       gate.resize(0);
       return;
     }
-    gate = ((-(x * gate_.transpose()).array()).exp() + 1.0f).inverse().matrix();  // N
-    for (auto& y : ys) y = gate.asDiagonal() * y;
+    apex::detail::shared_gate_forward<float>(x, gate_, gate, ys);
   }
 
   /// Adds the experts' float source weights and the gate to a fingerprint,

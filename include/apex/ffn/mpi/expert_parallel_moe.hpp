@@ -61,6 +61,7 @@
 #include "../moe.hpp"
 #include "../parallel.hpp"
 #include "../router.hpp"
+#include "../shared_expert_gate.hpp"
 #include "../swiglu.hpp"
 #include "../workspace.hpp"
 #include "communicator.hpp"
@@ -203,8 +204,7 @@ class ExpertParallelMoE {
                             c.shared_work, c.shared_y, kMaxTileRows, threads);
       // shared gate: D_s ← σ(x·w_gate) ⊙ D_s per token (Qwen2-MoE), MoEFFN's expression
       if (config_.shared_expert_gate) {
-        c.shared_gate = ((-(x * shared_gate_.transpose()).array()).exp() + T(1)).inverse().matrix();
-        for (auto& ys : c.shared_y) ys = c.shared_gate.asDiagonal() * ys;
+        apex::detail::shared_gate_forward<T>(x, shared_gate_, c.shared_gate, c.shared_y);
       } else {
         c.shared_gate.resize(0);
       }
@@ -268,13 +268,8 @@ class ExpertParallelMoE {
         // shared gate: the shared experts see σ ⊙ dy; ∂L/∂z_t = (1 − σ_t) ⟨dy_t, Σ_s D_s[t]⟩
         // (D_s gated), z = x·w_gate: ∂L/∂w_gate += ∂zᵀ·X (this rank's part of
         // a replicated gradient, summed below), ∂L/∂x += ∂z·w_gate (after the gather).
-        if (gated()) {
-          dy_shared = c.shared_gate.asDiagonal() * dy;
-          dz = Matrix<T>::Zero(n, 1);
-          for (const auto& ys : c.shared_y) dz += (ys.cwiseProduct(dy)).rowwise().sum();
-          dz.array() *= T(1) - c.shared_gate.array();
-          shared_gate_grad_.noalias() += dz.transpose() * c.x;
-        }
+        if (gated())
+          apex::detail::shared_gate_backward<T>(c.x, dy, c.shared_gate, c.shared_y, shared_gate_grad_, dy_shared, dz);
         const ConstMatrixRef<T> dy_for_shared = gated() ? ConstMatrixRef<T>(dy_shared) : dy;
         detail::local_backward(experts_, shared_, c.x, dy_for_shared, c.x_local, c.side_local, ex.local_offset,
                                c.work, c.shared_work, dy_local, dx_local, dside_local, shared_dx, threads);
