@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Turns bench_moe's JSON output (and, optionally, bench_torch.py's) into the
-README's performance table (Markdown) and a plot (SVG). Standard library only.
+performance tables of docs/performance.md (Markdown) and a plot (SVG). Standard library only.
 
     bench_moe --benchmark_repetitions=3 --benchmark_out=moe.json --benchmark_out_format=json
     /usr/bin/python3 tools/bench_torch.py --out torch.jsonl
@@ -89,7 +89,7 @@ def table(results, torch):
 
 
 def summary(results, torch):
-    """The README's compact table, uniform routing: one row per shape and
+    """The compact table of docs/performance.md, uniform routing: one row per shape and
     thread count with the figure each target is about; then how routing skew
     moves the N = 2048 forward."""
     def rec(mode, shape, n, thr, routing="uniform"):
@@ -222,7 +222,7 @@ def main():
                     help="bench_moe JSON output; a configuration in a later file replaces the same one in an earlier file")
     ap.add_argument("--torch", help="bench_torch.py output (JSON lines)")
     ap.add_argument("--table", help="write the Markdown table here (default: stdout)")
-    ap.add_argument("--summary", help="write the README's compact table and the target check here")
+    ap.add_argument("--summary", help="write the compact table and the target check (docs/performance.md) here")
     ap.add_argument("--plot", help="write an SVG plot of forward time / dense-equivalent time")
     args = ap.parse_args()
     results, context = {}, {}

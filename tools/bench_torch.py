@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Times the reference PyTorch MoEFFN (the tutorial's algorithm) at the shapes,
 token counts, routings and thread counts of benchmarks/bench_moe.cpp, so the
-README can compare apex-ffn with PyTorch on the same machine.
+performance tables (docs/performance.md) can compare apex-ffn with PyTorch on the same machine.
 
 Needs Debian's python3-torch (run with /usr/bin/python3). Writes JSON lines:
 {"shape", "N", "routing", "threads", "mode": "forward"|"forward_backward", "seconds"}

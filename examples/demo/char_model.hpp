@@ -316,6 +316,7 @@ class CharModel {
   std::vector<Sparse>& moe_layers() { return sparse_; }
   const std::vector<Sparse>& moe_layers() const { return sparse_; }
   std::vector<Dense>& dense_layers() { return dense_; }
+  const std::vector<Dense>& dense_layers() const { return dense_; }
   const MultiTokenHeads<T>& mtp() const { return mtp_; }
 
   /// Every parameter, named as a PyTorch state_dict: `embed.…`,

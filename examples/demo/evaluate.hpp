@@ -14,6 +14,10 @@
 
 namespace apex::demo {
 
+/// Validation characters of the quick evaluations: during training, and of
+/// the model reloaded from a checkpoint.
+inline constexpr Index kQuickEvalTokens = 8192;
+
 struct EvalResult {
   Index tokens = 0;               ///< positions scored by the main head
   double loss = 0;                ///< main head: mean cross-entropy, nats
