@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
+#include <limits>
 
 #include <unistd.h>
 
@@ -532,5 +533,52 @@ TEST_CASE("kappa-SwiGLU experts read the raw logit under every scoring", "[routi
     APEX_CHECK_GRADS(check_params(moe.params(), loss), 1e-6);
     APEX_CHECK_GRADS(std::vector{check_values("x", x.data(), dx.data(), x.size(), loss)}, 1e-6);
     CHECK(flips == 0);
+  }
+}
+
+TEST_CASE("a capacity at or above the batch saturates: nothing is dropped", "[routing][capacity][regression]") {
+  // capacity.hpp: expert_capacity computed Index(std::ceil(φ·rows/E)) for any
+  // finite φ; φ = 1e300 passed validate() and the conversion of 4e300 to an
+  // integer was undefined behaviour (a negative capacity in practice:
+  // expert_capacity(1e30, 10, 1) was INT64_MIN), so every routed pair was
+  // dropped and MoEFFN, PackedMoE and ExpertParallelMoE returned the shared
+  // experts alone. Fixed: C is computed in double and clamped to `rows`
+  // before the conversion, so a capacity of at least the batch drops nothing.
+  using dispatch::expert_capacity;
+  CHECK(expert_capacity(1e30, 10, 1) == 10);
+  CHECK(expert_capacity(1e300, 16, 4) == 16);
+  CHECK(expert_capacity(std::numeric_limits<double>::max(), 7, 3) == 7);
+  CHECK(expert_capacity(4.0, 16, 4) == 16);  // exactly the batch
+  CHECK(expert_capacity(1e300, 0, 4) == 0);
+  const Index huge = std::numeric_limits<Index>::max();
+  CHECK(expert_capacity(2.0, huge, 1) == huge);  // φ·rows beyond Index: saturates too
+  CHECK(expert_capacity(0.5, 16, 4) == 2);       // ordinary factors unchanged
+  CHECK(expert_capacity(1.25, 10, 4) == 4);
+
+  for (double factor : {1e300, 1e30, 4.0}) {
+    INFO("capacity factor " << factor);
+    RoutingConfig rc = family_routing(MoEFamily::Mixtral);
+    MoEFFN<double> dropless(routed_config(4, 2, 1, rc), 9);
+    rc.capacity_factor = factor;
+    MoEFFN<double> capped(routed_config(4, 2, 1, rc), 9);
+    const Matrix<double> x = random_matrix(8, 6, 10, 1.5);
+    MoEFFN<double>::Cache c;
+    const Matrix<double> y = capped.forward(x, &c);
+    CHECK(c.dropped.empty());
+    CHECK(y == dropless.forward(x));  // bitwise
+
+    // The function ExpertParallelMoE applies to the whole batch (global_capacity.hpp).
+    const Index cap = expert_capacity(factor, c.plan.rows(), 4);
+    CHECK(dispatch::capacity_drops(c.plan, c.routing.weights, cap).empty());
+
+    // The packed layer (float).
+    MoEFFN<float> dropless_f(routed_config(4, 2, 1, family_routing(MoEFamily::Mixtral)), 9);
+    MoEFFN<float> capped_f(routed_config(4, 2, 1, rc), 9);
+    const Matrix<float> xf = x.cast<float>();
+    CHECK(capped_f.forward(xf) == dropless_f.forward(xf));
+    PackedMoE<float>::Cache pc;
+    const Matrix<float> yp = PackedMoE<float>::from(capped_f).forward(xf, &pc);
+    CHECK(pc.dropped.empty());
+    CHECK(yp == PackedMoE<float>::from(dropless_f).forward(xf));
   }
 }

@@ -59,7 +59,8 @@ struct RoutingConfig {
   /// Routed scaling factor c > 0 multiplying every weight.
   double routed_scale = 1.0;
   /// Capacity factor φ of MoEFFN (0: off, dropless, the default). Each
-  /// expert takes at most C = ⌈φ·N·K/E⌉ of a batch's N·K assignments; of an
+  /// expert takes at most C = min(⌈φ·N·K/E⌉, N·K) of a batch's N·K
+  /// assignments (so a huge φ saturates and drops nothing); of an
   /// overfull expert's, the lowest-weighted are dropped (ties: the higher
   /// token index, then the higher slot, is dropped first). A dropped
   /// assignment adds nothing to the output and gets no gradient; the
