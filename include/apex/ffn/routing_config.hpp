@@ -11,7 +11,8 @@
 ///     groups: keep the best `topk_group` of `n_groups` groups of E/G experts
 ///             (group score = sum of its top-2 r, or its max r)
 ///     (e_1..e_K) = top-K(r) inside the kept groups, ties to the lower index
-///     g_k = c · s_{e_k} [/ Σ_j s_{e_j} if renormalize]    (c = routed_scale)
+///     g_k = c · s_{e_k} [/ D if renormalize]              (c = routed_scale)
+///     D = Σ_j s_{e_j} (+ 1e-20 for Sigmoid: renorm_denominator)
 
 #include <cmath>
 #include <string>
@@ -66,6 +67,20 @@ struct RoutingConfig {
   /// assignment adds nothing to the output and gets no gradient; the
   /// balancer still counts it (it counts selections).
   double capacity_factor = 0.0;
+
+  /// D of the renormalisation g_k = c·s_k / D, from S = Σ_j s_{e_j}:
+  /// S + 1e-20 for Sigmoid, S otherwise. Every σ can underflow to 0 (float
+  /// logits ≲ −104, double ≲ −745), and 0/0 would be NaN; Hugging Face's
+  /// DeepSeek-V3 adds the same 1e-20, so this matches it. The ε is exact:
+  /// ∂g_k/∂s_{e_i} = c (δ_ki − g_k / c) / D, D including the ε. For every
+  /// S ≥ 2⁻⁴² ≈ 2.3e-13 (float) or 2⁻¹³ ≈ 1.2e-4 (double) S + 1e-20 rounds
+  /// to S, so ordinary inputs are bitwise unchanged. A softmax's selected sum is ≥ 1/E and
+  /// needs no ε (nor do Hugging Face's Mixtral and Qwen3-MoE add one).
+  template <class T>
+  T renorm_denominator(T sum) const {
+    return scoring == Scoring::Sigmoid ? sum + T(kSigmoidRenormEpsilon) : sum;
+  }
+  static constexpr double kSigmoidRenormEpsilon = 1e-20;  ///< normal in float (min normal 1.2e-38)
 
   /// True for APEX-1's router (bitwise-unchanged fast path).
   bool is_default() const {
