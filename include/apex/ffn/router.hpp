@@ -63,7 +63,7 @@ class Router {
   /// Scoring, selection and weighting (routing_config.hpp). Throws
   /// ConfigError naming the field if `routing` does not fit this router's E and K.
   void set_routing(const RoutingConfig& routing) {
-    routing.validate("Router::set_routing", n_experts(), k_);
+    routing.validate_for<T>("Router::set_routing", n_experts(), k_);
     routing_ = routing;
   }
   const RoutingConfig& routing() const { return routing_; }

@@ -18,6 +18,7 @@
 #include <string>
 
 #include "errors.hpp"
+#include "scalar_range.hpp"
 #include "types.hpp"
 
 namespace apex {
@@ -105,6 +106,20 @@ struct RoutingConfig {
          "routing.routed_scale must be finite and > 0, got " + std::to_string(routed_scale));
     need(std::isfinite(capacity_factor) && capacity_factor >= 0,
          "routing.capacity_factor must be finite and >= 0 (0: off), got " + std::to_string(capacity_factor));
+  }
+
+  /// As validate(), for a layer that computes in T (the router converts c to
+  /// T: 1e39 would be +inf in float).
+  template <class T>
+  void validate_for(const char* where, Index n_experts, Index n_active) const {
+    validate(where, n_experts, n_active);
+    check_scalar_range<T>(where);
+  }
+  /// The range part of validate_for alone. The capacity factor is exempt: it
+  /// is only used in double, and its capacity saturates (capacity.hpp).
+  template <class T>
+  void check_scalar_range(const char* where) const {
+    detail::require_fits<T>(where, "routing.routed_scale", routed_scale);
   }
 };
 
