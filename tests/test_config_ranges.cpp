@@ -6,6 +6,7 @@
 // enumerators (a cast from an integer) must be a ConfigError naming the
 // field and the value, never silently read as another enumerator.
 // docs/error_model.md lists what is checked.
+#include <apex/ffn/checkpoint.hpp>
 #include <apex/ffn/cross_entropy.hpp>
 #include <apex/ffn/family_presets.hpp>
 #include <apex/ffn/ffn_sublayer.hpp>
@@ -189,4 +190,142 @@ TEST_CASE("a capacity factor beyond float's range is accepted and saturates", "[
   CHECK(capped.forward(x, &cache) == dropless.forward(x));
   CHECK(cache.dropped.empty());
   CHECK(PackedMoE<float>::from(capped).forward(x) == PackedMoE<float>::from(dropless).forward(x));
+}
+
+namespace {
+
+/// An enum value no enumerator has, as a cast from an integer gives it.
+template <class E>
+E out_of_range(int v) {
+  return static_cast<E>(v);
+}
+
+}  // namespace
+
+TEST_CASE("every enum field of every config rejects a value outside its enumerators", "[sweeps][regression]") {
+  // routing_config.hpp validated Scoring but not GroupScore: GroupScore(7)
+  // was accepted and read as Max (the router tests == Top2Sum). The same
+  // held for every other enum a configuration carries: MoEFamily (read as
+  // Qwen3-MoE/OLMoE by the name maps, a default routing by family_routing),
+  // SublayerMode (read as inference), packed::Bf16Products (read as
+  // widened) and packed::Isa (rejected, but as "kernel path 'unknown'").
+  // Fixed: each is checked where it is used, ConfigError naming the field
+  // and the value.
+  const auto group = out_of_range<GroupScore>(7);
+  const auto scoring = out_of_range<Scoring>(7);
+  const auto family = out_of_range<MoEFamily>(9);
+  const auto mode = out_of_range<SublayerMode>(5);
+  const auto isa = out_of_range<packed::Isa>(9);
+  const auto products = out_of_range<packed::Bf16Products>(9);
+  auto moe_with = [](auto edit) {
+    return [edit] {
+      MoEConfig c = small_config();
+      edit(c.routing);
+      MoEFFN<double> moe(c, 1);
+    };
+  };
+  const std::string tmp =
+      (std::filesystem::temp_directory_path() / ("apex_cfg_enum_" + std::to_string(::getpid()) + ".safetensors"))
+          .string();
+  {
+    MoEConfig c = small_config();
+    c.n_shared = 0;
+    MoEFFN<double> m(c, 2);
+    save_family_checkpoint(tmp, m, MoEFamily::Mixtral);
+  }
+  std::vector<Case> cases{
+      {"MoEFFN routing.group_score = 7", moe_with([&](RoutingConfig& r) { r.group_score = group; }), "ConfigError",
+       {"MoEFFN", "routing.group_score", "got 7"}},
+      {"MoEFFN routing.group_score = 7 with groups", moe_with([&](RoutingConfig& r) {
+         r.n_groups = 2, r.group_score = group;
+       }), "ConfigError", {"routing.group_score", "got 7"}},
+      {"MoEFFN routing.scoring = 7", moe_with([&](RoutingConfig& r) { r.scoring = scoring; }), "ConfigError",
+       {"MoEFFN", "routing.scoring", "got 7"}},
+      {"Router::set_routing group_score = 7", [&] {
+         Rng rng(1);
+         Router<float> r(4, 4, 2, rng);
+         RoutingConfig rc;
+         rc.group_score = group;
+         r.set_routing(rc);
+       }, "ConfigError", {"Router::set_routing", "routing.group_score", "got 7"}},
+      {"PackedMoE::check_fits group_score = 7", [&] {
+         MoEConfig c = small_config();
+         c.routing.group_score = group;
+         PackedMoE<float>::check_fits("PackedMoE::check_fits", c, 0);
+       }, "ConfigError", {"routing.group_score", "got 7"}},
+      {"family_routing(9)", [&] { family_routing(family); }, "ConfigError", {"family_routing", "family", "got 9"}},
+      {"family_preset(9)", [&] { family_preset(family); }, "ConfigError", {"family_preset", "family", "got 9"}},
+      {"family_params(9)", [&] {
+         MoEConfig c = small_config();
+         c.n_shared = 0;
+         MoEFFN<double> m(c, 2);
+         family_params(m, family);
+       }, "ConfigError", {"family_params", "family", "got 9"}},
+      {"save_family_checkpoint(9)", [&] {
+         MoEConfig c = small_config();
+         c.n_shared = 0;
+         MoEFFN<double> m(c, 2);
+         save_family_checkpoint(tmp + ".x", m, family);
+       }, "ConfigError", {"family", "got 9"}},
+      {"load_family_checkpoint(9)", [&] {
+         MoEConfig c = small_config();
+         c.n_shared = 0;
+         MoEFFN<double> m(c, 2);
+         load_family_checkpoint(tmp, m, family);
+       }, "ConfigError", {"load_family_checkpoint", "family", "got 9"}},
+      {"load_packed_moe PackedLoadOptions.family = 9", [&] {
+         MoEConfig c = small_config();
+         c.n_shared = 0;
+         PackedLoadOptions o;
+         o.family = family;
+         load_packed_moe<float>(tmp, c, o);
+       }, "ConfigError", {"load_packed_moe", "family", "got 9"}},
+      {"FFNSublayer::set_mode(5)", [&] {
+         FFNSublayer<double, SwiGLU<double>> s(4, SwiGLU<double>(4, 3));
+         s.set_mode(mode);
+       }, "ConfigError", {"FFNSublayer::set_mode", "mode", "got 5"}},
+      {"FFNSublayer::forward(mode 5)", [&] {
+         FFNSublayer<double, SwiGLU<double>> s(4, SwiGLU<double>(4, 3));
+         FFNSublayer<double, SwiGLU<double>>::Cache cache;
+         s.forward(Matrix<double>::Ones(2, 4), mode, &cache);
+       }, "ConfigError", {"FFNSublayer::forward", "mode", "got 5"}},
+  };
+  auto packed_forward_with = [](packed::ForwardOptions o) {
+    return [o] {
+      auto p = PackedMoE<float>::from(MoEFFN<float>(small_config(), 3));
+      p.set_kernel_options(o);
+      p.forward(Matrix<float>::Ones(3, 4));
+    };
+  };
+  packed::ForwardOptions bad_isa, bad_products;
+  bad_isa.isa = isa;
+  bad_products.bf16_products = products;
+  cases.push_back({"PackedMoE::forward isa = 9", packed_forward_with(bad_isa), "ConfigError", {"isa", "got 9"}});
+  cases.push_back({"PackedMoE::forward bf16_products = 9", packed_forward_with(bad_products), "ConfigError",
+                   {"bf16_products", "got 9"}});
+  cases.push_back({"PackedSwiGLU::forward bf16_products = 9", [&] {
+                     auto p = PackedSwiGLU<float>::from(SwiGLU<float>(4, 3));
+                     p.set_kernel_options(bad_products);
+                     p.forward(Matrix<float>::Ones(3, 4));
+                   }, "ConfigError", {"bf16_products", "got 9"}});
+  cases.push_back({"kappa PackedMoE::forward bf16_products = 9", [&] {
+                     MoEFFN<float, KappaSwiGLU<float>> m(small_config(), 3);
+                     auto p = PackedMoE<float, KappaSwiGLU<float>>::from(m);
+                     p.set_kernel_options(bad_products);
+                     p.forward(Matrix<float>::Ones(3, 4), nullptr);
+                   }, "ConfigError", {"bf16_products", "got 9"}});
+  cases.push_back({"packed::to_bf16 isa = 9", [&] {
+                     std::vector<float> src(4, 1.f);
+                     std::vector<packed::bf16> dst(4);
+                     packed::to_bf16(src.data(), dst.data(), 4, isa);
+                   }, "ConfigError", {"isa", "got 9"}});
+  // The writer's dtype was already a typed error (ValueError, as any dtype it cannot write).
+  cases.push_back({"save_checkpoint SaveOptions.dtype = 99", [&] {
+                     MoEFFN<double> m(small_config(), 2);
+                     SaveOptions o;
+                     o.dtype = out_of_range<safetensors::DType>(99);
+                     save_checkpoint(tmp + ".y", m.param_values(), o);
+                   }, "ValueError", {"dtype"}});
+  run_sweep(cases);
+  std::filesystem::remove(tmp);
 }

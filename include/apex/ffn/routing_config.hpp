@@ -92,8 +92,12 @@ struct RoutingConfig {
   /// `n_experts` experts, `n_active` per token.
   void validate(const char* where, Index n_experts, Index n_active) const {
     auto need = [&](bool ok, const std::string& what) { detail::require_config(ok, where, what); };
+    // An enum cast from an out-of-range integer would be read as some other
+    // choice by the router's comparisons: name the value instead.
     need(scoring == Scoring::SoftmaxSelected || scoring == Scoring::SoftmaxAll || scoring == Scoring::Sigmoid,
-         "routing.scoring is not a Scoring value");
+         "routing.scoring must be softmax_selected, softmax_all or sigmoid, got " + std::to_string(int(scoring)));
+    need(group_score == GroupScore::Top2Sum || group_score == GroupScore::Max,
+         "routing.group_score must be top2_sum or max, got " + std::to_string(int(group_score)));
     need(n_groups >= 1, "routing.n_groups must be >= 1, got " + std::to_string(n_groups));
     need(n_experts % n_groups == 0, "routing.n_groups = " + std::to_string(n_groups) +
                                         " must divide n_experts = " + std::to_string(n_experts));
