@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
+#include <limits>
 
 #include <unistd.h>
 
@@ -533,4 +534,136 @@ TEST_CASE("kappa-SwiGLU experts read the raw logit under every scoring", "[routi
     APEX_CHECK_GRADS(std::vector{check_values("x", x.data(), dx.data(), x.size(), loss)}, 1e-6);
     CHECK(flips == 0);
   }
+}
+
+TEST_CASE("a capacity at or above the batch saturates: nothing is dropped", "[routing][capacity][regression]") {
+  // capacity.hpp: expert_capacity computed Index(std::ceil(φ·rows/E)) for any
+  // finite φ; φ = 1e300 passed validate() and the conversion of 4e300 to an
+  // integer was undefined behaviour (a negative capacity in practice:
+  // expert_capacity(1e30, 10, 1) was INT64_MIN), so every routed pair was
+  // dropped and MoEFFN, PackedMoE and ExpertParallelMoE returned the shared
+  // experts alone. Fixed: C is computed in double and clamped to `rows`
+  // before the conversion, so a capacity of at least the batch drops nothing.
+  using dispatch::expert_capacity;
+  CHECK(expert_capacity(1e30, 10, 1) == 10);
+  CHECK(expert_capacity(1e300, 16, 4) == 16);
+  CHECK(expert_capacity(std::numeric_limits<double>::max(), 7, 3) == 7);
+  CHECK(expert_capacity(4.0, 16, 4) == 16);  // exactly the batch
+  CHECK(expert_capacity(1e300, 0, 4) == 0);
+  const Index huge = std::numeric_limits<Index>::max();
+  CHECK(expert_capacity(2.0, huge, 1) == huge);  // φ·rows beyond Index: saturates too
+  CHECK(expert_capacity(0.5, 16, 4) == 2);       // ordinary factors unchanged
+  CHECK(expert_capacity(1.25, 10, 4) == 4);
+
+  for (double factor : {1e300, 1e30, 4.0}) {
+    INFO("capacity factor " << factor);
+    RoutingConfig rc = family_routing(MoEFamily::Mixtral);
+    MoEFFN<double> dropless(routed_config(4, 2, 1, rc), 9);
+    rc.capacity_factor = factor;
+    MoEFFN<double> capped(routed_config(4, 2, 1, rc), 9);
+    const Matrix<double> x = random_matrix(8, 6, 10, 1.5);
+    MoEFFN<double>::Cache c;
+    const Matrix<double> y = capped.forward(x, &c);
+    CHECK(c.dropped.empty());
+    CHECK(y == dropless.forward(x));  // bitwise
+
+    // The function ExpertParallelMoE applies to the whole batch (global_capacity.hpp).
+    const Index cap = expert_capacity(factor, c.plan.rows(), 4);
+    CHECK(dispatch::capacity_drops(c.plan, c.routing.weights, cap).empty());
+
+    // The packed layer (float).
+    MoEFFN<float> dropless_f(routed_config(4, 2, 1, family_routing(MoEFamily::Mixtral)), 9);
+    MoEFFN<float> capped_f(routed_config(4, 2, 1, rc), 9);
+    const Matrix<float> xf = x.cast<float>();
+    CHECK(capped_f.forward(xf) == dropless_f.forward(xf));
+    PackedMoE<float>::Cache pc;
+    const Matrix<float> yp = PackedMoE<float>::from(capped_f).forward(xf, &pc);
+    CHECK(pc.dropped.empty());
+    CHECK(yp == PackedMoE<float>::from(dropless_f).forward(xf));
+  }
+}
+
+namespace {
+
+/// A sigmoid-renormalised layer (DeepSeek-V3's rule, no groups) whose router
+/// logits all lie near `logit`: column 0 of x is 1 and the router's column 0
+/// is `logit`, the other columns add ±0.3 · x.
+template <class T>
+MoEFFN<T> sigmoid_layer_near(double logit, Matrix<T>& x) {
+  RoutingConfig rc;
+  rc.scoring = Scoring::Sigmoid;
+  rc.renormalize = true;
+  rc.routed_scale = 2.5;
+  MoEFFN<T> moe(routed_config(8, 3, 1, rc), 31);
+  Matrix<double> w = random_matrix(8, 6, 32, 0.3);
+  w.col(0).setConstant(logit);
+  moe.router().weight() = w.cast<T>();
+  Matrix<double> xd = random_matrix(5, 6, 33, 1.0);
+  xd.col(0).setOnes();
+  x = xd.cast<T>();
+  return moe;
+}
+
+}  // namespace
+
+TEST_CASE("sigmoid renormalisation is finite when every score underflows", "[routing][regression]") {
+  // router.hpp: with sigmoid scoring and renormalisation the weights were
+  // g_k = c·s_k / Σ_j s_j. In float, logits near −160 give σ = 0 exactly
+  // (exp(160) overflows), so the weights were 0/0 = NaN and the output NaN
+  // for a finite input. Fixed (DeepSeek-V3's rule as Hugging Face writes
+  // it): the denominator is Σ_j s_j + 1e-20; the weights are then 0, the
+  // layer returns its shared experts, and the backward is finite.
+  auto finite_everywhere = [](auto& moe, const auto& x) {
+    using M = std::decay_t<decltype(x)>;
+    typename std::decay_t<decltype(moe)>::Cache c;
+    const M y = moe.forward(x, &c);
+    CHECK(y.allFinite());
+    CHECK(c.routing.weights.allFinite());
+    const M dx = moe.backward(M::Ones(x.rows(), x.cols()), c);
+    CHECK(dx.allFinite());
+    for (const auto& p : moe.params()) {
+      INFO(p.name);
+      CHECK(p.grad().allFinite());
+    }
+  };
+  Matrix<float> xf;
+  MoEFFN<float> f = sigmoid_layer_near<float>(-160, xf);
+  finite_everywhere(f, xf);
+  CHECK(f.forward(xf) == f.shared_experts()[0].forward(xf));  // every routed weight is 0
+  Matrix<double> xd;
+  MoEFFN<double> d = sigmoid_layer_near<double>(-800, xd);  // σ = 0 in double too
+  finite_everywhere(d, xd);
+}
+
+TEST_CASE("sigmoid renormalisation divides by the sum plus 1e-20", "[routing][gradcheck]") {
+  // Where the scores are tiny but not zero (double, logits near −40: σ ≈
+  // 4e-18) the 1e-20 is visible: the weights sum to c·S/(S + 1e-20), as in
+  // Hugging Face's DeepSeek-V3, and the backward (∂g/∂s includes the ε)
+  // matches central differences.
+  Matrix<double> x;
+  MoEFFN<double> moe = sigmoid_layer_near<double>(-40, x);
+  MoEFFN<double>::Cache c;
+  moe.forward(x, &c);
+  for (Index t = 0; t < x.rows(); ++t) {
+    double sum = 0;
+    for (Index k = 0; k < 3; ++k) sum += c.routing.scores(t, c.routing.experts(t, k));
+    REQUIRE(sum < 1e-15);
+    for (Index k = 0; k < 3; ++k)
+      CHECK(c.routing.weights(t, k) == 2.5 * (c.routing.scores(t, c.routing.experts(t, k)) / (sum + 1e-20)));
+    CHECK(c.routing.weights.row(t).sum() < 2.5 * (1 - 1e-6));
+  }
+  const Matrix<double> rr = random_matrix(5, 6, 34);
+  Matrix<double> xv = x;
+  int flips = 0;
+  auto loss = [&] {
+    MoEFFN<double>::Cache cc;
+    const double l = dot_all(moe.forward(xv, &cc), rr);
+    if (cc.routing.experts != c.routing.experts) ++flips;
+    return l;
+  };
+  const Matrix<double> dx = moe.backward(rr, c);
+  APEX_CHECK_GRADS(check_params(moe.params(), loss), 1e-6);
+  APEX_CHECK_GRADS(std::vector{check_values("x", xv.data(), dx.data(), xv.size(), loss)}, 1e-6);
+  CHECK(flips == 0);
+  CHECK(moe.router().weight_grad().norm() > 0);
 }

@@ -88,7 +88,10 @@ def route(family, cfg, logits, bias):
         margin = min(group_margin, (s_sorted[:, K - 1] - s_sorted[:, K]).min().item())
         idx = masked.topk(K, dim=-1)[1]
         w = original.gather(1, idx)
-        w = w / w.sum(dim=-1, keepdim=True)  # score_func == "sigmoid": renormalise
+        # score_func == "sigmoid": renormalise. Hugging Face's DeepseekV3MoE adds
+        # 1e-20 to the denominator (inference/model.py does not); apex-ffn
+        # follows Hugging Face, identical unless every selected sigma is tiny.
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         return w * cfg["scale"], idx, margin
     # Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE: softmax over all E, top-k.
     probs = F.softmax(logits, dim=1, dtype=torch.float64)

@@ -7,7 +7,7 @@
 /// batch, all ranks' tokens in rank order, so it drops what the
 /// single-process layer drops on the concatenated batch).
 ///
-///     C = ⌈φ · N·K / E⌉ assignments per expert;
+///     C = min(⌈φ · N·K / E⌉, N·K) assignments per expert (saturating);
 ///     of an expert with more, keep the C highest-weighted, ties keeping the
 ///     lower pair id t·K + k; drop the rest.
 ///
@@ -25,15 +25,22 @@
 
 namespace apex::dispatch {
 
-/// C = ⌈factor · rows / n_experts⌉: the most assignments one expert keeps of
-/// a batch of `rows` = N·K assignments. ConfigError unless factor is finite
-/// and > 0 and n_experts > 0.
+/// C = min(⌈factor · rows / n_experts⌉, rows): the most assignments one
+/// expert keeps of a batch of `rows` = N·K assignments. No expert holds more
+/// than `rows`, so a larger C drops nothing: it saturates at `rows`, and any
+/// finite factor is usable (1e300 means "no limit", not an overflow).
+/// ConfigError unless factor is finite and > 0, n_experts > 0 and rows ≥ 0.
 inline Index expert_capacity(double factor, Index rows, Index n_experts) {
   detail::require_config(std::isfinite(factor) && factor > 0, "dispatch::expert_capacity",
                          "capacity factor must be finite and > 0, got " + std::to_string(factor));
   detail::require_config(n_experts > 0, "dispatch::expert_capacity",
                          "n_experts must be positive, got " + std::to_string(n_experts));
-  return Index(std::ceil(factor * double(rows) / double(n_experts)));
+  detail::require_config(rows >= 0, "dispatch::expert_capacity", "rows must be >= 0, got " + std::to_string(rows));
+  // In double (φ·rows may be beyond Index, or +inf), clamped before the
+  // conversion: converting a double outside Index's range is undefined.
+  // c < double(rows) ≤ 2^63 means c ≤ 2^63 − 1024, which converts exactly.
+  const double c = std::ceil(factor * double(rows) / double(n_experts));
+  return c < double(rows) ? Index(c) : rows;
 }
 
 /// The pairs t·K + k (ascending) that the capacity limit drops: for every

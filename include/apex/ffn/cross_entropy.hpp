@@ -19,6 +19,7 @@
 #include <string>
 
 #include "errors.hpp"
+#include "scalar_range.hpp"
 #include "types.hpp"
 
 namespace apex {
@@ -162,6 +163,7 @@ CrossEntropyStats cross_entropy(const Eigen::MatrixBase<Derived>& logits, const 
   const Index n = z.rows(), vocab = z.cols();
   detail::check_shape(where, "targets", targets.rows(), 1, n, 1);
   detail::require_config(std::isfinite(opt.grad_scale), where, "grad_scale must be finite");
+  detail::require_fits<T>(where, "grad_scale", opt.grad_scale);  // c = grad_scale / count is a T
   Index count = 0;
   for (Index t = 0; t < n; ++t) {
     detail::check_token(where, "targets", t, targets(t), vocab, opt.ignore_index);

@@ -38,10 +38,25 @@ inline const char* family_name(MoEFamily f) {
   return "?";
 }
 
+/// Every MoEFamily.
+inline constexpr MoEFamily kAllFamilies[] = {MoEFamily::DeepSeekV3, MoEFamily::Mixtral, MoEFamily::Qwen2MoE,
+                                             MoEFamily::Qwen3MoE, MoEFamily::OLMoE};
+
+namespace detail {
+/// ConfigError unless `f` is one of the enumerators: a value cast from an
+/// integer would otherwise be read as some family by the switches below.
+inline void check_family(const char* where, MoEFamily f) {
+  for (MoEFamily known : kAllFamilies)
+    if (f == known) return;
+  require_config(false, where,
+                 "family must be one of deepseek_v3, mixtral, qwen2_moe, qwen3_moe, olmoe, got " +
+                     std::to_string(int(f)));
+}
+}  // namespace detail
+
 /// Family by its `model_type` name; ConfigError otherwise.
 inline MoEFamily family_by_name(const std::string& name) {
-  for (MoEFamily f : {MoEFamily::DeepSeekV3, MoEFamily::Mixtral, MoEFamily::Qwen2MoE, MoEFamily::Qwen3MoE,
-                      MoEFamily::OLMoE})
+  for (MoEFamily f : kAllFamilies)
     if (name == family_name(f)) return f;
   throw ConfigError("family_by_name: unknown MoE family '" + name +
                     "' (deepseek_v3, mixtral, qwen2_moe, qwen3_moe, olmoe)");
@@ -50,6 +65,7 @@ inline MoEFamily family_by_name(const std::string& name) {
 /// The routing of a family, for any shapes (used by the presets and by
 /// callers that build a family's layer at other sizes).
 inline RoutingConfig family_routing(MoEFamily f) {
+  detail::check_family("family_routing", f);
   RoutingConfig r;
   switch (f) {
     case MoEFamily::DeepSeekV3:
@@ -78,6 +94,7 @@ inline RoutingConfig family_routing(MoEFamily f) {
 
 /// One MoE layer of the family's published configuration (table above).
 inline MoEConfig family_preset(MoEFamily f) {
+  detail::check_family("family_preset", f);
   MoEConfig c;
   c.routing = family_routing(f);
   switch (f) {

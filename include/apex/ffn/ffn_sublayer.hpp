@@ -48,6 +48,12 @@ namespace apex {
 enum class SublayerMode { training, inference };
 
 namespace detail {
+
+/// ConfigError for a mode cast from an integer (it would be read as inference).
+inline void check_mode(const char* where, SublayerMode m) {
+  require_config(m == SublayerMode::training || m == SublayerMode::inference, where,
+                 "mode must be training or inference, got " + std::to_string(int(m)));
+}
 namespace sublayer {
 
 template <class F, class = void>
@@ -128,7 +134,11 @@ class FFNSublayer {
   bool gated() const { return gate_.has_value(); }
   /// The mode `forward(x, cache)` uses; training by default.
   SublayerMode mode() const { return mode_; }
-  void set_mode(SublayerMode mode) { mode_ = mode; }
+  /// ConfigError for a value that is neither mode.
+  void set_mode(SublayerMode mode) {
+    detail::check_mode("FFNSublayer::set_mode", mode);
+    mode_ = mode;
+  }
 
   /// x: N × d → y: N × d, in the layer's mode.
   Matrix<T> forward(const ConstMatrixRef<T>& x, Cache* cache = nullptr) const { return forward(x, mode_, cache); }
@@ -137,6 +147,7 @@ class FFNSublayer {
   /// FFN sees, run it, and fill the cache — each field written once.
   Matrix<T> forward(const ConstMatrixRef<T>& x, SublayerMode mode, Cache* cache) const {
     detail::check_shape("FFNSublayer::forward", "x", x, detail::kAny, d_model());
+    detail::check_mode("FFNSublayer::forward", mode);
     const bool train = cache != nullptr && mode == SublayerMode::training;
     Decision decision = decide(x, train);
     Matrix<T> f;  // training, gated: N × d, F of every token

@@ -5,10 +5,10 @@
 /// schedule and configuration code need not include the layer.
 
 #include <cmath>
-#include <limits>
 #include <string>
 
 #include "errors.hpp"
+#include "scalar_range.hpp"
 
 namespace apex {
 
@@ -36,16 +36,10 @@ struct KappaOptions {
   template <class T>
   void validate_for(const char* where) const {
     validate(where);
-    const double max = double(std::numeric_limits<T>::max());
-    const auto check = [&](double v, const char* name) {
-      detail::require_config(std::abs(v) <= max, where,
-                             std::string(name) + " is " + std::to_string(v) +
-                                 ", beyond the range of the layer's scalar type (" + std::to_string(max) + ")");
-    };
-    check(U, "U");
-    check(c, "c");
-    check(rho * c, "rho*c");
-    check(reg_weight, "reg_weight");
+    detail::require_fits<T>(where, "U", U);
+    detail::require_fits<T>(where, "c", c);
+    detail::require_fits<T>(where, "rho*c", rho * c);
+    detail::require_fits<T>(where, "reg_weight", reg_weight);
   }
 };
 

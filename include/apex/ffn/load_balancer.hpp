@@ -9,11 +9,13 @@
 /// (`observe`) before one `update`.
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 #include <vector>
 
 #include "checked_size.hpp"
 #include "errors.hpp"
+#include "scalar_range.hpp"
 #include "types.hpp"
 
 namespace apex {
@@ -42,7 +44,7 @@ class LoadBalancer {
   Index n_active() const { return n_active_; }
   double alpha() const { return alpha_; }
   void set_alpha(double alpha) {
-    detail::require_config(alpha >= 0 && alpha < 1e300, "LoadBalancer::set_alpha", "alpha must be finite and >= 0");
+    check_alpha("LoadBalancer::set_alpha", alpha);
     alpha_ = alpha;
   }
 
@@ -136,8 +138,14 @@ class LoadBalancer {
     detail::require_config(n_active >= 1 && n_active <= n_experts, "LoadBalancer",
                            "need 1 <= n_active <= n_experts = " + std::to_string(n_experts) + ", got n_active " +
                                std::to_string(n_active));
-    detail::require_config(alpha >= 0 && alpha < 1e300, "LoadBalancer", "alpha must be finite and >= 0");
+    check_alpha("LoadBalancer", alpha);
     return n_active;
+  }
+  /// α steps a bias held in T: finite, ≥ 0 and within T's range.
+  static void check_alpha(const char* where, double alpha) {
+    detail::require_config(std::isfinite(alpha) && alpha >= 0, where,
+                           "alpha must be finite and >= 0, got " + detail::number(alpha));
+    detail::require_fits<T>(where, "alpha", alpha);
   }
 
   Index n_active_;

@@ -108,7 +108,7 @@ class MoEFFN {
   /// ConfigError for an invalid config, or one whose weights exceed physical
   /// memory (weight_bytes; checked before anything is allocated).
   MoEFFN(const MoEConfig& config, Rng& rng)
-      : config_((config.validate("MoEFFN"), check_weights_fit(config), config)),
+      : config_((config.validate_for<T>("MoEFFN"), check_weights_fit(config), config)),
         router_(config.d_model, config.n_experts, config.n_active, rng),
         balancer_(config.n_experts, config.n_active, config.balancer_alpha) {
     router_.set_routing(config.routing);

@@ -50,6 +50,16 @@ struct MoEConfig {
     need(d_shared_ffn >= 0, "d_shared_ffn must be >= 0 (0: d_ffn), got " + std::to_string(d_shared_ffn));
     routing.validate(where, n_experts, n_active);
   }
+
+  /// As validate(), for a layer that computes in T: also ConfigError for a
+  /// floating option beyond T's range (scalar_range.hpp). Every MoE layer
+  /// calls this where it is built (PackedMoE with T = float).
+  template <class T>
+  void validate_for(const char* where = "MoEConfig") const {
+    validate(where);
+    detail::require_fits<T>(where, "balancer_alpha", balancer_alpha);
+    routing.check_scalar_range<T>(where);
+  }
 };
 
 /// Whole-model sizes of the APEX-1 code's presets (docs/math.md#router). An

@@ -64,10 +64,14 @@ struct MultiTokenLoss {
 
 namespace detail {
 
-inline void check_mtp_options(const char* where, const MultiTokenOptions& opt, Index vocab) {
+/// ConfigError for options out of range; λ (and the gradient weights λ/count
+/// derived from it) is converted to T, so it must fit T.
+template <class T>
+void check_mtp_options(const char* where, const MultiTokenOptions& opt, Index vocab) {
   require_config(opt.num_heads >= 0, where, "num_heads must be >= 0, got " + std::to_string(opt.num_heads));
   require_config(std::isfinite(opt.lambda) && opt.lambda >= 0, where,
                  "lambda must be finite and >= 0, got " + std::to_string(opt.lambda));
+  require_fits<T>(where, "lambda", opt.lambda);
   require_config(opt.ignore_index < 0 || opt.ignore_index >= vocab, where,
                  "ignore_index " + std::to_string(opt.ignore_index) + " is a real token id in [0, " +
                      std::to_string(vocab) + ")");
@@ -106,7 +110,7 @@ MultiTokenLoss multi_token_loss(const Eigen::MatrixBase<D1>& main_logits, const 
   const ConstMatrixRef<T> zh(head_logits);  // n × N·V
   const Index n = zm.rows(), vocab = zm.cols(), heads = opt.num_heads, m = labels.rows();
   detail::check_vocab(where, "main_logits", vocab);
-  detail::check_mtp_options(where, opt, vocab);
+  detail::check_mtp_options<T>(where, opt, vocab);
   detail::check_shape(where, "head_logits", zh, n, heads * vocab);
   if (m < n) detail::check_shape(where, "labels", m, 1, n, 1);  // fewer labels than positions
   const Index ignore = opt.ignore_index;
@@ -174,7 +178,7 @@ class MultiTokenHeads {
     constexpr const char* where = "MultiTokenHeads";
     detail::require_config(d_model > 0, where, "d_model must be positive, got " + std::to_string(d_model));
     detail::require_config(vocab > 0, where, "vocab must be positive, got " + std::to_string(vocab));
-    detail::check_mtp_options(where, opt, vocab);
+    detail::check_mtp_options<T>(where, opt, vocab);
     (void)detail::checked_product(where, "num_heads x vocab x d_model (head weights)", {opt.num_heads, vocab, d_model});
     const Index rows = opt.num_heads * v_;  // fits: the product above did
     check_memory_fit(where, description(), weight_bytes(where));
@@ -195,7 +199,7 @@ class MultiTokenHeads {
   void set_lambda(double lambda) {
     MultiTokenOptions o = opt_;
     o.lambda = lambda;
-    detail::check_mtp_options("MultiTokenHeads::set_lambda", o, v_);
+    detail::check_mtp_options<T>("MultiTokenHeads::set_lambda", o, v_);
     opt_ = o;
   }
   void set_average_heads(bool average) { opt_.average_heads = average; }

@@ -59,6 +59,7 @@ inline std::string family_tensor_name(MoEFamily f, const std::string& internal) 
 
 /// ConfigError unless the layer's shared experts fit the family's block.
 inline void check_family_fit(const char* where, const MoEConfig& c, MoEFamily f) {
+  check_family(where, f);
   const std::string fam = family_name(f);
   switch (f) {
     case MoEFamily::DeepSeekV3:
@@ -111,6 +112,7 @@ inline std::string family_bias_name(MoEFamily f, const std::string& prefix) {
 /// applies this one rule.
 inline void check_family_file(const std::string& where, const safetensors::Reader& file, MoEFamily f,
                               const std::string& prefix) {
+  check_family(where.c_str(), f);
   const std::string detected = detect_family(file, prefix);
   const std::string bias_name = family_bias_name(f, prefix);
   if (!bias_name.empty() && (detected == "deepseek_v3" || detected == "qwen3_moe or olmoe") &&

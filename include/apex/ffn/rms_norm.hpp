@@ -5,11 +5,11 @@
 /// are normalised in a scaled form instead of collapsing to 0.
 
 #include <cmath>
-#include <sstream>
 #include <string>
 
 #include "errors.hpp"
 #include "param.hpp"
+#include "scalar_range.hpp"
 #include "types.hpp"
 
 namespace apex {
@@ -26,16 +26,20 @@ class RMSNorm {
     Vector<T> r;      ///< N: 1 / sqrt(mean(x²) + ε)
   };
 
-  /// Throws ConfigError unless d_model > 0 and ε is finite and > 0. ε = 0
-  /// is rejected because an all-zero row would give r = 1/√0 = ∞ and
-  /// x̂ = 0·∞ = NaN; any ε > 0 (even a subnormal one) keeps r finite.
-  explicit RMSNorm(Index d_model, T eps = T(1e-6)) : eps_(eps) {
-    detail::require_config(d_model > 0, "RMSNorm", "d_model must be positive, got " + std::to_string(d_model));
-    if (!(eps > T(0) && std::isfinite(double(eps)))) {
-      std::ostringstream got;  // %g: to_string would print a small eps as 0.000000
-      got << double(eps);
-      detail::require_config(false, "RMSNorm", "eps must be finite and > 0, got " + got.str());
-    }
+  /// Throws ConfigError unless d_model > 0 and ε is finite and > 0 as a T.
+  /// ε = 0 is rejected because an all-zero row would give r = 1/√0 = ∞ and
+  /// x̂ = 0·∞ = NaN; any ε > 0 (even a subnormal one) keeps r finite. ε is
+  /// taken as a double and checked before the conversion: 1e39 is beyond
+  /// float's range, and 1e-50 would round to a float ε of 0.
+  explicit RMSNorm(Index d_model, double eps = 1e-6) {
+    constexpr const char* where = "RMSNorm";
+    detail::require_config(d_model > 0, where, "d_model must be positive, got " + std::to_string(d_model));
+    detail::require_config(eps > 0 && std::isfinite(eps), where, "eps must be finite and > 0, got " + detail::number(eps));
+    detail::require_fits<T>(where, "eps", eps);
+    eps_ = T(eps);
+    detail::require_config(eps_ > T(0), where,
+                           "eps must be > 0 in the layer's scalar type " + std::string(detail::scalar_name<T>()) +
+                               ", got " + detail::number(eps) + ", which rounds to 0");
     gain_ = RowVector<T>::Ones(d_model);  // dγ: allocate_gradients() (param.hpp)
   }
 

@@ -63,7 +63,7 @@ class Router {
   /// Scoring, selection and weighting (routing_config.hpp). Throws
   /// ConfigError naming the field if `routing` does not fit this router's E and K.
   void set_routing(const RoutingConfig& routing) {
-    routing.validate("Router::set_routing", n_experts(), k_);
+    routing.validate_for<T>("Router::set_routing", n_experts(), k_);
     routing_ = routing;
   }
   const RoutingConfig& routing() const { return routing_; }
@@ -285,7 +285,7 @@ class Router {
         w /= w.sum();
       } else {
         for (Index k = 0; k < k_; ++k) w(k) = out.scores(t, out.experts(t, k));
-        if (routing_.renormalize) w /= w.sum();
+        if (routing_.renormalize) w /= routing_.renorm_denominator(w.sum());  // + ε for Sigmoid: never 0/0
       }
       w *= scale;
     }
@@ -293,7 +293,8 @@ class Router {
 
   /// Backward of route_general's weights into d_logits (N × E), per token:
   ///  SoftmaxSelected: g = c·p, p = softmax(z_sel): ∂z_k = p_k (c ∂g_k − Σ_j p_j c ∂g_j)
-  ///  renormalised: p_k = w_k / W: ∂w_j = (c ∂g_j − Σ_k p_k c ∂g_k) / W; else ∂w_j = c ∂g_j
+  ///  renormalised: p_k = w_k / D: ∂w_j = (c ∂g_j − Σ_k p_k c ∂g_k) / D; else ∂w_j = c ∂g_j
+  ///               (D = Σ_k w_k, + ε for Sigmoid: RoutingConfig::renorm_denominator)
   ///  sigmoid:     ∂ℓ_{e_j} += ∂w_j s_{e_j} (1 − s_{e_j})
   ///  softmax all: ∂ℓ_e += s_e (∂w_e − Σ_j ∂w_j s_{e_j})   (∂w_e = 0 off the selection)
   void add_general_backward(const Routing<T>& routing, const ConstMatrixRef<T>& d_weights, Matrix<T>& d_logits) const {
@@ -311,7 +312,7 @@ class Router {
       if (routing_.renormalize) {
         T sum_w = 0;
         for (Index k = 0; k < k_; ++k) sum_w += routing.scores(t, routing.experts(t, k));
-        dw = (dp - (p * dp).sum()) / sum_w;
+        dw = (dp - (p * dp).sum()) / routing_.renorm_denominator(sum_w);  // the forward's D
       } else {
         dw = dp;
       }

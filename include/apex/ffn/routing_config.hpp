@@ -11,12 +11,14 @@
 ///     groups: keep the best `topk_group` of `n_groups` groups of E/G experts
 ///             (group score = sum of its top-2 r, or its max r)
 ///     (e_1..e_K) = top-K(r) inside the kept groups, ties to the lower index
-///     g_k = c · s_{e_k} [/ Σ_j s_{e_j} if renormalize]    (c = routed_scale)
+///     g_k = c · s_{e_k} [/ D if renormalize]              (c = routed_scale)
+///     D = Σ_j s_{e_j} (+ 1e-20 for Sigmoid: renorm_denominator)
 
 #include <cmath>
 #include <string>
 
 #include "errors.hpp"
+#include "scalar_range.hpp"
 #include "types.hpp"
 
 namespace apex {
@@ -59,12 +61,27 @@ struct RoutingConfig {
   /// Routed scaling factor c > 0 multiplying every weight.
   double routed_scale = 1.0;
   /// Capacity factor φ of MoEFFN (0: off, dropless, the default). Each
-  /// expert takes at most C = ⌈φ·N·K/E⌉ of a batch's N·K assignments; of an
+  /// expert takes at most C = min(⌈φ·N·K/E⌉, N·K) of a batch's N·K
+  /// assignments (so a huge φ saturates and drops nothing); of an
   /// overfull expert's, the lowest-weighted are dropped (ties: the higher
   /// token index, then the higher slot, is dropped first). A dropped
   /// assignment adds nothing to the output and gets no gradient; the
   /// balancer still counts it (it counts selections).
   double capacity_factor = 0.0;
+
+  /// D of the renormalisation g_k = c·s_k / D, from S = Σ_j s_{e_j}:
+  /// S + 1e-20 for Sigmoid, S otherwise. Every σ can underflow to 0 (float
+  /// logits ≲ −104, double ≲ −745), and 0/0 would be NaN; Hugging Face's
+  /// DeepSeek-V3 adds the same 1e-20, so this matches it. The ε is exact:
+  /// ∂g_k/∂s_{e_i} = c (δ_ki − g_k / c) / D, D including the ε. For every
+  /// S ≥ 2⁻⁴² ≈ 2.3e-13 (float) or 2⁻¹³ ≈ 1.2e-4 (double) S + 1e-20 rounds
+  /// to S, so ordinary inputs are bitwise unchanged. A softmax's selected sum is ≥ 1/E and
+  /// needs no ε (nor do Hugging Face's Mixtral and Qwen3-MoE add one).
+  template <class T>
+  T renorm_denominator(T sum) const {
+    return scoring == Scoring::Sigmoid ? sum + T(kSigmoidRenormEpsilon) : sum;
+  }
+  static constexpr double kSigmoidRenormEpsilon = 1e-20;  ///< normal in float (min normal 1.2e-38)
 
   /// True for APEX-1's router (bitwise-unchanged fast path).
   bool is_default() const {
@@ -75,8 +92,12 @@ struct RoutingConfig {
   /// `n_experts` experts, `n_active` per token.
   void validate(const char* where, Index n_experts, Index n_active) const {
     auto need = [&](bool ok, const std::string& what) { detail::require_config(ok, where, what); };
+    // An enum cast from an out-of-range integer would be read as some other
+    // choice by the router's comparisons: name the value instead.
     need(scoring == Scoring::SoftmaxSelected || scoring == Scoring::SoftmaxAll || scoring == Scoring::Sigmoid,
-         "routing.scoring is not a Scoring value");
+         "routing.scoring must be softmax_selected, softmax_all or sigmoid, got " + std::to_string(int(scoring)));
+    need(group_score == GroupScore::Top2Sum || group_score == GroupScore::Max,
+         "routing.group_score must be top2_sum or max, got " + std::to_string(int(group_score)));
     need(n_groups >= 1, "routing.n_groups must be >= 1, got " + std::to_string(n_groups));
     need(n_experts % n_groups == 0, "routing.n_groups = " + std::to_string(n_groups) +
                                         " must divide n_experts = " + std::to_string(n_experts));
@@ -89,6 +110,20 @@ struct RoutingConfig {
          "routing.routed_scale must be finite and > 0, got " + std::to_string(routed_scale));
     need(std::isfinite(capacity_factor) && capacity_factor >= 0,
          "routing.capacity_factor must be finite and >= 0 (0: off), got " + std::to_string(capacity_factor));
+  }
+
+  /// As validate(), for a layer that computes in T (the router converts c to
+  /// T: 1e39 would be +inf in float).
+  template <class T>
+  void validate_for(const char* where, Index n_experts, Index n_active) const {
+    validate(where, n_experts, n_active);
+    check_scalar_range<T>(where);
+  }
+  /// The range part of validate_for alone. The capacity factor is exempt: it
+  /// is only used in double, and its capacity saturates (capacity.hpp).
+  template <class T>
+  void check_scalar_range(const char* where) const {
+    detail::require_fits<T>(where, "routing.routed_scale", routed_scale);
   }
 };
 

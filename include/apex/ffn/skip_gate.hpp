@@ -25,6 +25,7 @@
 #include "init.hpp"
 #include "linear.hpp"
 #include "param.hpp"
+#include "scalar_range.hpp"
 #include "types.hpp"
 
 namespace apex {
@@ -54,6 +55,13 @@ struct SkipGateConfig {
     detail::require_config(penalty >= 0.0 && std::isfinite(penalty), where,
                            "penalty must be finite and >= 0, got " + std::to_string(penalty));
   }
+  /// As validate(), for a gate that computes in T: λ_skip is converted to T
+  /// (τ and the initial gate lie in [0, 1], so they always fit).
+  template <class T>
+  void validate_for() const {
+    validate();
+    detail::require_fits<T>("SkipGateConfig", "penalty", penalty);
+  }
 };
 
 /// The per-token gate g(x) ∈ (0, 1) of the dynamic skip gate.
@@ -82,7 +90,7 @@ class SkipGate {
   };
 
   SkipGate(const SkipGateConfig& cfg, Rng& rng) {
-    cfg.validate();
+    cfg.template validate_for<T>();
     d_ = cfg.d_model;
     h_ = cfg.hidden;
     threshold_ = T(cfg.threshold);

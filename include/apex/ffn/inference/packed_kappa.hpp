@@ -96,7 +96,7 @@ inline void kappa_forward(const packed::PackedExpert& e, const KappaGate& k, con
                  "bf16_products = paired is not supported for kappa-SwiGLU experts");
   if (k.options.U == 1.0) return packed::forward(e, x, ldx, m, y, ldy, opt);  // κ ≡ 1: SwiGLU
   detail::require_config(m >= 0, where, "row count m = " + std::to_string(m) + " is negative");
-  packed::detail::require_isa(where, opt.isa);
+  packed::detail::check_forward_options(where, opt);
   if (m == 0) return;
   const Index f = e.d_ffn();
   const Index block = m <= packed::kSmallRows ? m : packed::kRowBlock;

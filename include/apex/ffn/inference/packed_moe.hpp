@@ -126,7 +126,7 @@ class PackedMoE {
   PackedMoE(const MoEConfig& config, const Matrix<float>& router_weight, const RowVector<float>& bias,
             std::vector<packed::PackedExpert> experts, std::vector<KappaGate> gates,
             std::vector<packed::PackedExpert> shared, Matrix<float> shared_gate = Matrix<float>())
-      : config_((config.validate("PackedMoE"), config)),
+      : config_((config.validate_for<float>("PackedMoE"), config)),
         router_(make_router(config)),
         bias_(bias),
         experts_(std::move(experts)),
@@ -205,7 +205,7 @@ class PackedMoE {
   /// ConfigError unless a layer of `config` (plus `staging` bytes held while
   /// it is built) fits in physical memory (memory_budget.hpp).
   static void check_fits(const char* where, const MoEConfig& config, std::uint64_t staging) {
-    config.validate(where);
+    config.validate_for<float>(where);  // computes in float
     check_memory_fit(where,
                      std::string("a packed ") + packed::dtype_name(kDtype) + " MoE layer (d_model " +
                          std::to_string(config.d_model) + ", d_ffn " + std::to_string(config.d_ffn) +

@@ -119,7 +119,7 @@ class ExpertParallelMoE {
   ExpertParallelMoE(const MoEConfig& config, Communicator comm, Rng& rng)
       : config_(config), comm_(std::move(comm)), shard_(1, 1) {
     constexpr const char* where = "ExpertParallelMoE";
-    comm_.step(where, [&] { config.validate(where); });
+    comm_.step(where, [&] { config.validate_for<T>(where); });
     agree_on_config(comm_, where, fingerprint<T, Expert>(where, config));
     comm_.step(where, [&] {
       shard_ = ExpertShard(config.n_experts, comm_.size());

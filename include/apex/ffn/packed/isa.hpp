@@ -80,6 +80,10 @@ namespace detail {
 /// ConfigError unless the CPU runs `isa`: a path named explicitly on the wrong
 /// machine would otherwise die of an illegal instruction.
 inline void require_isa(const char* where, Isa isa) {
+  bool known = false;  // a value cast from an integer: name it, not "unknown"
+  for (Isa i : kAllIsas) known = known || i == isa;
+  apex::detail::require_config(known, where,
+                               "isa must be one of scalar, avx2, avx512, avx512_bf16, got " + std::to_string(int(isa)));
   apex::detail::require_config(cpu_supports(isa), where,
                                std::string("kernel path '") + isa_name(isa) + "' is not supported by this CPU");
 }

@@ -90,6 +90,18 @@ struct ForwardOptions {
   Bf16Products bf16_products = Bf16Products::automatic;
 };
 
+namespace detail {
+/// ConfigError unless the CPU runs `opt.isa` and `opt.bf16_products` is one
+/// of its enumerators (another value would be read as `widened`).
+inline void check_forward_options(const char* where, const ForwardOptions& opt) {
+  require_isa(where, opt.isa);
+  const Bf16Products p = opt.bf16_products;
+  apex::detail::require_config(p == Bf16Products::automatic || p == Bf16Products::widened || p == Bf16Products::paired,
+                               where, "bf16_products must be automatic, widened or paired, got " +
+                                          std::to_string(int(p)));
+}
+}  // namespace detail
+
 /// Row count at or below which a call is one block (decode regime: every
 /// panel is read from memory once for all rows).
 inline constexpr Index kSmallRows = 32;
@@ -183,7 +195,7 @@ inline void forward(const PackedExpert& e, const float* x, Index ldx, Index m, f
   apex::detail::require_config(m >= 0, where, "row count m = " + std::to_string(m) + " is negative");
   if (ldx < d) apex::detail::check_shape(where, "x (row stride)", m, ldx, m, d);
   if (ldy < d) apex::detail::check_shape(where, "y (row stride)", m, ldy, m, d);
-  detail::require_isa(where, opt.isa);
+  detail::check_forward_options(where, opt);
   const bool is_bf16 = e.dtype() == Dtype::bf16;
   if (opt.bf16_products == Bf16Products::paired) {
     apex::detail::require_config(is_bf16, where, "bf16_products = paired needs bf16 weights");
