@@ -63,17 +63,19 @@ class PackedSwiGLU {
   const packed::ForwardOptions& kernel_options() const { return kernel_; }
 
   /// Packed bytes of a d × f layer (padding included), without allocating.
-  static std::uint64_t weight_bytes(Index d, Index f) {
-    return std::uint64_t(detail::inference::packed_expert_bytes("PackedSwiGLU::weight_bytes", kDtype, d, f));
+  /// ConfigError naming `where` if the count overflows.
+  static std::uint64_t weight_bytes(Index d, Index f, const char* where = "PackedSwiGLU::weight_bytes") {
+    return std::uint64_t(detail::inference::packed_expert_bytes(where, kDtype, d, f));
   }
-  /// ConfigError unless a d × f layer plus `staging` bytes fits in physical memory.
+  /// ConfigError unless a d × f layer plus `staging` bytes fits in physical
+  /// memory, or if their sum overflows (checked_size.hpp's rule).
   static void check_fits(const char* where, Index d, Index f, std::uint64_t staging) {
     detail::require_config(d > 0 && f > 0, where, "d_model and d_ffn must be positive, got " + std::to_string(d) +
                                                       " and " + std::to_string(f));
     check_memory_fit(where,
                      std::string("a packed ") + packed::dtype_name(kDtype) + " SwiGLU (d_model " + std::to_string(d) +
                          ", d_ffn " + std::to_string(f) + ")",
-                     weight_bytes(d, f) + staging);
+                     detail::inference::checked_bytes(where, weight_bytes(d, f, where), staging));
   }
 
   /// x: N × d → N × d (ShapeError otherwise).
