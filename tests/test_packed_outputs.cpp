@@ -1,5 +1,7 @@
 // What the packed inference layers (docs/inference.md) write and hold:
-// the size checks add their byte counts with overflow checks.
+// every forward_into takes a strided output (a block of a wider matrix) and
+// writes there the bits forward returns, touching nothing else; the size
+// checks add their byte counts with overflow checks.
 #include <catch2/catch.hpp>
 
 #include <apex/ffn/inference.hpp>
@@ -7,6 +9,7 @@
 #include <apex/ffn/memory_budget.hpp>
 
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 
@@ -17,6 +20,11 @@ using namespace apex;
 using apex::packed::bf16;
 
 namespace {
+
+bool bitwise_equal(const Matrix<float>& a, const Matrix<float>& b) {
+  return a.rows() == b.rows() && a.cols() == b.cols() &&
+         (a.size() == 0 || std::memcmp(a.data(), b.data(), std::size_t(a.size()) * sizeof(float)) == 0);
+}
 
 /// Gated shared experts of their own width, sigmoid routing with groups and
 /// a capacity limit that drops: every part of the packed MoE's forward.
@@ -31,7 +39,56 @@ MoEConfig full_config() {
   return c;
 }
 
+/// `forward_into(x, y)` with y the columns [2, 2 + d) of an N × (d + 5)
+/// matrix (row stride d + 5) and with y x itself: bitwise the contiguous
+/// result, and the other columns untouched.
+template <class Layer>
+void check_strided_outputs(const Layer& layer, const char* what) {
+  const Index d = layer.d_model();
+  for (Index n : {Index(0), Index(1), Index(9), Index(70)}) {
+    INFO(what << ", " << n << " rows");
+    const Matrix<float> x = test::rnd<float>(n, d, 40 + std::uint64_t(n), 2.0);
+    const Matrix<float> want = layer.forward(x);
+    Matrix<float> big = Matrix<float>::Constant(n, d + 5, 7.5f);
+    const std::string got = test::outcome([&] { layer.forward_into(x, big.middleCols(2, d)); });
+    REQUIRE(got == "returned");
+    CHECK(bitwise_equal(big.middleCols(2, d), want));
+    CHECK((big.leftCols(2).array() == 7.5f).all());
+    CHECK((big.rightCols(3).array() == 7.5f).all());
+    Matrix<float> contiguous(n, d);
+    layer.forward_into(x, contiguous);
+    CHECK(bitwise_equal(contiguous, want));
+    Matrix<float> inplace = x;
+    layer.forward_into(inplace, inplace);
+    CHECK(bitwise_equal(inplace, want));
+    // a strided x written over by its own strided output
+    Matrix<float> both = Matrix<float>::Constant(n, d + 5, 7.5f);
+    both.middleCols(2, d) = x;
+    layer.forward_into(both.middleCols(2, d), both.middleCols(2, d));
+    CHECK(bitwise_equal(both.middleCols(2, d), want));
+  }
+}
+
 }  // namespace
+
+TEST_CASE("every packed forward_into writes a strided output, bitwise as forward", "[inference][regression]") {
+  // PackedSwiGLU::forward_into threw ConfigError "y must be contiguous" for
+  // y = big.leftCols(9) while PackedMoE::forward_into accepted it; now every
+  // one writes through a contiguous scratch when y is strided.
+  SwiGLU<float> mlp(37, 53, 16);
+  check_strided_outputs(PackedSwiGLU<float>::from(mlp), "PackedSwiGLU<float>");
+  check_strided_outputs(PackedSwiGLU<bf16>::from(mlp), "PackedSwiGLU<bf16>");
+  MoEFFN<float> moe(full_config(), 17);
+  check_strided_outputs(PackedMoE<float>::from(moe), "PackedMoE<float>");
+  check_strided_outputs(PackedMoE<bf16>::from(moe), "PackedMoE<bf16>");
+  MoEFFN<float, KappaSwiGLU<float>> kappa(full_config(), 18);
+  for (auto& e : kappa.experts()) {
+    e.kappa_alpha() = test::rnd<float>(1, e.d_ffn(), 19, 2.0);
+    e.kappa_bias() = test::rnd<float>(1, e.d_ffn(), 20, 1.0);
+  }
+  check_strided_outputs(PackedMoE<float, KappaSwiGLU<float>>::from(kappa), "PackedMoE<float, kappa>");
+  check_strided_outputs(PackedMoE<bf16, KappaSwiGLU<float>>::from(kappa), "PackedMoE<bf16, kappa>");
+}
 
 TEST_CASE("packed size checks reject byte counts that overflow", "[inference][memory][sweeps]") {
   // check_fits added weight_bytes + staging unchecked: a staging near 2^64

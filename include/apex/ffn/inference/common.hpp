@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -68,6 +69,16 @@ inline std::uint64_t checked_bytes(const char* where, std::uint64_t weights, std
     throw ConfigError(std::string(where) + ": bytes = " + std::to_string(weights) + " (weights) + " +
                       std::to_string(staging) + " (staging) does not fit in a 64-bit index");
   return weights + staging;
+}
+
+/// Whether the memory of two row-major blocks (rows × cols at outer stride)
+/// may overlap: their address ranges intersect.
+template <class A, class B>
+bool overlaps(const A& a, const B& b) {
+  if (a.size() == 0 || b.size() == 0) return false;
+  const auto end = [](const auto& m) { return m.data() + (m.rows() - 1) * m.outerStride() + m.cols(); };
+  const std::less<const float*> before;  // a total order, also across objects
+  return before(a.data(), end(b)) && before(b.data(), end(a));
 }
 
 inline constexpr Index kFingerprintSamples = 64;

@@ -226,7 +226,10 @@ class PackedMoE {
     return y;
   }
 
-  /// As forward, into the caller's y (N × d; may be x itself).
+  /// As forward, into the caller's y (N × d): any row stride (a block of a
+  /// wider matrix), and y may be or overlap x — every read of x precedes the
+  /// combine, which alone writes y, row by row through its stride. y gets
+  /// forward's bits.
   void forward_into(const ConstMatrixRef<float>& x, MatrixRef<float> y, Cache* cache = nullptr) const {
     detail::check_shape("PackedMoE::forward_into", "x", x, detail::kAny, d_model());
     detail::check_shape("PackedMoE::forward_into", "y", y, x.rows(), d_model());

@@ -85,19 +85,17 @@ class PackedSwiGLU {
     compute(x, y.data());
     return y;
   }
-  /// As forward, into y (N × d). y must not overlap x.
+  /// As forward, into y (N × d): any row stride (a block of a wider
+  /// matrix), and y may be or overlap x. A contiguous y apart from x is
+  /// written directly; otherwise the result goes through a scratch matrix
+  /// and is copied (the kernels write rows of stride d, and read x while
+  /// they write). Either way y gets forward's bits.
   void forward_into(const ConstMatrixRef<float>& x, MatrixRef<float> y) const {
     detail::check_shape("PackedSwiGLU::forward_into", "x", x, detail::kAny, d_model());
     detail::check_shape("PackedSwiGLU::forward_into", "y", y, x.rows(), d_model());
-    Matrix<float> tmp;
-    if (y.data() == x.data()) {  // in place: the kernels read x while writing y
-      tmp.resize(x.rows(), d_model());
-      compute(x, tmp.data());
-      y = tmp;
-      return;
-    }
-    detail::require_config(y.outerStride() == d_model(), "PackedSwiGLU::forward_into", "y must be contiguous");
-    compute(x, y.data());
+    if (y.outerStride() == d_model() && !detail::inference::overlaps(x, y)) return compute(x, y.data());
+    const Matrix<float> tmp = forward(x);
+    y = tmp;
   }
 
   /// ShapeError if src's shape differs, ValueError if its weights changed
