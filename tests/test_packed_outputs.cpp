@@ -1,7 +1,8 @@
 // What the packed inference layers (docs/inference.md) write and hold:
 // every forward_into takes a strided output (a block of a wider matrix) and
 // writes there the bits forward returns, touching nothing else; the size
-// checks add their byte counts with overflow checks.
+// checks add their byte counts with overflow checks; weight_bytes is what a
+// layer holds, which no longer includes gradient buffers.
 #include <catch2/catch.hpp>
 
 #include <apex/ffn/inference.hpp>
@@ -125,3 +126,16 @@ TEST_CASE("packed size checks reject byte counts that overflow", "[inference][me
   ::unsetenv(kAllowOvercommitEnv);
 }
 
+TEST_CASE("PackedMoE::weight_bytes is what the layer holds: no router gradient buffer", "[inference][memory][regression]") {
+  // The router, RMSNorm and skip gate allocate gradients lazily (param.hpp),
+  // so a packed layer holds the router's E × d weights once; weight_bytes
+  // still counted a gradient buffer beside them.
+  const MoEConfig cfg = full_config();
+  MoEFFN<float> moe(cfg, 3);
+  const auto p = PackedMoE<bf16>::from(moe);
+  CHECK_FALSE(p.router().has_gradients());
+  p.forward(test::rnd<float>(5, cfg.d_model, 4));
+  CHECK_FALSE(p.router().has_gradients());
+  const Index d = cfg.d_model, e = cfg.n_experts;
+  CHECK(PackedMoE<bf16>::weight_bytes(cfg) == p.expert_bytes() + 4 * std::uint64_t(e * d + e + d));  // router, bias, gate
+}

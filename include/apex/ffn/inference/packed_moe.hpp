@@ -34,10 +34,10 @@
 /// packed layer is a snapshot: rebuild it after every optimiser step of its
 /// source (`check_source` detects a stale copy, inference/common.hpp).
 ///
-/// Memory: the packed experts (padding included, `weight_bytes`), the router
-/// (E × d, plus the E × d gradient buffer `Router<float>` still allocates —
-/// E·d floats, 0.02 % of the experts at the presets' shapes), the bias and
-/// the shared gate weight (d floats).
+/// Memory: the packed experts (padding included), the router weights (E × d
+/// floats), the bias and the shared gate weight (d floats): `weight_bytes`.
+/// The router's gradient is never allocated (gradients are lazy, param.hpp,
+/// and a packed layer has no backward).
 
 #include <cstdint>
 #include <string>
@@ -188,8 +188,8 @@ class PackedMoE {
 
   /// Bytes a layer of `config` holds (packed routed experts with padding and
   /// κ gates, packed shared experts at their width and the shared gate,
-  /// router weights and gradient buffer, bias), computed without
-  /// allocating. ConfigError naming `where` if the count overflows.
+  /// router weights, bias), computed without allocating. ConfigError naming
+  /// `where` if the count overflows.
   static std::uint64_t weight_bytes(const MoEConfig& config, const char* where = "PackedMoE::weight_bytes") {
     const Index d = config.d_model, f = config.d_ffn, e = config.n_experts;
     const Index kappa = kKappa ? detail::checked_product(where, "kappa gate bytes", {2, f, 4}) : 0;
@@ -197,9 +197,8 @@ class PackedMoE {
                                           detail::inference::packed_expert_bytes(where, kDtype, d, f), kappa);
     const Index routed = detail::checked_product(where, "routed experts bytes", {e, one});
     const Index shared = detail::inference::PackedShared::weight_bytes(where, config, kDtype);
-    const Index router = detail::checked_sum(where, "router and bias bytes",
-                                             detail::checked_product(where, "router bytes", {2, e, d, 4}),
-                                             detail::checked_product(where, "bias bytes", {e, 4}));
+    // The router holds its E × d weights only: its gradient is never allocated here (param.hpp).
+    const Index router = detail::checked_product(where, "router and bias bytes", {e, detail::checked_sum(where, "router width", d, 1), 4});
     return std::uint64_t(detail::checked_sum(where, "layer bytes", detail::checked_sum(where, "experts bytes", routed, shared),
                                              router));
   }
