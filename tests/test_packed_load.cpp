@@ -11,12 +11,12 @@
 #include <apex/ffn/inference/packed_load.hpp>
 #include <apex/ffn/kappa_swiglu.hpp>
 
-#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "bits.hpp"
 #include "fixtures.hpp"
 #include "sweep.hpp"
 #include "tensor_files.hpp"
@@ -25,11 +25,6 @@ using namespace apex;
 using apex::packed::bf16;
 
 namespace {
-
-bool bitwise_equal(const Matrix<float>& a, const Matrix<float>& b) {
-  return a.rows() == b.rows() && a.cols() == b.cols() &&
-         (a.size() == 0 || std::memcmp(a.data(), b.data(), std::size_t(a.size()) * sizeof(float)) == 0);
-}
 
 /// `params` (and `bias` as `expert_bias`, if given) as the tensors of a file.
 std::vector<test::TensorData> tensors_of(const ParamList<float>& params, const RowVector<float>* bias = nullptr) {
@@ -93,7 +88,7 @@ void check_rejections(const char* loader, const std::vector<Spoil>& cases, Layer
       CHECK(name.find("experts") == std::string::npos);
       CHECK(name.find("w_") == std::string::npos);
     }
-    CHECK(bitwise_equal(dst.forward(x), before));
+    CHECK(test::same_bits(dst.forward(x), before));
   }
 }
 

@@ -10,10 +10,10 @@
 #include <apex/ffn/memory_budget.hpp>
 
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <string>
 
+#include "bits.hpp"
 #include "fixtures.hpp"
 #include "sweep.hpp"
 
@@ -21,11 +21,6 @@ using namespace apex;
 using apex::packed::bf16;
 
 namespace {
-
-bool bitwise_equal(const Matrix<float>& a, const Matrix<float>& b) {
-  return a.rows() == b.rows() && a.cols() == b.cols() &&
-         (a.size() == 0 || std::memcmp(a.data(), b.data(), std::size_t(a.size()) * sizeof(float)) == 0);
-}
 
 /// Gated shared experts of their own width, sigmoid routing with groups and
 /// a capacity limit that drops: every part of the packed MoE's forward.
@@ -53,20 +48,20 @@ void check_strided_outputs(const Layer& layer, const char* what) {
     Matrix<float> big = Matrix<float>::Constant(n, d + 5, 7.5f);
     const std::string got = test::outcome([&] { layer.forward_into(x, big.middleCols(2, d)); });
     REQUIRE(got == "returned");
-    CHECK(bitwise_equal(big.middleCols(2, d), want));
+    CHECK(test::same_bits(big.middleCols(2, d), want));
     CHECK((big.leftCols(2).array() == 7.5f).all());
     CHECK((big.rightCols(3).array() == 7.5f).all());
     Matrix<float> contiguous(n, d);
     layer.forward_into(x, contiguous);
-    CHECK(bitwise_equal(contiguous, want));
+    CHECK(test::same_bits(contiguous, want));
     Matrix<float> inplace = x;
     layer.forward_into(inplace, inplace);
-    CHECK(bitwise_equal(inplace, want));
+    CHECK(test::same_bits(inplace, want));
     // a strided x written over by its own strided output
     Matrix<float> both = Matrix<float>::Constant(n, d + 5, 7.5f);
     both.middleCols(2, d) = x;
     layer.forward_into(both.middleCols(2, d), both.middleCols(2, d));
-    CHECK(bitwise_equal(both.middleCols(2, d), want));
+    CHECK(test::same_bits(both.middleCols(2, d), want));
   }
 }
 
