@@ -760,7 +760,7 @@ TEST_CASE("memory-fit check: ConfigError with the bytes needed and available", "
     const auto g = PackedMoE<bf16, KappaSwiGLU<float>>::from(MoEFFN<float, KappaSwiGLU<float>>(gc, 2));
     INFO("d_shared_ffn " << width);
     CHECK(PackedMoE<bf16, KappaSwiGLU<float>>::weight_bytes(gc) ==
-          g.expert_bytes() + 6 * 2 * 4 * 53 + 2 * 4 * 6 * 37 + 4 * 6 + 4 * 37);  // + κ α, b; router ×2; bias; gate
+          g.expert_bytes() + 6 * 2 * 4 * 53 + 4 * 6 * 37 + 4 * 6 + 4 * 37);  // + κ α, b; router; bias; gate
   }
 }
 

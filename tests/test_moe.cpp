@@ -126,6 +126,32 @@ TEST_CASE("load balancer worked step (docs/math.md#load-balancer)", "[moe][balan
   CHECK(big.bias()(1) == 1.0);
 }
 
+TEST_CASE("load balancer: set_bias stores any finite bias, update's steps are what is clamped",
+          "[moe][balancer][regression]") {
+  // set_bias clamped into [−1, 1], so a loaded DeepSeek-V3 correction bias
+  // beyond it was changed on load (name_maps.hpp). The clamp is a rule of
+  // the update step: a step never takes b_e out of [−1, 1], or further out
+  // than it already is; values set from outside stay exact.
+  LoadBalancer<double> lb(4, 1, 0.1);
+  RowVector<double> b(4);
+  b << 2.0, -3.0, 0.95, -0.5;
+  lb.set_bias(b);
+  CHECK(lb.bias() == b);
+  lb.observe({4, 0, 0, 0}, 4);  // expert 0 overloaded: −α for it, +α for the others
+  lb.update();
+  CHECK(lb.bias()(0) == 2.0 - 0.1);   // towards the range
+  CHECK(lb.bias()(1) == -3.0 + 0.1);  // towards the range
+  CHECK(lb.bias()(2) == 1.0);         // clamped at the bound, as before
+  CHECK(lb.bias()(3) == -0.5 + 0.1);
+  const RowVector<double> mid = lb.bias();
+  lb.observe({0, 4, 0, 0}, 4);  // now expert 1: +α for 0 and 2 and 3, −α for 1
+  lb.update();
+  CHECK(lb.bias()(0) == mid(0));  // a step outwards beyond 1 is clamped to where it was
+  CHECK(lb.bias()(1) == mid(1));
+  CHECK(lb.bias()(2) == 1.0);
+  CHECK(lb.bias()(3) == mid(3) + 0.1);
+}
+
 TEST_CASE("grouped dispatch equals the plain per-expert loop", "[moe][dispatch]") {
   struct Case {
     const char* what;

@@ -7,6 +7,13 @@
 /// The bias is not a trained parameter: it only shifts which experts the
 /// router selects. Counts accumulate over any number of micro-batches
 /// (`observe`) before one `update`.
+///
+/// The clamp bounds the balancer's own steps, not the bias: `set_bias` (and
+/// so every checkpoint loader) stores any finite value exactly, since a
+/// loaded bias — DeepSeek-V3's `e_score_correction_bias` — is the model's and
+/// must route as its file says. A step never takes b_e out of [−1, 1], nor
+/// further out than it already is: b_e ← clamp(b_e + α·s, min(b_e, −1),
+/// max(b_e, 1)), the rule above for every b_e inside the range.
 
 #include <algorithm>
 #include <cmath>
@@ -50,10 +57,12 @@ class LoadBalancer {
 
   /// 1 × E: the balancing bias b added to the router logits for selection.
   const RowVector<T>& bias() const { return bias_; }
+  /// Stores `bias` exactly (1 × E, finite: ShapeError or ValueError, and then
+  /// nothing changes). Not clamped: [−1, 1] bounds update()'s steps only.
   void set_bias(const RowVector<T>& bias) {
     detail::check_shape("LoadBalancer::set_bias", "bias", bias, 1, n_experts());
     detail::check_finite("LoadBalancer::set_bias", "bias", bias);
-    bias_ = bias.cwiseMax(T(-1)).cwiseMin(T(1));
+    bias_ = bias;
   }
 
   /// Adds one micro-batch: `n_tokens` ≥ 0 tokens whose K choices gave
@@ -106,7 +115,9 @@ class LoadBalancer {
       for (Index e = 0; e < n_experts(); ++e) {
         const Index diff = target - n_experts() * counts_[e];
         const int sign = (diff > 0) - (diff < 0);
-        bias_(e) = std::clamp(T(double(bias_(e)) + alpha_ * sign), T(-1), T(1));
+        // A step stays in [−1, 1], or no further out than b_e already was.
+        const T b = bias_(e);
+        bias_(e) = std::clamp(T(double(b) + alpha_ * sign), std::min(b, T(-1)), std::max(b, T(1)));
       }
     }
     std::fill(counts_.begin(), counts_.end(), 0);

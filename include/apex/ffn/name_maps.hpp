@@ -3,8 +3,9 @@
 /// Checkpoints of an MoEFFN under the Hugging Face tensor names of an open
 /// MoE family (docs/routing.md#checkpoints), on top of checkpoint.hpp: the
 /// layer's `param_values()` renamed, plus the balancing bias where the family
-/// stores one (DeepSeek-V3's `e_score_correction_bias`). Strict by default,
-/// as load_checkpoint.
+/// stores one (DeepSeek-V3's `e_score_correction_bias`, kept as stored).
+/// Strict by default, as load_checkpoint, and as it a rejected load leaves
+/// the layer as it was.
 ///
 ///     apex name                    DeepSeek-V3 / Qwen2-MoE / Qwen3-MoE / OLMoE   Mixtral
 ///     router.weight                mlp.gate.weight                               block_sparse_moe.gate.weight
@@ -169,23 +170,47 @@ void save_family_checkpoint(const std::string& path, MoEFFN<T, Expert>& moe, MoE
   save_checkpoint(path, params, options);
 }
 
+namespace detail {
+/// Reads the family file's balancing bias `name` into `bias` (1 × E) with
+/// load_checkpoint's checks of dtype and shape, and throws ValueError naming
+/// the tensor if it holds NaN or Inf (what LoadBalancer::set_bias rejects):
+/// everything that could reject the bias, found before the layer is written.
+/// False, and `bias` untouched, if the file has no such tensor.
+template <class T>
+bool read_family_bias(const std::string& where, const safetensors::Reader& file, const std::string& name,
+                      RowVector<T>& bias, const LoadOptions& options) {
+  if (!file.header().find(name)) return false;
+  LoadOptions one = options;
+  one.allow_unexpected = true;  // the layer's tensors: the full load below matches them
+  load_checkpoint(file, ParamList<T>{Param<T>{name, bias.data(), nullptr, 1, bias.cols()}}, one);
+  if (!bias.allFinite())
+    throw ValueError(where + ": tensor " + safetensors::quote_name(name) +
+                     " contains NaN or Inf (the balancer's bias must be finite)");
+  return true;
+}
+}  // namespace detail
+
 /// Loads a family checkpoint into the layer (strict unless `options` say
 /// otherwise). Throws FormatError naming the problem if the file's names are
 /// another family's, or a DeepSeek-V3 (sigmoid router) file lacks its
-/// `e_score_correction_bias`; otherwise as load_checkpoint. The bias is
-/// applied only after every tensor was read.
+/// `e_score_correction_bias`, ValueError if that bias holds NaN or Inf;
+/// otherwise as load_checkpoint. Every check runs before the first write, so
+/// a rejected load leaves the layer as it was. The bias is stored exactly as
+/// the file has it (LoadBalancer::set_bias: the balancer's [−1, 1] bounds its
+/// own update steps, not a loaded bias), as load_packed_moe reads it.
 template <class T, class Expert>
 LoadResult load_family_checkpoint(const safetensors::Reader& file, MoEFFN<T, Expert>& moe, MoEFamily f,
                                   const std::string& prefix = "", const LoadOptions& options = {}) {
   const std::string where = "load_family_checkpoint(" + file.source().description() + ")";
   detail::check_family_file(where, file, f, prefix);
   const std::string bias_name = detail::family_bias_name(f, prefix);
-  const bool wants_bias = !bias_name.empty();
   ParamList<T> params = family_param_values(moe, f, prefix);
   RowVector<T> bias = moe.balancer().bias();
-  if (wants_bias) params.push_back(Param<T>{bias_name, bias.data(), nullptr, 1, bias.cols()});
+  const bool has_bias = !bias_name.empty() && detail::read_family_bias(where, file, bias_name, bias, options);
+  // Named in the full load too, so the strict name match counts it (it reads the same values again).
+  if (!bias_name.empty()) params.push_back(Param<T>{bias_name, bias.data(), nullptr, 1, bias.cols()});
   LoadResult r = load_checkpoint(file, params, options);
-  if (wants_bias && file.header().find(bias_name)) moe.balancer().set_bias(bias);
+  if (has_bias) moe.balancer().set_bias(bias);  // shape and values checked above: cannot throw
   return r;
 }
 

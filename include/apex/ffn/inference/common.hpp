@@ -16,9 +16,13 @@
 
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <limits>
+#include <string>
 #include <type_traits>
 
 #include "../checked_size.hpp"
+#include "../errors.hpp"
 #include "../packed/bf16.hpp"
 #include "../packed/packed_weights.hpp"
 #include "../types.hpp"
@@ -48,10 +52,33 @@ inline constexpr Index kMaxTileRows = 256;
 /// ConfigError naming `where` if the count overflows.
 inline Index packed_expert_bytes(const char* where, packed::Dtype dtype, Index d, Index f) {
   const Index b = packed::dtype_bytes(dtype);
-  const Index pad_d = dtype == packed::Dtype::bf16 ? d + (d & 1) : d;
-  const Index pad_f = dtype == packed::Dtype::bf16 ? f + (f & 1) : f;
-  return checked_sum(where, "expert bytes", checked_product(where, "gate_up bytes", {(f + 15) / 16, pad_d, 32, b}),
-                     checked_product(where, "down bytes", {(d + 31) / 32, pad_f, 32, b}));
+  // Padding and panel counts without forming d + 31 or f + 1, which overflow
+  // at the index limit (ceil(n/k) = n/k + [n mod k ≠ 0]).
+  const auto padded = [&](Index n) { return dtype == packed::Dtype::bf16 ? checked_sum(where, "padded width", n, n & 1) : n; };
+  const auto panels = [](Index n, Index k) { return n / k + (n % k != 0); };
+  return checked_sum(where, "expert bytes", checked_product(where, "gate_up bytes", {panels(f, 16), padded(d), 32, b}),
+                     checked_product(where, "down bytes", {panels(d, 32), padded(f), 32, b}));
+}
+
+/// `weights + staging` bytes, or ConfigError `where: bytes = a + b does not
+/// fit in a 64-bit index`: what check_fits compares with physical memory,
+/// which an unchecked sum near 2^64 would wrap to a small total.
+inline std::uint64_t checked_bytes(const char* where, std::uint64_t weights, std::uint64_t staging) {
+  constexpr auto kMax = std::uint64_t(std::numeric_limits<Index>::max());
+  if (weights > kMax || staging > kMax - weights)
+    throw ConfigError(std::string(where) + ": bytes = " + std::to_string(weights) + " (weights) + " +
+                      std::to_string(staging) + " (staging) does not fit in a 64-bit index");
+  return weights + staging;
+}
+
+/// Whether the memory of two row-major blocks (rows × cols at outer stride)
+/// may overlap: their address ranges intersect.
+template <class A, class B>
+bool overlaps(const A& a, const B& b) {
+  if (a.size() == 0 || b.size() == 0) return false;
+  const auto end = [](const auto& m) { return m.data() + (m.rows() - 1) * m.outerStride() + m.cols(); };
+  const std::less<const float*> before;  // a total order, also across objects
+  return before(a.data(), end(b)) && before(b.data(), end(a));
 }
 
 inline constexpr Index kFingerprintSamples = 64;

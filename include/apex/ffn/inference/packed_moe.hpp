@@ -34,10 +34,10 @@
 /// packed layer is a snapshot: rebuild it after every optimiser step of its
 /// source (`check_source` detects a stale copy, inference/common.hpp).
 ///
-/// Memory: the packed experts (padding included, `weight_bytes`), the router
-/// (E × d, plus the E × d gradient buffer `Router<float>` still allocates —
-/// E·d floats, 0.02 % of the experts at the presets' shapes), the bias and
-/// the shared gate weight (d floats).
+/// Memory: the packed experts (padding included), the router weights (E × d
+/// floats), the bias and the shared gate weight (d floats): `weight_bytes`.
+/// The router's gradient is never allocated (gradients are lazy, param.hpp,
+/// and a packed layer has no backward).
 
 #include <cstdint>
 #include <string>
@@ -188,22 +188,24 @@ class PackedMoE {
 
   /// Bytes a layer of `config` holds (packed routed experts with padding and
   /// κ gates, packed shared experts at their width and the shared gate,
-  /// router weights and gradient buffer, bias), computed without allocating.
-  /// ConfigError if the count overflows.
-  static std::uint64_t weight_bytes(const MoEConfig& config) {
-    constexpr const char* where = "PackedMoE::weight_bytes";
-    const Index d = config.d_model, f = config.d_ffn;
+  /// router weights, bias), computed without allocating. ConfigError naming
+  /// `where` if the count overflows.
+  static std::uint64_t weight_bytes(const MoEConfig& config, const char* where = "PackedMoE::weight_bytes") {
+    const Index d = config.d_model, f = config.d_ffn, e = config.n_experts;
+    const Index kappa = kKappa ? detail::checked_product(where, "kappa gate bytes", {2, f, 4}) : 0;
     const Index one = detail::checked_sum(where, "routed expert bytes",
-                                          detail::inference::packed_expert_bytes(where, kDtype, d, f), kKappa ? 8 * f : 0);
-    const Index routed = detail::checked_product(where, "routed experts bytes", {config.n_experts, one});
+                                          detail::inference::packed_expert_bytes(where, kDtype, d, f), kappa);
+    const Index routed = detail::checked_product(where, "routed experts bytes", {e, one});
     const Index shared = detail::inference::PackedShared::weight_bytes(where, config, kDtype);
-    const Index router = detail::checked_product(where, "router bytes", {2, config.n_experts, d, 4});
+    // The router holds its E × d weights only: its gradient is never allocated here (param.hpp).
+    const Index router = detail::checked_product(where, "router and bias bytes", {e, detail::checked_sum(where, "router width", d, 1), 4});
     return std::uint64_t(detail::checked_sum(where, "layer bytes", detail::checked_sum(where, "experts bytes", routed, shared),
-                                             router + 4 * config.n_experts));
+                                             router));
   }
 
   /// ConfigError unless a layer of `config` (plus `staging` bytes held while
-  /// it is built) fits in physical memory (memory_budget.hpp).
+  /// it is built) fits in physical memory (memory_budget.hpp), or if the
+  /// byte count overflows (checked_size.hpp's rule).
   static void check_fits(const char* where, const MoEConfig& config, std::uint64_t staging) {
     config.validate_for<float>(where);  // computes in float
     check_memory_fit(where,
@@ -211,7 +213,7 @@ class PackedMoE {
                          std::to_string(config.d_model) + ", d_ffn " + std::to_string(config.d_ffn) +
                          (config.d_shared_ffn > 0 ? ", d_shared_ffn " + std::to_string(config.d_shared_ffn) : "") + ", " +
                          std::to_string(config.n_experts) + " + " + std::to_string(config.n_shared) + " experts)",
-                     weight_bytes(config) + staging);
+                     detail::inference::checked_bytes(where, weight_bytes(config, where), staging));
   }
 
   /// x: N × d → N × d. ShapeError on a wrong width, ValueError on non-finite
@@ -223,7 +225,10 @@ class PackedMoE {
     return y;
   }
 
-  /// As forward, into the caller's y (N × d; may be x itself).
+  /// As forward, into the caller's y (N × d): any row stride (a block of a
+  /// wider matrix), and y may be or overlap x — every read of x precedes the
+  /// combine, which alone writes y, row by row through its stride. y gets
+  /// forward's bits.
   void forward_into(const ConstMatrixRef<float>& x, MatrixRef<float> y, Cache* cache = nullptr) const {
     detail::check_shape("PackedMoE::forward_into", "x", x, detail::kAny, d_model());
     detail::check_shape("PackedMoE::forward_into", "y", y, x.rows(), d_model());

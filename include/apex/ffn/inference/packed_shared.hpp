@@ -72,7 +72,8 @@ class PackedShared {
   static Index weight_bytes(const char* where, const MoEConfig& config, packed::Dtype dtype) {
     const Index one = packed_expert_bytes(where, dtype, config.d_model, config.shared_ffn());
     const Index all = checked_product(where, "shared experts bytes", {config.n_shared, one});
-    return checked_sum(where, "shared bytes", all, config.shared_expert_gate ? 4 * config.d_model : 0);
+    const Index gate = config.shared_expert_gate ? checked_product(where, "shared gate bytes", {config.d_model, 4}) : 0;
+    return checked_sum(where, "shared bytes", all, gate);
   }
 
   /// Rows [b, b + m) of shared expert s: ys.middleRows(b, m) (ys: N × d,

@@ -63,17 +63,19 @@ class PackedSwiGLU {
   const packed::ForwardOptions& kernel_options() const { return kernel_; }
 
   /// Packed bytes of a d × f layer (padding included), without allocating.
-  static std::uint64_t weight_bytes(Index d, Index f) {
-    return std::uint64_t(detail::inference::packed_expert_bytes("PackedSwiGLU::weight_bytes", kDtype, d, f));
+  /// ConfigError naming `where` if the count overflows.
+  static std::uint64_t weight_bytes(Index d, Index f, const char* where = "PackedSwiGLU::weight_bytes") {
+    return std::uint64_t(detail::inference::packed_expert_bytes(where, kDtype, d, f));
   }
-  /// ConfigError unless a d × f layer plus `staging` bytes fits in physical memory.
+  /// ConfigError unless a d × f layer plus `staging` bytes fits in physical
+  /// memory, or if their sum overflows (checked_size.hpp's rule).
   static void check_fits(const char* where, Index d, Index f, std::uint64_t staging) {
     detail::require_config(d > 0 && f > 0, where, "d_model and d_ffn must be positive, got " + std::to_string(d) +
                                                       " and " + std::to_string(f));
     check_memory_fit(where,
                      std::string("a packed ") + packed::dtype_name(kDtype) + " SwiGLU (d_model " + std::to_string(d) +
                          ", d_ffn " + std::to_string(f) + ")",
-                     weight_bytes(d, f) + staging);
+                     detail::inference::checked_bytes(where, weight_bytes(d, f, where), staging));
   }
 
   /// x: N × d → N × d (ShapeError otherwise).
@@ -83,19 +85,17 @@ class PackedSwiGLU {
     compute(x, y.data());
     return y;
   }
-  /// As forward, into y (N × d). y must not overlap x.
+  /// As forward, into y (N × d): any row stride (a block of a wider
+  /// matrix), and y may be or overlap x. A contiguous y apart from x is
+  /// written directly; otherwise the result goes through a scratch matrix
+  /// and is copied (the kernels write rows of stride d, and read x while
+  /// they write). Either way y gets forward's bits.
   void forward_into(const ConstMatrixRef<float>& x, MatrixRef<float> y) const {
     detail::check_shape("PackedSwiGLU::forward_into", "x", x, detail::kAny, d_model());
     detail::check_shape("PackedSwiGLU::forward_into", "y", y, x.rows(), d_model());
-    Matrix<float> tmp;
-    if (y.data() == x.data()) {  // in place: the kernels read x while writing y
-      tmp.resize(x.rows(), d_model());
-      compute(x, tmp.data());
-      y = tmp;
-      return;
-    }
-    detail::require_config(y.outerStride() == d_model(), "PackedSwiGLU::forward_into", "y must be contiguous");
-    compute(x, y.data());
+    if (y.outerStride() == d_model() && !detail::inference::overlaps(x, y)) return compute(x, y.data());
+    const Matrix<float> tmp = forward(x);
+    y = tmp;
   }
 
   /// ShapeError if src's shape differs, ValueError if its weights changed

@@ -1,0 +1,256 @@
+#pragma once
+/// \file inference/packed_read.hpp
+/// How the packed loaders (inference/packed_load.hpp) read a checkpoint: the
+/// options, the tensor list a layer needs under the library's or a family's
+/// names, the checks that all run before the first weight is read (names,
+/// dtypes, shapes, memory, κ options), and the expert-by-expert read into a
+/// reused float staging buffer that is packed at once.
+
+#include <algorithm>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "../checkpoint.hpp"
+#include "../errors.hpp"
+#include "../family_presets.hpp"
+#include "../name_maps.hpp"
+#include "../safetensors.hpp"
+#include "packed_moe.hpp"
+
+namespace apex {
+
+/// How the packed loaders read a file.
+struct PackedLoadOptions {
+  /// Prefix of the layer's names in the file (e.g. "layers.3.ffn."). Only
+  /// tensors under it are the layer's; others are ignored.
+  std::string prefix;
+  /// Ignore tensors under the prefix that the layer does not name.
+  bool allow_unexpected = false;
+  /// Name (under the prefix) of the optional balancing-bias tensor; empty:
+  /// none. Ignored under a family's names (see `family`).
+  std::string bias_name = "expert_bias";
+  /// Read the MoE layer under the Hugging Face names of this open MoE family
+  /// (name_maps.hpp; the prefix is still prepended, e.g. "model.layers.3."),
+  /// with the checks of load_family_checkpoint: FormatError for another
+  /// family's file or a DeepSeek-V3 file without its correction bias,
+  /// ConfigError for a configuration the family's block cannot hold (its
+  /// shared experts; κ-SwiGLU experts, which no family has). Unset: the
+  /// library's own names.
+  std::optional<MoEFamily> family;
+  /// Options of κ-SwiGLU experts (not stored in checkpoints).
+  KappaOptions kappa;
+  /// Caps applied while reading the file.
+  safetensors::Limits limits;
+};
+
+namespace detail::inference {
+
+struct Expected {
+  std::string name;
+  Index rows, cols;
+};
+
+/// Checks `want` against the file as load_checkpoint does: names (missing,
+/// and unexpected under `prefix` except `optional`), dtypes, shapes.
+inline void check_tensors(const std::string& where, const safetensors::Reader& file, const std::vector<Expected>& want,
+                          const std::string& prefix, const std::string& optional, bool allow_unexpected) {
+  std::vector<std::string> missing, unexpected, bad_dtype, bad_shape;
+  std::set<std::string> names;
+  for (const auto& w : want) {
+    names.insert(w.name);
+    const safetensors::TensorInfo* t = file.header().find(w.name);
+    if (!t) {
+      missing.push_back(w.name);
+      continue;
+    }
+    if (!safetensors::is_float_convertible(t->dtype))
+      bad_dtype.push_back(w.name + " (" + safetensors::dtype_name(t->dtype) + ")");
+    const std::vector<std::uint64_t> s{std::uint64_t(w.rows), std::uint64_t(w.cols)};
+    if (apex::detail::drop_leading_ones(t->shape) != apex::detail::drop_leading_ones(s))
+      bad_shape.push_back(safetensors::quote_name(w.name) + " is " + safetensors::shape_string(t->shape) +
+                          " in the file, the layer needs " + safetensors::shape_string(s));
+  }
+  for (const auto& t : file.tensors())
+    if (t.name.compare(0, prefix.size(), prefix) == 0 && !names.count(t.name) && t.name != optional)
+      unexpected.push_back(t.name);
+  const bool unexpected_bad = !unexpected.empty() && !allow_unexpected;
+  if (!missing.empty() || unexpected_bad) {
+    std::string msg = where + ": the file does not match the layer:";
+    if (!missing.empty()) msg += " missing " + apex::detail::name_list(missing) + ";";
+    if (unexpected_bad) msg += " unexpected " + apex::detail::name_list(unexpected) + ";";
+    throw FormatError(msg);
+  }
+  if (!bad_dtype.empty())
+    throw FormatError(where + ": only F32, F64 and BF16 tensors load into packed layers: " +
+                      apex::detail::name_list(bad_dtype));
+  if (!bad_shape.empty()) {
+    std::string msg = where + ": shape mismatch:";
+    for (std::size_t i = 0; i < bad_shape.size() && i < 12; ++i) msg += (i ? "; " : " ") + bad_shape[i];
+    if (bad_shape.size() > 12) msg += "; and " + std::to_string(bad_shape.size() - 12) + " more";
+    throw ShapeError(msg);
+  }
+}
+
+/// Reads `name` into m (already of its shape); ValueError naming the tensor
+/// if `finite` and it holds NaN or Inf.
+template <class M>
+void read_into(const std::string& where, const safetensors::Reader& file, const std::string& name, M& m,
+               bool finite) {
+  file.read(file.at(name), m.data());
+  if (finite && !m.allFinite())
+    throw ValueError(where + ": tensor " + safetensors::quote_name(name) +
+                     " contains NaN or Inf (the float layer rejects the router logits it would give)");
+}
+
+/// Reads the SwiGLU at `p` (name(p + "w_gate.weight"), …; `name` maps the
+/// library's names to the file's) into the staging buffers (gu: 2f × d,
+/// gate rows first; down: d × f) and packs it.
+template <class Name>
+packed::PackedExpert read_expert(const std::string& where, const safetensors::Reader& file, const Name& name,
+                                 const std::string& p, Matrix<float>& gu, Matrix<float>& down, packed::Dtype dtype,
+                                 std::uint64_t& fp) {
+  const Index f = gu.rows() / 2, d = gu.cols();
+  file.read(file.at(name(p + "w_gate.weight")), gu.data());
+  file.read(file.at(name(p + "w_up.weight")), gu.data() + f * d);
+  read_into(where, file, name(p + "w_down.weight"), down, false);
+  fingerprint_add(fp, gu.data(), gu.size());
+  fingerprint_add(fp, down.data(), down.size());
+  return packed::PackedExpert(gu.topRows(f), gu.bottomRows(f), down, dtype);
+}
+
+inline void add_swiglu_names(std::vector<Expected>& want, const std::string& p, Index d, Index f) {
+  want.push_back({p + "w_gate.weight", f, d});
+  want.push_back({p + "w_up.weight", f, d});
+  want.push_back({p + "w_down.weight", d, f});
+}
+
+/// The file's name of a layer parameter `internal` (MoEFFN::param_values()):
+/// the prefix and, under a family, its Hugging Face name (name_maps.hpp).
+struct FileNames {
+  std::string prefix;
+  std::optional<MoEFamily> family;
+  std::string operator()(const std::string& internal) const {
+    return prefix + (family ? apex::detail::family_tensor_name(*family, internal) : internal);
+  }
+};
+
+/// What load_packed_moe found, before it reads any weight: the tensors it
+/// reads and the bias tensor ("" for none).
+struct MoEPlan {
+  FileNames name;
+  std::vector<Expected> want;
+  std::string bias_name;
+};
+
+/// The tensors of a PackedMoE of `config` under `name` (kappa: α and b too).
+inline std::vector<Expected> moe_tensors(const MoEConfig& config, const FileNames& name, bool kappa) {
+  const Index d = config.d_model;
+  std::vector<Expected> want{{name("router.weight"), config.n_experts, d}};
+  const auto add = [&](const std::string& q, Index width) {  // width × d, width × d, d × width
+    for (const char* w : {"w_gate.weight", "w_up.weight"}) want.push_back({name(q + w), width, d});
+    want.push_back({name(q + "w_down.weight"), d, width});
+  };
+  for (Index e = 0; e < config.n_experts; ++e) {
+    const std::string q = "experts." + std::to_string(e) + ".";
+    add(q, config.d_ffn);
+    if (kappa)
+      for (const char* k : {"kappa_alpha", "kappa_bias"}) want.push_back({name(q + k), 1, config.d_ffn});
+  }
+  for (Index s = 0; s < config.n_shared; ++s) add("shared_experts." + std::to_string(s) + ".", config.shared_ffn());
+  if (config.shared_expert_gate) want.push_back({name("shared_expert_gate.weight"), 1, d});
+  return want;
+}
+
+/// Every check of load_packed_moe, in the order it reports them: the
+/// configuration, the family and κ options, names, dtypes and shapes, and
+/// memory. Reads no tensor.
+template <class Layer>
+MoEPlan plan_moe(const std::string& where, const safetensors::Reader& file, const MoEConfig& config,
+                 const PackedLoadOptions& options) {
+  config.validate(where.c_str());
+  MoEPlan plan{FileNames{options.prefix, options.family}, {}, {}};
+  const std::string& p = options.prefix;
+  if (options.family) {
+    const MoEFamily f = *options.family;
+    apex::detail::require_config(!Layer::kKappa, where.c_str(),
+                                 std::string("the ") + family_name(f) +
+                                     " name map has no names for kappa-SwiGLU parameters (kappa_alpha, kappa_bias)");
+    apex::detail::check_family_fit(where.c_str(), config, f);
+    apex::detail::check_family_file(where, file, f, p);
+    plan.bias_name = apex::detail::family_bias_name(f, p);  // required by DeepSeek-V3's names
+  } else if (!options.bias_name.empty() && file.header().find(p + options.bias_name)) {
+    plan.bias_name = p + options.bias_name;  // optional under the library's names
+  }
+  if constexpr (Layer::kKappa) options.kappa.template validate_for<float>(where.c_str());
+  plan.want = moe_tensors(config, plan.name, Layer::kKappa);
+  if (!plan.bias_name.empty()) plan.want.push_back({plan.bias_name, 1, config.n_experts});
+  check_tensors(where, file, plan.want, p, plan.bias_name, options.allow_unexpected);
+  const Index staging = apex::detail::checked_product(where.c_str(), "staging bytes",
+                                                      {3, std::max(config.d_ffn, config.shared_ffn()), config.d_model, 4});
+  Layer::check_fits(where.c_str(), config, std::uint64_t(staging));
+  return plan;
+}
+
+/// Reads and packs the experts (routed, with κ's α and b; then shared) and
+/// the shared gate of a checked plan, adding them to the fingerprint `fp`.
+template <class Layer>
+Layer build_moe(const std::string& where, const safetensors::Reader& file, const MoEConfig& config,
+                const PackedLoadOptions& options, const MoEPlan& plan, const Matrix<float>& router,
+                const RowVector<float>& bias, std::uint64_t fp) {
+  const Index d = config.d_model, f = config.d_ffn, fs = config.shared_ffn();
+  Matrix<float> gu(2 * f, d), down(d, f);  // staging: one expert
+  std::vector<packed::PackedExpert> experts, shared;
+  std::vector<KappaGate> gates;
+  experts.reserve(std::size_t(config.n_experts));
+  for (Index e = 0; e < config.n_experts; ++e) {
+    const std::string q = "experts." + std::to_string(e) + ".";
+    experts.push_back(read_expert(where, file, plan.name, q, gu, down, Layer::kDtype, fp));
+    if constexpr (Layer::kKappa) {
+      KappaGate g{RowVector<float>(f), RowVector<float>(f), options.kappa};
+      read_into(where, file, plan.name(q + "kappa_alpha"), g.alpha, false);
+      read_into(where, file, plan.name(q + "kappa_bias"), g.bias, false);
+      fingerprint_add(fp, g.alpha.data(), f);
+      fingerprint_add(fp, g.bias.data(), f);
+      gates.push_back(std::move(g));
+    }
+  }
+  gu.resize(2 * fs, d);  // the shared experts' own width f_s
+  down.resize(d, fs);
+  for (Index s = 0; s < config.n_shared; ++s)
+    shared.push_back(read_expert(where, file, plan.name, "shared_experts." + std::to_string(s) + ".", gu, down,
+                                 Layer::kDtype, fp));
+  Matrix<float> shared_gate;  // 1 × d, or empty without a shared gate
+  if (config.shared_expert_gate) {
+    // Not checked finite: the float layer propagates a NaN gate weight into
+    // the shared experts' output, it does not reject it.
+    shared_gate.resize(1, d);
+    read_into(where, file, plan.name("shared_expert_gate.weight"), shared_gate, false);
+    fingerprint_add(fp, shared_gate.data(), shared_gate.size());
+  }
+  Layer out(config, router, bias, std::move(experts), std::move(gates), std::move(shared), std::move(shared_gate));
+  out.set_source_fingerprint(fp);
+  return out;
+}
+
+/// A PackedMoE from a checked plan: the router and bias first (ValueError
+/// if either holds NaN or Inf, before any expert is read), then the experts.
+/// Reads in the order of PackedMoE::fingerprint: router, bias, experts,
+/// shared, gate.
+template <class Layer>
+Layer load_moe(const std::string& where, const safetensors::Reader& file, const MoEConfig& config,
+               const PackedLoadOptions& options, const MoEPlan& plan) {
+  Matrix<float> router(config.n_experts, config.d_model);
+  read_into(where, file, plan.name("router.weight"), router, true);
+  RowVector<float> bias = RowVector<float>::Zero(config.n_experts);
+  if (!plan.bias_name.empty()) read_into(where, file, plan.bias_name, bias, true);
+  std::uint64_t fp = kFingerprintSeed;
+  fingerprint_add(fp, router.data(), router.size());
+  fingerprint_add(fp, bias.data(), bias.size());
+  return build_moe<Layer>(where, file, config, options, plan, router, bias, fp);
+}
+
+}  // namespace detail::inference
+
+}  // namespace apex

@@ -1,0 +1,178 @@
+// Loading the open MoE families' checkpoints (name_maps.hpp, and
+// load_packed_moe under a family's names): a loaded checkpoint keeps its
+// values — DeepSeek-V3's correction bias outside the balancer's [−1, 1]
+// included, so the float and packed layers route alike — and a rejected load
+// leaves the layer as it was, whatever the reason (a missing, misshapen,
+// mistyped or unexpected tensor, a NaN bias, another family's file).
+#include <catch2/catch.hpp>
+
+#include <apex/ffn/inference.hpp>
+#include <apex/ffn/inference/packed_load.hpp>
+#include <apex/ffn/moe.hpp>
+#include <apex/ffn/name_maps.hpp>
+
+#include <cstring>
+#include <filesystem>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "families.hpp"
+#include "fixtures.hpp"
+#include "sweep.hpp"
+#include "tensor_files.hpp"
+
+using namespace apex;
+namespace fs = std::filesystem;
+
+namespace {
+
+const fs::path kData = fs::path(__FILE__).parent_path() / "data";
+
+/// The fixture of family `f`, opened.
+safetensors::Reader fixture(MoEFamily f) {
+  return safetensors::Reader((kData / ("family_" + std::string(family_name(f)) + ".safetensors")).string());
+}
+
+/// The fixture's layer tensors (its test.* and grad.* references dropped).
+std::vector<test::TensorData> layer_tensors(MoEFamily f) { return test::read_tensors(fixture(f), {"test.", "grad."}); }
+
+safetensors::Reader reader(const std::vector<unsigned char>& bytes) {
+  return safetensors::Reader::from_memory(bytes.data(), bytes.size());
+}
+
+/// Every parameter value and the balancing bias of `moe`, as bytes.
+std::vector<unsigned char> snapshot(MoEFFN<float>& moe) {
+  std::vector<unsigned char> out;
+  const auto add = [&](const float* p, Index n) {
+    const auto* b = reinterpret_cast<const unsigned char*>(p);
+    out.insert(out.end(), b, b + n * Index(sizeof(float)));
+  };
+  for (const auto& p : moe.param_values()) add(p.value_data, p.size());
+  add(moe.balancer().bias().data(), moe.balancer().bias().size());
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("DeepSeek-V3: a correction bias outside [-1, 1] loads as stored, float and packed route alike",
+          "[families][balancer][regression]") {
+  // name_maps.hpp put e_score_correction_bias through LoadBalancer::set_bias,
+  // which clamped it into [−1, 1]; load_packed_moe kept the file's values.
+  // With the bias at 2 for experts 0–2 and 0.99 for the rest the float layer
+  // routed on [1, 1, 1, .99, …] and most top-K entries differed from the
+  // packed layer's. The clamp is now a rule of update()'s steps only.
+  const MoEFamily f = MoEFamily::DeepSeekV3;
+  const safetensors::Reader src = fixture(f);
+  const std::string prefix = src.metadata().at("prefix");
+  const MoEConfig cfg = test::fixture_config(f, src);
+  std::vector<test::TensorData> ts = layer_tensors(f);
+  test::TensorData* b = test::find_tensor(ts, prefix + "mlp.gate.e_score_correction_bias");
+  REQUIRE(b);
+  RowVector<float> want(cfg.n_experts);
+  for (Index e = 0; e < cfg.n_experts; ++e) want(e) = float(b->values[std::size_t(e)] = e < 3 ? 2.0 : 0.99);
+  const std::vector<unsigned char> bytes = test::write_tensors(ts);
+
+  MoEFFN<float> moe(cfg, 7);
+  load_family_checkpoint(reader(bytes), moe, f, prefix);
+  CHECK(moe.balancer().bias() == want);
+  PackedLoadOptions po;
+  po.prefix = prefix;
+  po.family = f;
+  const auto packed = load_packed_moe<float>(reader(bytes), cfg, po);
+  CHECK(packed.bias() == want);
+
+  const Matrix<float> x = test::rnd<float>(64, cfg.d_model, 5, 2.0);
+  MoEFFN<float>::Cache fc;
+  PackedMoE<float>::Cache pc;
+  const Matrix<float> y = moe.forward(x, &fc);
+  const Matrix<float> yp = packed.forward(x, &pc);
+  Index differ = 0;
+  for (Index t = 0; t < x.rows(); ++t)
+    for (Index k = 0; k < cfg.n_active; ++k) differ += fc.routing.experts(t, k) != pc.routing.experts(t, k);
+  CHECK(differ == 0);
+  CHECK((yp - y).norm() <= 1e-6 * y.norm());
+  // And the packed copy of the loaded float layer is the loaded packed layer, bit for bit.
+  CHECK(PackedMoE<float>::from(moe).forward(x) == yp);
+  CHECK_NOTHROW(packed.check_source(moe));
+}
+
+namespace {
+
+/// One way to spoil a family file, and the error it must give.
+struct Spoil {
+  std::string what;
+  std::vector<test::TensorData> tensors;
+  std::string type;
+  std::vector<std::string> names;  ///< substrings of the message
+};
+
+/// The ways to spoil family f's layer tensors `ts` (names under `prefix`).
+std::vector<Spoil> spoils(MoEFamily f, const std::vector<test::TensorData>& ts, const std::string& prefix) {
+  const std::string block = prefix + (f == MoEFamily::Mixtral ? "block_sparse_moe." : "mlp.");
+  const std::string down = block + "experts.1." + (f == MoEFamily::Mixtral ? "w2.weight" : "down_proj.weight");
+  std::vector<Spoil> out;
+  out.push_back({"router weight missing", test::without(ts, block + "gate.weight"), "FormatError", {"missing"}});
+  out.push_back({"an expert's down projection missing", test::without(ts, down), "FormatError", {"missing", down}});
+  auto t = ts;
+  std::swap(test::find_tensor(t, down)->shape[0], test::find_tensor(t, down)->shape[1]);
+  out.push_back({"an expert's down projection transposed", t, "ShapeError", {"shape mismatch", down}});
+  t = ts;
+  test::find_tensor(t, down)->dtype = "I64";
+  out.push_back({"an expert's down projection of dtype I64", t, "FormatError", {down, "I64"}});
+  t = ts;
+  t.push_back({block + "extra.weight", {2}, {1.0, 2.0}});
+  out.push_back({"an unexpected tensor under the prefix", t, "FormatError", {"unexpected", "extra.weight"}});
+  if (f != MoEFamily::DeepSeekV3) return out;
+  const std::string bias = block + "gate.e_score_correction_bias";
+  for (double v : {test::kNaN, test::kInf, -test::kInf}) {
+    t = ts;
+    test::find_tensor(t, bias)->values.back() = v;
+    out.push_back({"the correction bias holding " + std::to_string(v), t, "ValueError", {bias, "NaN or Inf"}});
+  }
+  t = ts;
+  test::find_tensor(t, bias)->values.push_back(0.5);
+  test::find_tensor(t, bias)->shape[0] += 1;
+  out.push_back({"the correction bias one entry too long", t, "ShapeError", {bias}});
+  out.push_back({"the correction bias missing", test::without(ts, bias), "FormatError", {"correction bias"}});
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("a rejected family load leaves the layer as it was", "[families][checkpoint][sweeps]") {
+  // Before, load_family_checkpoint wrote every weight and then had
+  // LoadBalancer::set_bias reject a NaN correction bias: a half-loaded layer.
+  for (MoEFamily f : test::kFamilies) {
+    const safetensors::Reader src = fixture(f);
+    const std::string prefix = src.metadata().at("prefix");
+    const MoEConfig cfg = test::fixture_config(f, src);
+    const std::vector<test::TensorData> ts = layer_tensors(f);
+    {
+      MoEFFN<float> moe(cfg, 3);
+      REQUIRE_NOTHROW(load_family_checkpoint(reader(test::write_tensors(ts)), moe, f, prefix));  // strict
+    }
+    for (const Spoil& s : spoils(f, ts, prefix)) {
+      INFO(family_name(f) << ": " << s.what);
+      const std::vector<unsigned char> bytes = test::write_tensors(s.tensors);
+      MoEFFN<float> moe(cfg, 11);
+      moe.balancer().set_bias(test::rnd<float>(1, cfg.n_experts, 12, 0.5));
+      const std::vector<unsigned char> before = snapshot(moe);
+      test::expect(test::outcome([&] { load_family_checkpoint(reader(bytes), moe, f, prefix); }), s.type,
+                   s.names);
+      CHECK(snapshot(moe) == before);
+      // The packed loader under the family's names rejects the same file,
+      // before it packs any expert.
+      PackedLoadOptions po;
+      po.prefix = prefix;
+      po.family = f;
+      const auto log = std::make_shared<test::LoggingSource::Log>();
+      const safetensors::Reader logged = test::logged_reader(bytes, log);
+      test::expect(test::outcome([&] { (void)load_packed_moe<float>(logged, cfg, po); }), s.type, s.names);
+      for (const std::string& name : test::tensors_read(logged, *log)) {
+        INFO("read " << name);
+        CHECK(name.find("experts") == std::string::npos);
+      }
+    }
+  }
+}

@@ -1,0 +1,136 @@
+// What the packed inference layers (docs/inference.md) write and hold:
+// every forward_into takes a strided output (a block of a wider matrix) and
+// writes there the bits forward returns, touching nothing else; the size
+// checks add their byte counts with overflow checks; weight_bytes is what a
+// layer holds, which no longer includes gradient buffers.
+#include <catch2/catch.hpp>
+
+#include <apex/ffn/inference.hpp>
+#include <apex/ffn/kappa_swiglu.hpp>
+#include <apex/ffn/memory_budget.hpp>
+
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "bits.hpp"
+#include "fixtures.hpp"
+#include "sweep.hpp"
+
+using namespace apex;
+using apex::packed::bf16;
+
+namespace {
+
+/// Gated shared experts of their own width, sigmoid routing with groups and
+/// a capacity limit that drops: every part of the packed MoE's forward.
+MoEConfig full_config() {
+  MoEConfig c = test::moe_config(6, 2, 1, 37, 53);
+  c.d_shared_ffn = 43;
+  c.shared_expert_gate = true;
+  c.routing.scoring = Scoring::Sigmoid;
+  c.routing.n_groups = 2;
+  c.routing.topk_group = 1;
+  c.routing.capacity_factor = 0.8;
+  return c;
+}
+
+/// `forward_into(x, y)` with y the columns [2, 2 + d) of an N × (d + 5)
+/// matrix (row stride d + 5) and with y x itself: bitwise the contiguous
+/// result, and the other columns untouched.
+template <class Layer>
+void check_strided_outputs(const Layer& layer, const char* what) {
+  const Index d = layer.d_model();
+  for (Index n : {Index(0), Index(1), Index(9), Index(70)}) {
+    INFO(what << ", " << n << " rows");
+    const Matrix<float> x = test::rnd<float>(n, d, 40 + std::uint64_t(n), 2.0);
+    const Matrix<float> want = layer.forward(x);
+    Matrix<float> big = Matrix<float>::Constant(n, d + 5, 7.5f);
+    const std::string got = test::outcome([&] { layer.forward_into(x, big.middleCols(2, d)); });
+    REQUIRE(got == "returned");
+    CHECK(test::same_bits(big.middleCols(2, d), want));
+    CHECK((big.leftCols(2).array() == 7.5f).all());
+    CHECK((big.rightCols(3).array() == 7.5f).all());
+    Matrix<float> contiguous(n, d);
+    layer.forward_into(x, contiguous);
+    CHECK(test::same_bits(contiguous, want));
+    Matrix<float> inplace = x;
+    layer.forward_into(inplace, inplace);
+    CHECK(test::same_bits(inplace, want));
+    // a strided x written over by its own strided output
+    Matrix<float> both = Matrix<float>::Constant(n, d + 5, 7.5f);
+    both.middleCols(2, d) = x;
+    layer.forward_into(both.middleCols(2, d), both.middleCols(2, d));
+    CHECK(test::same_bits(both.middleCols(2, d), want));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("every packed forward_into writes a strided output, bitwise as forward", "[inference][regression]") {
+  // PackedSwiGLU::forward_into threw ConfigError "y must be contiguous" for
+  // y = big.leftCols(9) while PackedMoE::forward_into accepted it; now every
+  // one writes through a contiguous scratch when y is strided.
+  SwiGLU<float> mlp(37, 53, 16);
+  check_strided_outputs(PackedSwiGLU<float>::from(mlp), "PackedSwiGLU<float>");
+  check_strided_outputs(PackedSwiGLU<bf16>::from(mlp), "PackedSwiGLU<bf16>");
+  MoEFFN<float> moe(full_config(), 17);
+  check_strided_outputs(PackedMoE<float>::from(moe), "PackedMoE<float>");
+  check_strided_outputs(PackedMoE<bf16>::from(moe), "PackedMoE<bf16>");
+  MoEFFN<float, KappaSwiGLU<float>> kappa(full_config(), 18);
+  for (auto& e : kappa.experts()) {
+    e.kappa_alpha() = test::rnd<float>(1, e.d_ffn(), 19, 2.0);
+    e.kappa_bias() = test::rnd<float>(1, e.d_ffn(), 20, 1.0);
+  }
+  check_strided_outputs(PackedMoE<float, KappaSwiGLU<float>>::from(kappa), "PackedMoE<float, kappa>");
+  check_strided_outputs(PackedMoE<bf16, KappaSwiGLU<float>>::from(kappa), "PackedMoE<bf16, kappa>");
+}
+
+TEST_CASE("packed size checks reject byte counts that overflow", "[inference][memory][sweeps]") {
+  // check_fits added weight_bytes + staging unchecked: a staging near 2^64
+  // wrapped to a small total and the check passed.
+  constexpr std::uint64_t kHuge = std::numeric_limits<std::uint64_t>::max() - 100;
+  const MoEConfig cfg = full_config();
+  using test::expect;
+  using test::outcome_isolated;
+  expect(outcome_isolated([&] { PackedMoE<bf16>::check_fits("X", cfg, kHuge); }), "ConfigError", {"X", "bytes"});
+  expect(outcome_isolated([&] { PackedMoE<float, KappaSwiGLU<float>>::check_fits("X", cfg, kHuge); }),
+         "ConfigError", {"X", "bytes"});
+  expect(outcome_isolated([&] { PackedSwiGLU<float>::check_fits("X", 37, 53, kHuge); }), "ConfigError",
+         {"X", "bytes"});
+  expect(outcome_isolated([&] { PackedSwiGLU<bf16>::check_fits("X", 37, 53, std::uint64_t(1) << 63); }),
+         "ConfigError", {"X", "bytes"});
+  // Sizes at the index limit: the padding of d and f to panels must not
+  // overflow either (it did, silently, before the product was checked).
+  constexpr Index kMax = std::numeric_limits<Index>::max();
+  for (Index d : {kMax, kMax - 1, kMax / 2}) {
+    INFO("d " << d);
+    expect(outcome_isolated([&] { PackedSwiGLU<bf16>::check_fits("X", d, 3, 0); }), "ConfigError", {"X"});
+    expect(outcome_isolated([&] { PackedSwiGLU<float>::check_fits("X", 3, d, 0); }), "ConfigError", {"X"});
+    MoEConfig wide = test::moe_config(4, 2, 1, 8, 6);
+    wide.d_shared_ffn = d;
+    expect(outcome_isolated([&] { PackedMoE<bf16>::check_fits("X", wide, 0); }), "ConfigError", {"X"});
+    MoEConfig many = test::moe_config(4, 2, 1, 8, 6);
+    many.d_ffn = d;
+    expect(outcome_isolated([&] { PackedMoE<float, KappaSwiGLU<float>>::check_fits("X", many, 0); }),
+           "ConfigError", {"X"});
+  }
+  // A sum that fits still passes (the override skips only the memory comparison).
+  ::setenv(kAllowOvercommitEnv, "1", 1);
+  CHECK_NOTHROW(PackedMoE<bf16>::check_fits("X", cfg, 1u << 20));
+  ::unsetenv(kAllowOvercommitEnv);
+}
+
+TEST_CASE("PackedMoE::weight_bytes is what the layer holds: no router gradient buffer", "[inference][memory][regression]") {
+  // The router, RMSNorm and skip gate allocate gradients lazily (param.hpp),
+  // so a packed layer holds the router's E × d weights once; weight_bytes
+  // still counted a gradient buffer beside them.
+  const MoEConfig cfg = full_config();
+  MoEFFN<float> moe(cfg, 3);
+  const auto p = PackedMoE<bf16>::from(moe);
+  CHECK_FALSE(p.router().has_gradients());
+  p.forward(test::rnd<float>(5, cfg.d_model, 4));
+  CHECK_FALSE(p.router().has_gradients());
+  const Index d = cfg.d_model, e = cfg.n_experts;
+  CHECK(PackedMoE<bf16>::weight_bytes(cfg) == p.expert_bytes() + 4 * std::uint64_t(e * d + e + d));  // router, bias, gate
+}
