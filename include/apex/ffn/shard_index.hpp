@@ -1,0 +1,132 @@
+#pragma once
+/// \file shard_index.hpp
+/// The index of a sharded checkpoint, `model.safetensors.index.json` (the
+/// Hugging Face convention):
+///
+///     {"metadata": {"total_size": 123456, "format": "apex-ffn", …},
+///      "weight_map": {"router.weight": "model-…-00001-of-00002.safetensors", …}}
+///
+/// Exists apart from the loader (sharded_checkpoint.hpp) because this is
+/// where an index is trusted or not, so it stays one short file to audit:
+/// `parse_shard_index` validates bytes (the function the fuzzer aims at),
+/// `read_shard_index` is a thin layer that reads a file into it, and
+/// `write_shard_index` writes an index atomically.
+///
+/// File names in an index must be plain names in the index's folder (no
+/// '/', not "." or ".."): an index from elsewhere cannot make a load read
+/// outside that folder.
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "errors.hpp"
+#include "safetensors.hpp"
+
+namespace apex {
+
+/// The file name of the index in a sharded checkpoint's folder.
+inline constexpr const char* kShardIndexName = "model.safetensors.index.json";
+
+/// A parsed `model.safetensors.index.json`.
+struct ShardIndex {
+  std::uint64_t total_size = 0;                   ///< metadata.total_size: bytes of tensor data
+  std::map<std::string, std::string> metadata;    ///< other metadata entries, as strings
+  std::map<std::string, std::string> weight_map;  ///< tensor name → file name in the folder
+
+  /// The distinct files, in name order.
+  std::vector<std::string> files() const {
+    std::vector<std::string> out;
+    for (const auto& [name, file] : weight_map)
+      if (out.empty() || std::find(out.begin(), out.end(), file) == out.end()) out.push_back(file);
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+};
+
+namespace detail {
+
+/// FormatError unless `file` is a plain file name (see the file comment).
+inline void check_shard_file_name(const std::string& where, const std::string& file) {
+  if (file.empty() || file == "." || file == ".." || file.find('/') != std::string::npos ||
+      file.find('\0') != std::string::npos)
+    throw FormatError(where + ": shard file name " + safetensors::quote_name(file) +
+                      " is not a plain file name in the index's folder");
+}
+
+}  // namespace detail
+
+/// The index path of `path`: `path` itself if it names a file, else
+/// `path/model.safetensors.index.json`.
+inline std::string shard_index_path(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  return fs::is_directory(path, ec) ? (fs::path(path) / kShardIndexName).string() : path;
+}
+
+/// Validates the bytes of an index; `where` starts every message. FormatError
+/// if they are not JSON, lack a `weight_map` object of string values, or
+/// name a file outside the index's folder.
+inline ShardIndex parse_shard_index(std::string_view text, const std::string& where) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text.begin(), text.end());
+  } catch (const nlohmann::json::exception& e) {
+    throw FormatError(where + ": not valid JSON: " + e.what());
+  }
+  if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
+    throw FormatError(where + ": expected an object with a 'weight_map' object");
+  ShardIndex index;
+  for (const auto& [name, file] : j["weight_map"].items()) {
+    if (!file.is_string()) throw FormatError(where + ": weight_map entry " + safetensors::quote_name(name) + " is not a string");
+    detail::check_shard_file_name(where, file.get<std::string>());
+    index.weight_map[name] = file.get<std::string>();
+  }
+  if (j.contains("metadata") && j["metadata"].is_object())
+    for (const auto& [key, value] : j["metadata"].items()) {
+      if (key == "total_size" && value.is_number_unsigned()) index.total_size = value.get<std::uint64_t>();
+      else index.metadata[key] = value.is_string() ? value.get<std::string>() : value.dump();
+    }
+  return index;
+}
+
+/// Reads and validates the index at `path` (parse_shard_index).
+inline ShardIndex read_shard_index(const std::string& path) {
+  const std::string where = "read_shard_index('" + path + "')";
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw FormatError(where + ": cannot open the file");
+  std::stringstream text;
+  text << in.rdbuf();
+  return parse_shard_index(text.str(), where);
+}
+
+/// The JSON text of `index`, as write_shard_index writes it. FormatError for
+/// a file name that is not a plain name.
+inline std::string shard_index_text(const ShardIndex& index) {
+  nlohmann::json j;
+  j["metadata"] = nlohmann::json::object();
+  for (const auto& [key, value] : index.metadata) j["metadata"][key] = value;
+  j["metadata"]["total_size"] = index.total_size;
+  j["weight_map"] = nlohmann::json::object();
+  for (const auto& [name, file] : index.weight_map) {
+    detail::check_shard_file_name("write_shard_index", file);
+    j["weight_map"][name] = file;
+  }
+  return j.dump(2) + "\n";
+}
+
+/// Writes `index` to `path` atomically (safetensors::write_file_atomic).
+inline void write_shard_index(const std::string& path, const ShardIndex& index) {
+  const std::string text = shard_index_text(index);
+  safetensors::write_file_atomic(path, [&](safetensors::ByteSink& out) { out.write(text.data(), text.size()); });
+}
+
+}  // namespace apex
