@@ -12,20 +12,28 @@
 /// `read_shard_index` is a thin layer that reads a file into it, and
 /// `write_shard_index` writes an index atomically.
 ///
-/// File names in an index must be plain names in the index's folder (no
-/// '/', not "." or ".."): an index from elsewhere cannot make a load read
-/// outside that folder.
+/// What the parser refuses, before it builds anything from the offending
+/// part: nesting deeper than kMaxShardIndexNesting (refused as the container
+/// opens, so no input makes the parser or a later `dump()` recurse deeply —
+/// 100,000 nested arrays used to overflow the stack), a key repeated in one
+/// object (nlohmann/json would silently keep the last; the safetensors
+/// header parser refuses the same), and file names that are not plain names
+/// in the index's folder (no '/', not "." or ".."), so an index from
+/// elsewhere cannot make a load read outside that folder.
 
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "errors.hpp"
@@ -52,7 +60,58 @@ struct ShardIndex {
   }
 };
 
+/// Deepest nesting of arrays and objects an index may have (the root is
+/// level 1). An index needs 2 (root → weight_map); metadata values may nest
+/// a little, as Hugging Face tooling writes none deeper.
+inline constexpr int kMaxShardIndexNesting = 16;
+
 namespace detail {
+
+/// Streaming checks while nlohmann/json parses an index: nesting beyond
+/// kMaxShardIndexNesting and duplicate keys, in any object. Throws
+/// FormatError starting with `where`.
+class ShardIndexGuard {
+ public:
+  explicit ShardIndexGuard(std::string where) : where_(std::move(where)) {}
+
+  bool operator()(int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+    using E = nlohmann::json::parse_event_t;
+    switch (event) {
+      case E::object_start:
+      case E::array_start:
+        // `depth` counts the containers already open around this one.
+        if (depth >= kMaxShardIndexNesting)
+          throw FormatError(where_ + ": the index nests arrays or objects deeper than " +
+                            std::to_string(kMaxShardIndexNesting) + " levels");
+        open_.push_back({{}, open_.empty() ? std::string() : open_.back().name});
+        break;
+      case E::key: {
+        Open& o = open_.back();
+        o.name = parsed.get_ref<const std::string&>();
+        if (!o.keys.insert(o.name).second)
+          throw FormatError(where_ + ": the index repeats the key " + safetensors::quote_name(o.name) +
+                            (open_.size() == 1 ? std::string(" at its top level")
+                                               : " in " + safetensors::quote_name(open_[open_.size() - 2].name)));
+        break;
+      }
+      case E::object_end:
+      case E::array_end:
+        open_.pop_back();
+        break;
+      case E::value:
+        break;
+    }
+    return true;
+  }
+
+ private:
+  struct Open {
+    std::set<std::string> keys;  // of an object; empty for an array
+    std::string name;            // the last key read in it, else the key it sits under
+  };
+  std::string where_;
+  std::vector<Open> open_;
+};
 
 /// FormatError unless `file` is a plain file name (see the file comment).
 inline void check_shard_file_name(const std::string& where, const std::string& file) {
@@ -73,12 +132,14 @@ inline std::string shard_index_path(const std::string& path) {
 }
 
 /// Validates the bytes of an index; `where` starts every message. FormatError
-/// if they are not JSON, lack a `weight_map` object of string values, or
-/// name a file outside the index's folder.
+/// if they are not JSON, nest deeper than kMaxShardIndexNesting, repeat a
+/// key in an object, lack a `weight_map` object of string values, or name a
+/// file outside the index's folder.
 inline ShardIndex parse_shard_index(std::string_view text, const std::string& where) {
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(text.begin(), text.end());
+    detail::ShardIndexGuard guard(where);
+    j = nlohmann::json::parse(text.begin(), text.end(), std::ref(guard));
   } catch (const nlohmann::json::exception& e) {
     throw FormatError(where + ": not valid JSON: " + e.what());
   }
