@@ -177,6 +177,60 @@ TEST_CASE("A deeply nested value in a shard index is a FormatError, not a stack 
   CHECK(unchanged(into.param_values(), before));
 }
 
+TEST_CASE("A shard index that is a FIFO is a FormatError at once instead of a hang", "[checkpoint][regression][index]") {
+  // read_shard_index opened the index with std::ifstream, whose open() of a
+  // named pipe waits for a writer: forever. Fixed: the index is opened like
+  // a shard (safetensors::FileSource: O_NONBLOCK, then fstat on the
+  // descriptor, regular files only).
+  Folder dir;
+  SwiGLU<double> saved(2, 3, 1), into(2, 3, 2);
+  swiglu_shards(dir, saved);
+  fs::remove(dir / kShardIndexName);
+  REQUIRE(::mkfifo((dir / kShardIndexName).c_str(), 0600) == 0);
+  const auto before = snapshot(into.param_values());
+  expect_prompt_format_error([&] { load_sharded_checkpoint(dir.path.string(), into.param_values()); },
+                             {"read_shard_index", kShardIndexName, "is not a regular file"});
+  expect_prompt_format_error([&] { load_sharded_checkpoint(dir / kShardIndexName, into.param_values()); },
+                             {"is not a regular file"});
+  CHECK(unchanged(into.param_values(), before));
+}
+
+TEST_CASE("A shard index that is a link to /dev/zero is a FormatError, not a read without end",
+          "[checkpoint][regression][index]") {
+  // read_shard_index read the index to its end, so a link to /dev/zero grew
+  // a string until memory ran out (bad_alloc under this test's 4 GiB cap).
+  // Fixed: only a regular file is read (fstat on the opened descriptor).
+  Folder dir;
+  SwiGLU<double> saved(2, 3, 1), into(2, 3, 2);
+  swiglu_shards(dir, saved);
+  fs::remove(dir / kShardIndexName);
+  fs::create_symlink("/dev/zero", dir / kShardIndexName);
+  const auto before = snapshot(into.param_values());
+  expect_prompt_format_error([&] { load_sharded_checkpoint(dir.path.string(), into.param_values()); },
+                             {"read_shard_index", kShardIndexName, "is not a regular file"});
+  CHECK(unchanged(into.param_values(), before));
+}
+
+TEST_CASE("A shard index beyond the size cap is a FormatError naming the cap", "[checkpoint][regression][index]") {
+  // read_shard_index read an index of any size into memory (and then a copy
+  // of it): a valid index followed by 100 MB of spaces loaded. Fixed: an
+  // index larger than Limits::max_index_bytes (100 MB, the safetensors
+  // header's cap) is refused from its fstat size, before anything is read.
+  Folder dir;
+  SwiGLU<double> saved(2, 3, 1), into(2, 3, 2);
+  swiglu_shards(dir, saved);
+  {
+    std::ofstream f(dir / kShardIndexName, std::ios::binary | std::ios::app);
+    const std::string spaces(1 << 20, ' ');
+    for (int i = 0; i < 96; ++i) f << spaces;  // 100,663,296 bytes of whitespace after the JSON
+  }
+  const std::string size = std::to_string(fs::file_size(dir / kShardIndexName));
+  const auto before = snapshot(into.param_values());
+  expect_prompt_format_error([&] { load_sharded_checkpoint(dir.path.string(), into.param_values()); },
+                             {"read_shard_index", kShardIndexName, "has " + size + " bytes, more than the limit of 100000000"});
+  CHECK(unchanged(into.param_values(), before));
+}
+
 TEST_CASE("A duplicate key in a shard index is a FormatError", "[checkpoint][regression][index]") {
   // nlohmann::json keeps the last of two equal keys, so an index naming a
   // tensor twice (or holding two weight_maps) loaded the last one without a

@@ -9,7 +9,8 @@
 /// Exists apart from the loader (sharded_checkpoint.hpp) because this is
 /// where an index is trusted or not, so it stays one short file to audit:
 /// `parse_shard_index` validates bytes (the function the fuzzer aims at),
-/// `read_shard_index` is a thin layer that reads a file into it, and
+/// `read_shard_index` is a thin layer that reads a file into it (regular
+/// files only, never blocking, at most `Limits::max_index_bytes`), and
 /// `write_shard_index` writes an index atomically.
 ///
 /// What the parser refuses, before it builds anything from the offending
@@ -27,10 +28,8 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
-#include <fstream>
 #include <map>
 #include <set>
-#include <sstream>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -159,14 +158,26 @@ inline ShardIndex parse_shard_index(std::string_view text, const std::string& wh
   return index;
 }
 
-/// Reads and validates the index at `path` (parse_shard_index).
-inline ShardIndex read_shard_index(const std::string& path) {
+/// Reads and validates the index at `path` (parse_shard_index). The file is
+/// opened as the safetensors reader opens a shard (safetensors::FileSource:
+/// non-blocking, then fstat on the descriptor), so a FIFO, device, folder
+/// or socket is a FormatError at once instead of a hang or a read without
+/// end, and one larger than `limits.max_index_bytes` is refused before a
+/// byte is read.
+inline ShardIndex read_shard_index(const std::string& path, const safetensors::Limits& limits = {}) {
   const std::string where = "read_shard_index('" + path + "')";
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw FormatError(where + ": cannot open the file");
-  std::stringstream text;
-  text << in.rdbuf();
-  return parse_shard_index(text.str(), where);
+  std::string text;
+  try {
+    const safetensors::FileSource file(path);
+    if (file.size() > limits.max_index_bytes)
+      throw FormatError("the index has " + std::to_string(file.size()) + " bytes, more than the limit of " +
+                        std::to_string(limits.max_index_bytes) + " (Limits::max_index_bytes)");
+    text.resize(std::size_t(file.size()));
+    file.read(0, text.data(), text.size());
+  } catch (const FormatError& e) {
+    throw FormatError(where + ": " + e.what());
+  }
+  return parse_shard_index(text, where);
 }
 
 /// The JSON text of `index`, as write_shard_index writes it. FormatError for

@@ -88,7 +88,7 @@ struct Staged {
 template <class T>
 LoadResult load_sharded_checkpoint(const std::string& path, const ParamList<T>& params, const LoadOptions& options = {}) {
   const std::string index_path = shard_index_path(path);
-  const ShardIndex index = read_shard_index(index_path);
+  const ShardIndex index = read_shard_index(index_path, options.limits);
   const detail::Staged<T> staged(params);
   LoadResult result = detail::load_shards_into(index_path, index, staged.views, options);
   staged.commit(params, result.loaded);
