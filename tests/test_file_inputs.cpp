@@ -254,3 +254,30 @@ TEST_CASE("A duplicate key in a shard index is a FormatError", "[checkpoint][reg
   }
   CHECK(unchanged(into.param_values(), before));
 }
+
+TEST_CASE("allow_missing lists a tensor the index names but its shard lacks", "[checkpoint][regression][index]") {
+  // load_shards_into dropped the `missing` list of each shard's load: with
+  // the index {a → s1, b → s2} and s2 holding only c, allow_missing = true
+  // returned loaded = [a], missing = [] — b was neither loaded nor
+  // reported. Fixed: a tensor the index puts in a shard that lacks it is
+  // missing (listed with allow_missing, FormatError without); a shard's
+  // tensors that no parameter names stay ignored, as always.
+  Folder dir;
+  Matrix<double> a = Matrix<double>::Constant(2, 2, 1.0), c = Matrix<double>::Constant(2, 2, 3.0);
+  save_checkpoint(dir / "s1.safetensors", ParamList<double>{{"a", a.data(), nullptr, 2, 2}});
+  save_checkpoint(dir / "s2.safetensors", ParamList<double>{{"c", c.data(), nullptr, 2, 2}});
+  write_text(dir / kShardIndexName, R"({"weight_map":{"a":"s1.safetensors","b":"s2.safetensors"}})");
+  Matrix<double> a2 = Matrix<double>::Zero(2, 2), b2 = Matrix<double>::Zero(2, 2);
+  const ParamList<double> into{{"a", a2.data(), nullptr, 2, 2}, {"b", b2.data(), nullptr, 2, 2}};
+  LoadOptions lenient;
+  lenient.allow_missing = true;
+  const LoadResult r = load_sharded_checkpoint(dir.path.string(), into, lenient);
+  CHECK(r.loaded == std::vector<std::string>{"a"});
+  CHECK(r.missing == std::vector<std::string>{"b"});
+  CHECK(a2 == a);
+  CHECK(b2 == Matrix<double>::Zero(2, 2));
+  a2.setZero();
+  test::expect(test::outcome([&] { load_sharded_checkpoint(dir.path.string(), into); }), "FormatError",
+               {"s2.safetensors", "missing 'b'"});
+  CHECK(a2 == Matrix<double>::Zero(2, 2));  // strict and rejected: nothing written
+}

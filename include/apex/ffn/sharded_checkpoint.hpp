@@ -50,8 +50,11 @@ LoadResult load_shards_into(const std::string& index_path, const ShardIndex& ind
   LoadOptions per_file = options;
   per_file.allow_unexpected = true;  // a shard holds other ranks' or layers' tensors too
   for (const auto& [file, subset] : by_file) {
+    // A tensor the index puts in this shard but the shard lacks is missing:
+    // load_checkpoint rejects it unless allow_missing, and then lists it.
     LoadResult r = load_checkpoint((folder / file).string(), subset, per_file);
     result.loaded.insert(result.loaded.end(), r.loaded.begin(), r.loaded.end());
+    result.missing.insert(result.missing.end(), r.missing.begin(), r.missing.end());
   }
   result.metadata = index.metadata;
   return result;
@@ -79,9 +82,10 @@ struct Staged {
 }  // namespace detail
 
 /// Loads `params` from a sharded checkpoint (`path`: its folder or its index
-/// file). Every parameter must be in the weight map (unless
-/// `options.allow_missing`); tensors of the shards that no parameter names
-/// are ignored. All-or-nothing: every shard is read into a staging copy
+/// file). Every parameter must be in the weight map and in the shard the
+/// map names (unless `options.allow_missing`, which leaves the others
+/// unchanged and lists them in `missing`); tensors of the shards that no
+/// parameter names are ignored (a shard holds other ranks' tensors too). All-or-nothing: every shard is read into a staging copy
 /// first (transient memory: one copy of `params`), and the parameters are
 /// written only when every shard loaded. Errors as load_checkpoint, and
 /// FormatError for a bad index.
