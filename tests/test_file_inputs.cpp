@@ -281,3 +281,60 @@ TEST_CASE("allow_missing lists a tensor the index names but its shard lacks", "[
                {"s2.safetensors", "missing 'b'"});
   CHECK(a2 == Matrix<double>::Zero(2, 2));  // strict and rejected: nothing written
 }
+
+TEST_CASE("The shard index parser refuses every malformed index with a FormatError naming the problem",
+          "[checkpoint][sweeps][index]") {
+  // parse_shard_index is where an index is trusted; read_shard_index reads a
+  // file into it. Besides nesting and duplicate keys (the regressions above):
+  // the shape of the document, the value types, the file names. A
+  // `metadata` that is not an object and a `total_size` that is not a
+  // non-negative integer were silently ignored or kept as text before, so
+  // that writing such an index back changed it; they are refused now, as
+  // the safetensors header parser refuses the same.
+  const std::string wm = R"("weight_map":{"a":"s.safetensors"})";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"", "not valid JSON"},
+      {"{" + wm + "} x", "not valid JSON"},
+      {"{" + wm + "} // comment", "not valid JSON"},
+      {"{\"weight_map\":{\"\xff\":\"s\"}}", "not valid JSON"},  // not UTF-8
+      {R"({"metadata":{"total_size":1e999},)" + wm + "}", "not valid JSON"},
+      {"[]", "expected an object with a 'weight_map' object"},
+      {R"({"metadata":{}})", "expected an object with a 'weight_map' object"},
+      {R"({"weight_map":["a"]})", "expected an object with a 'weight_map' object"},
+      {R"({"weight_map":{"a":1}})", "weight_map entry 'a' is not a string"},
+      {R"({"weight_map":{"a":null}})", "weight_map entry 'a' is not a string"},
+      {R"({"weight_map":{"a":["s"]}})", "weight_map entry 'a' is not a string"},
+      {R"({"weight_map":{"a":"../s.safetensors"}})", "'../s.safetensors' is not a plain file name"},
+      {R"({"weight_map":{"a":".."}})", "'..' is not a plain file name"},
+      {R"({"weight_map":{"a":""}})", "'' is not a plain file name"},
+      {R"({"weight_map":{"a":"/etc/passwd"}})", "is not a plain file name"},
+      {R"({"weight_map":{"a":"s\u0000.safetensors"}})", "shard file name 's"},  // what() ends at the NUL
+      {R"({"metadata":[],)" + wm + "}", "'metadata' is not a JSON object"},
+      {R"({"metadata":"x",)" + wm + "}", "'metadata' is not a JSON object"},
+      {R"({"metadata":{"total_size":-1},)" + wm + "}", "'total_size' must be a non-negative integer, got -1"},
+      {R"({"metadata":{"total_size":1.5},)" + wm + "}", "'total_size' must be a non-negative integer, got 1.5"},
+      {R"({"metadata":{"total_size":"144"},)" + wm + "}", "'total_size' must be a non-negative integer, got \"144\""},
+      {R"({"metadata":{"total_size":18446744073709551616},)" + wm + "}", "'total_size' must be a non-negative integer"},
+      {R"({"metadata":{"x":)" + nested_arrays(kMaxShardIndexNesting - 1) + "}," + wm + "}", "deeper than 16 levels"},
+      {R"({"a":{"b":{"c":1},"b":2},)" + wm + "}", "repeats the key 'b' in 'a'"},
+  };
+  for (const auto& [text, message] : cases) {
+    INFO(text);
+    test::expect(test::outcome([&] { (void)parse_shard_index(text, "here"); }), "FormatError", {"here: ", message});
+  }
+
+  // Accepted: nesting up to the limit, non-string metadata kept as JSON
+  // text, unknown keys of the root ignored.
+  const ShardIndex ok = parse_shard_index(R"({"metadata":{"total_size":144,"n":1e300,"x":)" +
+                                              nested_arrays(kMaxShardIndexNesting - 2) + R"(},"extra":[1],)" + wm + "}",
+                                          "here");
+  CHECK(ok.total_size == 144);
+  CHECK(ok.metadata.at("n") == "1e+300");
+  CHECK(ok.metadata.at("x") == nested_arrays(kMaxShardIndexNesting - 2));
+  CHECK(ok.weight_map == std::map<std::string, std::string>{{"a", "s.safetensors"}});
+  // What write_shard_index writes parses back to the same index.
+  const ShardIndex again = parse_shard_index(shard_index_text(ok), "again");
+  CHECK(again.total_size == ok.total_size);
+  CHECK(again.metadata == ok.metadata);
+  CHECK(again.weight_map == ok.weight_map);
+}

@@ -120,6 +120,23 @@ inline void check_shard_file_name(const std::string& where, const std::string& f
                       " is not a plain file name in the index's folder");
 }
 
+/// `metadata` of an index into `index`: `total_size` must be a non-negative
+/// integer (as the header's offsets must be), other values are kept as
+/// strings, non-strings as their JSON text. The nesting bound keeps that
+/// text's recursive dump() shallow.
+inline void parse_index_metadata(const std::string& where, const nlohmann::json& metadata, ShardIndex& index) {
+  if (!metadata.is_object()) throw FormatError(where + ": 'metadata' is not a JSON object");
+  for (const auto& [key, value] : metadata.items()) {
+    if (key != "total_size")
+      index.metadata[key] = value.is_string() ? value.get<std::string>() : value.dump();
+    else if (value.is_number_unsigned())
+      index.total_size = value.get<std::uint64_t>();
+    else
+      throw FormatError(where + ": metadata 'total_size' must be a non-negative integer, got " +
+                        value.dump().substr(0, 40));
+  }
+}
+
 }  // namespace detail
 
 /// The index path of `path`: `path` itself if it names a file, else
@@ -132,8 +149,10 @@ inline std::string shard_index_path(const std::string& path) {
 
 /// Validates the bytes of an index; `where` starts every message. FormatError
 /// if they are not JSON, nest deeper than kMaxShardIndexNesting, repeat a
-/// key in an object, lack a `weight_map` object of string values, or name a
-/// file outside the index's folder.
+/// key in an object, lack a `weight_map` object of string values, name a
+/// file outside the index's folder, or have a `metadata` that is not an
+/// object or a `total_size` that is not a non-negative integer. Other keys
+/// of the root are ignored.
 inline ShardIndex parse_shard_index(std::string_view text, const std::string& where) {
   nlohmann::json j;
   try {
@@ -150,11 +169,7 @@ inline ShardIndex parse_shard_index(std::string_view text, const std::string& wh
     detail::check_shard_file_name(where, file.get<std::string>());
     index.weight_map[name] = file.get<std::string>();
   }
-  if (j.contains("metadata") && j["metadata"].is_object())
-    for (const auto& [key, value] : j["metadata"].items()) {
-      if (key == "total_size" && value.is_number_unsigned()) index.total_size = value.get<std::uint64_t>();
-      else index.metadata[key] = value.is_string() ? value.get<std::string>() : value.dump();
-    }
+  if (j.contains("metadata")) detail::parse_index_metadata(where, j["metadata"], index);
   return index;
 }
 
