@@ -68,7 +68,7 @@ void write_text(const std::string& path, const std::string& text) {
 
 /// A sparse file of `size` bytes that begins with `head`: the size caps are
 /// checked against fstat, so a cap can be exceeded without writing the bytes.
-[[maybe_unused]] void write_sparse(const std::string& path, const std::string& head, std::uint64_t size) {
+void write_sparse(const std::string& path, const std::string& head, std::uint64_t size) {
   write_text(path, head);
   REQUIRE(::truncate(path.c_str(), off_t(size)) == 0);
 }
@@ -84,12 +84,15 @@ std::string nested_objects(std::size_t depth) {
   return s + std::string(depth, '}');
 }
 
-/// A safetensors file whose header is `header` (the length prefix added).
-[[maybe_unused]] std::string safetensors_bytes(const std::string& header) {
+/// The 8-byte little-endian length that starts a safetensors file.
+std::string length_prefix(std::uint64_t n) {
   std::string out(8, '\0');
-  for (int i = 0; i < 8; ++i) out[std::size_t(i)] = char((header.size() >> (8 * i)) & 0xff);
-  return out + header;
+  for (int i = 0; i < 8; ++i) out[std::size_t(i)] = char((n >> (8 * i)) & 0xff);
+  return out;
 }
+
+/// A safetensors file whose header is `header`.
+std::string safetensors_bytes(const std::string& header) { return length_prefix(header.size()) + header; }
 
 /// The index of `swiglu_shards`: w_gate and w_up in s1, w_down in s2.
 const char* const kWeightMap =
@@ -337,4 +340,166 @@ TEST_CASE("The shard index parser refuses every malformed index with a FormatErr
   CHECK(again.total_size == ok.total_size);
   CHECK(again.metadata == ok.metadata);
   CHECK(again.weight_map == ok.weight_map);
+}
+
+// ─────────────────────── every entry point, every hostile path ─────────────────
+
+namespace {
+
+/// A path that is no checkpoint, and what the FormatError must say of it.
+struct Hostile {
+  std::string what, path, message;
+};
+
+/// In `dir`: the kinds of path every reader must refuse at once — a FIFO
+/// without a writer, links to /dev/zero and /dev/null, a folder — plus
+/// /dev/null itself, a sparse file beyond the size cap whose first bytes
+/// are `oversized_head`, and a file of nested JSON (`nested`).
+std::vector<Hostile> hostile_paths(const Folder& dir, const std::string& tag, const std::string& oversized_head,
+                                   const std::string& nested, const std::string& nested_message) {
+  const std::string fifo = dir / (tag + "fifo"), zero = dir / (tag + "zero"), null = dir / (tag + "null");
+  const std::string folder = dir / (tag + "folder"), big = dir / (tag + "big"), deep = dir / (tag + "deep");
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  fs::create_symlink("/dev/zero", zero);
+  fs::create_symlink("/dev/null", null);
+  fs::create_directory(folder);
+  write_sparse(big, oversized_head, 200'000'000);
+  write_text(deep, nested);
+  return {{"a FIFO without a writer", fifo, "is not a regular file"},
+          {"a link to /dev/zero", zero, "is not a regular file"},
+          {"a link to /dev/null", null, "is not a regular file"},
+          {"/dev/null", "/dev/null", "is not a regular file"},
+          {"a folder", folder, "is not a regular file"},
+          {"a file beyond the size cap", big, "more than the limit of 100000000"},
+          {"deeply nested JSON", deep, nested_message}};
+}
+
+}  // namespace
+
+TEST_CASE("Every file-reading entry point refuses what is no checkpoint with a prompt FormatError",
+          "[checkpoint][sweeps][filetype]") {
+  // The class behind the index's FIFO, /dev/zero, size and nesting defects,
+  // swept over every public function that reads a safetensors file from a
+  // path, the sharded loader reading it as a shard included. Each probe
+  // runs in a forked child (30 s alarm, 4 GiB address space), so a reader
+  // that blocks, reads without end or recurses without bound fails its own
+  // case. mpi::load_checkpoint reads through the same readers
+  // (safetensors::Reader, read_shard_index), covered here.
+  Folder dir;
+  const auto files = hostile_paths(dir, "st-", length_prefix(150'000'000),
+                                   safetensors_bytes("{\"__metadata__\":" + nested_objects(100'000) + "}"),
+                                   "nests an object deeper than the format allows");
+  SwiGLU<double> ffn(2, 3, 1);
+  const MoEConfig cfg = test::moe_config(4, 2, 0, 2, 3);
+  MoEFFN<double> moe(cfg, 1);
+  const auto ffn_before = snapshot(ffn.param_values());
+  const auto moe_before = snapshot(moe.param_values());
+  for (const Hostile& h : files) {
+    std::vector<std::pair<std::string, std::function<void()>>> entries = {
+        {"load_checkpoint", [&] { load_checkpoint(h.path, ffn.param_values()); }},
+        {"safetensors::Reader", [&] { (void)safetensors::Reader(h.path); }},
+        {"load_family_checkpoint", [&] { load_family_checkpoint(h.path, moe, MoEFamily::Mixtral); }},
+        {"load_packed_moe", [&] { (void)load_packed_moe<float>(h.path, cfg); }},
+        {"load_packed_swiglu", [&] { (void)load_packed_swiglu<float>(h.path, 2, 3); }},
+    };
+    const fs::path p(h.path);
+    const std::string index = dir / (p.filename().string() + ".index.json");
+    if (p.parent_path() == dir.path) {  // an index may name only files in its folder
+      write_text(index, "{\"weight_map\":{\"w_gate.weight\":\"" + p.filename().string() +
+                            "\",\"w_up.weight\":\"x\",\"w_down.weight\":\"x\"}}");
+      entries.push_back({"load_sharded_checkpoint, as a shard", [&] { load_sharded_checkpoint(index, ffn.param_values()); }});
+    }
+    for (const auto& [entry, call] : entries) {
+      INFO(entry << " on " << h.what << " (" << h.path << ")");
+      expect_prompt_format_error(call, {h.path, h.message});
+    }
+  }
+  CHECK(unchanged(ffn.param_values(), ffn_before));
+  CHECK(unchanged(moe.param_values(), moe_before));
+}
+
+TEST_CASE("Every shard-index reader refuses an index that is no index with a prompt FormatError",
+          "[checkpoint][sweeps][filetype][index]") {
+  // The same kinds of path as the index of a sharded checkpoint: given as
+  // the index file, and as the index inside a checkpoint's folder.
+  Folder dir;
+  const auto files = hostile_paths(dir, "ix-", "{\"weight_map\":{}}",
+                                   R"({"metadata":{"x":)" + nested_arrays(100'000) + R"(},"weight_map":{}})",
+                                   "nests arrays or objects deeper than 16 levels");
+  SwiGLU<double> ffn(2, 3, 1);
+  const auto before = snapshot(ffn.param_values());
+  for (const Hostile& h : files) {
+    std::vector<std::pair<std::string, std::function<void()>>> entries = {
+        {"read_shard_index", [&] { (void)read_shard_index(h.path); }},
+    };
+    // Given a folder, load_sharded_checkpoint reads the index inside it: the
+    // folder kind is the second loop's.
+    if (!fs::is_directory(h.path))
+      entries.push_back({"load_sharded_checkpoint(index)", [&] { load_sharded_checkpoint(h.path, ffn.param_values()); }});
+    for (const auto& [entry, call] : entries) {
+      INFO(entry << " on " << h.what << " (" << h.path << ")");
+      expect_prompt_format_error(call, {"read_shard_index('" + h.path + "')", h.message});
+    }
+  }
+  // As the index of a folder: each kind again, in a folder of its own.
+  for (const Hostile& h : files) {
+    if (h.path == "/dev/null") continue;  // the same as the link to it
+    const Folder ckpt;
+    const std::string index = ckpt / kShardIndexName;
+    fs::rename(h.path, index);
+    INFO("load_sharded_checkpoint(folder) with an index that is " << h.what);
+    expect_prompt_format_error([&] { load_sharded_checkpoint(ckpt.path.string(), ffn.param_values()); },
+                               {"read_shard_index('" + index + "')", h.message});
+  }
+  CHECK(unchanged(ffn.param_values(), before));
+}
+
+TEST_CASE("A rejected sharded load leaves every parameter as it was", "[checkpoint][sweeps][index]") {
+  // load_sharded_checkpoint reads every shard into a staging copy and writes
+  // the parameters only when all loaded, so a shard that fails after
+  // another was read (s1 < s2: s2 loads second) changes nothing. Each way
+  // the second shard or the index can be wrong.
+  SwiGLU<double> saved(2, 3, 1);
+  SwiGLU<double> wider(2, 4, 3);
+  const std::vector<std::pair<std::string, std::function<void(const Folder&)>>> breaks = {
+      {"s2 absent", [](const Folder& d) { fs::remove(d / "s2.safetensors"); }},
+      {"s2 a FIFO", [](const Folder& d) {
+         fs::remove(d / "s2.safetensors");
+         REQUIRE(::mkfifo((d / "s2.safetensors").c_str(), 0600) == 0);
+       }},
+      {"s2 truncated", [](const Folder& d) { fs::resize_file(d / "s2.safetensors", fs::file_size(d / "s2.safetensors") - 8); }},
+      {"s2 of another shape", [&](const Folder& d) {
+         save_checkpoint(d / "s2.safetensors", ParamList<double>{wider.param_values()[2]});
+       }},
+      {"s2 of an integer dtype", [](const Folder& d) {
+         write_text(d / "s2.safetensors",
+                    safetensors_bytes(R"({"w_down.weight":{"dtype":"I32","shape":[2,3],"data_offsets":[0,24]}})") +
+                        std::string(24, '\0'));
+       }},
+      {"s2 without the tensor", [](const Folder& d) {
+         Matrix<double> c = Matrix<double>::Ones(2, 3);
+         save_checkpoint(d / "s2.safetensors", ParamList<double>{{"c", c.data(), nullptr, 2, 3}});
+       }},
+      {"the index without the tensor", [](const Folder& d) {
+         write_text(d / kShardIndexName, R"({"weight_map":{"w_gate.weight":"s1.safetensors","w_up.weight":"s1.safetensors"}})");
+       }},
+  };
+  for (const auto& [what, bend] : breaks) {
+    INFO(what);
+    Folder dir;
+    swiglu_shards(dir, saved);
+    bend(dir);
+    SwiGLU<double> into(2, 3, 2);
+    const auto before = snapshot(into.param_values());
+    const auto load = [&] { load_sharded_checkpoint(dir.path.string(), into.param_values()); };
+    // First in a child, where a hang or crash cannot end the run; then here,
+    // where the layer can be compared.
+    const std::string got = test::outcome_isolated(load);
+    INFO(got);
+    const bool rejected = got.rfind("FormatError: ", 0) == 0 || got.rfind("ShapeError: ", 0) == 0;
+    CHECK(rejected);
+    if (!rejected) continue;
+    CHECK(test::outcome(load) == got);
+    CHECK(unchanged(into.param_values(), before));
+  }
 }
