@@ -22,6 +22,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "fuzz/fuzz_index.hpp"
 #include "sweep.hpp"
 
 using namespace apex;
@@ -502,4 +504,30 @@ TEST_CASE("A rejected sharded load leaves every parameter as it was", "[checkpoi
     CHECK(test::outcome(load) == got);
     CHECK(unchanged(into.param_values(), before));
   }
+}
+
+TEST_CASE("The shard-index fuzz corpus and regression inputs replay safely", "[checkpoint][fuzz][index]") {
+  // Each input of tests/fuzz/corpus_index/ and regressions_index/ through
+  // the fuzz target's own body: it parses or throws FormatError, and what
+  // it parses to survives being written back. In a forked child, so an
+  // input that crashed the parser fails its case, not the run.
+  const fs::path tests = fs::path(__FILE__).parent_path();
+  std::size_t files = 0;
+  for (const char* sub : {"fuzz/corpus_index", "fuzz/regressions_index"}) {
+    const fs::path d = tests / sub;
+    REQUIRE(fs::is_directory(d));
+    for (const auto& entry : fs::directory_iterator(d)) {
+      if (!entry.is_regular_file() || entry.path().filename().string().front() == '.') continue;
+      INFO(entry.path().string());
+      std::ifstream f(entry.path(), std::ios::binary);
+      const std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+      const std::string got = test::outcome_isolated([&] {
+        fuzz::exercise_index(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size());
+      });
+      INFO(got);
+      CHECK((got == "returned" || got.rfind("FormatError: ", 0) == 0));
+      ++files;
+    }
+  }
+  CHECK(files >= 20);
 }
