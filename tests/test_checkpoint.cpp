@@ -40,6 +40,7 @@
 
 #include "fuzz/fuzz_loader.hpp"
 #include "sweep.hpp"
+#include "temp_dir.hpp"
 
 using namespace apex;
 namespace fs = std::filesystem;
@@ -51,23 +52,7 @@ namespace {
 
 const fs::path kTests = fs::path(__FILE__).parent_path();
 
-/// A fresh folder, removed with everything in it at scope exit.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static int n = 0;
-    path = fs::temp_directory_path() / ("apex_ckpt_" + std::to_string(::getpid()) + "_" + std::to_string(n++));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::permissions(path, fs::perms::owner_all, fs::perm_options::add, ec);
-    fs::remove_all(path, ec);
-  }
-  std::string operator/(const std::string& name) const { return (path / name).string(); }
-  std::size_t entries() const { return std::size_t(std::distance(fs::directory_iterator(path), fs::directory_iterator())); }
-};
+using test::TempDir;
 
 Bytes read_bytes(const fs::path& p) {
   std::ifstream f(p, std::ios::binary);

@@ -32,10 +32,10 @@
 
 #include "fuzz/fuzz_index.hpp"
 #include "sweep.hpp"
+#include "temp_dir.hpp"
 
 using namespace apex;
 namespace fs = std::filesystem;
-using Catch::Matchers::Contains;
 
 #if defined(__SANITIZE_ADDRESS__)
 #define APEX_TEST_ASAN 1
@@ -47,21 +47,7 @@ using Catch::Matchers::Contains;
 
 namespace {
 
-/// A fresh folder, removed with everything in it at scope exit.
-struct Folder {
-  fs::path path;
-  Folder() {
-    static int n = 0;
-    path = fs::temp_directory_path() / ("apex_inputs_" + std::to_string(::getpid()) + "_" + std::to_string(n++));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~Folder() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string operator/(const std::string& name) const { return (path / name).string(); }
-};
+using test::TempDir;
 
 void write_text(const std::string& path, const std::string& text) {
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
@@ -102,7 +88,7 @@ const char* const kWeightMap =
 
 /// A SwiGLU(2, 3)'s tensors in two shard files of `dir` and the index
 /// naming them (kWeightMap).
-void swiglu_shards(const Folder& dir, SwiGLU<double>& ffn) {
+void swiglu_shards(const TempDir& dir, SwiGLU<double>& ffn) {
   const ParamList<double> p = ffn.param_values();
   save_checkpoint(dir / "s1.safetensors", ParamList<double>{p[0], p[1]});
   save_checkpoint(dir / "s2.safetensors", ParamList<double>{p[2]});
@@ -168,7 +154,7 @@ TEST_CASE("A deeply nested value in a shard index is a FormatError, not a stack 
   // (SIGSEGV; a stack overflow under ASan) in load_sharded_checkpoint.
   // Fixed: the index is parsed with a callback that refuses nesting beyond
   // kMaxShardIndexNesting as soon as the container opens.
-  Folder dir;
+  TempDir dir;
   SwiGLU<double> saved(2, 3, 1), into(2, 3, 2);
   swiglu_shards(dir, saved);
   const auto before = snapshot(into.param_values());
@@ -187,7 +173,7 @@ TEST_CASE("A shard index that is a FIFO is a FormatError at once instead of a ha
   // named pipe waits for a writer: forever. Fixed: the index is opened like
   // a shard (safetensors::FileSource: O_NONBLOCK, then fstat on the
   // descriptor, regular files only).
-  Folder dir;
+  TempDir dir;
   SwiGLU<double> saved(2, 3, 1), into(2, 3, 2);
   swiglu_shards(dir, saved);
   fs::remove(dir / kShardIndexName);
@@ -205,7 +191,7 @@ TEST_CASE("A shard index that is a link to /dev/zero is a FormatError, not a rea
   // read_shard_index read the index to its end, so a link to /dev/zero grew
   // a string until memory ran out (bad_alloc under this test's 4 GiB cap).
   // Fixed: only a regular file is read (fstat on the opened descriptor).
-  Folder dir;
+  TempDir dir;
   SwiGLU<double> saved(2, 3, 1), into(2, 3, 2);
   swiglu_shards(dir, saved);
   fs::remove(dir / kShardIndexName);
@@ -221,7 +207,7 @@ TEST_CASE("A shard index beyond the size cap is a FormatError naming the cap", "
   // of it): a valid index followed by 100 MB of spaces loaded. Fixed: an
   // index larger than Limits::max_index_bytes (100 MB, the safetensors
   // header's cap) is refused from its fstat size, before anything is read.
-  Folder dir;
+  TempDir dir;
   SwiGLU<double> saved(2, 3, 1), into(2, 3, 2);
   swiglu_shards(dir, saved);
   {
@@ -241,7 +227,7 @@ TEST_CASE("A duplicate key in a shard index is a FormatError", "[checkpoint][reg
   // tensor twice (or holding two weight_maps) loaded the last one without a
   // word, while the safetensors header parser rejects duplicates. Fixed: the
   // index parser's callback tracks the keys of every open object.
-  Folder dir;
+  TempDir dir;
   SwiGLU<double> saved(2, 3, 1), into(2, 3, 2);
   swiglu_shards(dir, saved);
   const auto before = snapshot(into.param_values());
@@ -267,7 +253,7 @@ TEST_CASE("allow_missing lists a tensor the index names but its shard lacks", "[
   // reported. Fixed: a tensor the index puts in a shard that lacks it is
   // missing (listed with allow_missing, FormatError without); a shard's
   // tensors that no parameter names stay ignored, as always.
-  Folder dir;
+  TempDir dir;
   Matrix<double> a = Matrix<double>::Constant(2, 2, 1.0), c = Matrix<double>::Constant(2, 2, 3.0);
   save_checkpoint(dir / "s1.safetensors", ParamList<double>{{"a", a.data(), nullptr, 2, 2}});
   save_checkpoint(dir / "s2.safetensors", ParamList<double>{{"c", c.data(), nullptr, 2, 2}});
@@ -357,7 +343,7 @@ struct Hostile {
 /// without a writer, links to /dev/zero and /dev/null, a folder — plus
 /// /dev/null itself, a sparse file beyond the size cap whose first bytes
 /// are `oversized_head`, and a file of nested JSON (`nested`).
-std::vector<Hostile> hostile_paths(const Folder& dir, const std::string& tag, const std::string& oversized_head,
+std::vector<Hostile> hostile_paths(const TempDir& dir, const std::string& tag, const std::string& oversized_head,
                                    const std::string& nested, const std::string& nested_message) {
   const std::string fifo = dir / (tag + "fifo"), zero = dir / (tag + "zero"), null = dir / (tag + "null");
   const std::string folder = dir / (tag + "folder"), big = dir / (tag + "big"), deep = dir / (tag + "deep");
@@ -387,7 +373,7 @@ TEST_CASE("Every file-reading entry point refuses what is no checkpoint with a p
   // that blocks, reads without end or recurses without bound fails its own
   // case. mpi::load_checkpoint reads through the same readers
   // (safetensors::Reader, read_shard_index), covered here.
-  Folder dir;
+  TempDir dir;
   const auto files = hostile_paths(dir, "st-", length_prefix(150'000'000),
                                    safetensors_bytes("{\"__metadata__\":" + nested_objects(100'000) + "}"),
                                    "nests an object deeper than the format allows");
@@ -424,7 +410,7 @@ TEST_CASE("Every shard-index reader refuses an index that is no index with a pro
           "[checkpoint][sweeps][filetype][index]") {
   // The same kinds of path as the index of a sharded checkpoint: given as
   // the index file, and as the index inside a checkpoint's folder.
-  Folder dir;
+  TempDir dir;
   const auto files = hostile_paths(dir, "ix-", "{\"weight_map\":{}}",
                                    R"({"metadata":{"x":)" + nested_arrays(100'000) + R"(},"weight_map":{}})",
                                    "nests arrays or objects deeper than 16 levels");
@@ -446,7 +432,7 @@ TEST_CASE("Every shard-index reader refuses an index that is no index with a pro
   // As the index of a folder: each kind again, in a folder of its own.
   for (const Hostile& h : files) {
     if (h.path == "/dev/null") continue;  // the same as the link to it
-    const Folder ckpt;
+    const TempDir ckpt;
     const std::string index = ckpt / kShardIndexName;
     fs::rename(h.path, index);
     INFO("load_sharded_checkpoint(folder) with an index that is " << h.what);
@@ -463,32 +449,32 @@ TEST_CASE("A rejected sharded load leaves every parameter as it was", "[checkpoi
   // the second shard or the index can be wrong.
   SwiGLU<double> saved(2, 3, 1);
   SwiGLU<double> wider(2, 4, 3);
-  const std::vector<std::pair<std::string, std::function<void(const Folder&)>>> breaks = {
-      {"s2 absent", [](const Folder& d) { fs::remove(d / "s2.safetensors"); }},
-      {"s2 a FIFO", [](const Folder& d) {
+  const std::vector<std::pair<std::string, std::function<void(const TempDir&)>>> breaks = {
+      {"s2 absent", [](const TempDir& d) { fs::remove(d / "s2.safetensors"); }},
+      {"s2 a FIFO", [](const TempDir& d) {
          fs::remove(d / "s2.safetensors");
          REQUIRE(::mkfifo((d / "s2.safetensors").c_str(), 0600) == 0);
        }},
-      {"s2 truncated", [](const Folder& d) { fs::resize_file(d / "s2.safetensors", fs::file_size(d / "s2.safetensors") - 8); }},
-      {"s2 of another shape", [&](const Folder& d) {
+      {"s2 truncated", [](const TempDir& d) { fs::resize_file(d / "s2.safetensors", fs::file_size(d / "s2.safetensors") - 8); }},
+      {"s2 of another shape", [&](const TempDir& d) {
          save_checkpoint(d / "s2.safetensors", ParamList<double>{wider.param_values()[2]});
        }},
-      {"s2 of an integer dtype", [](const Folder& d) {
+      {"s2 of an integer dtype", [](const TempDir& d) {
          write_text(d / "s2.safetensors",
                     safetensors_bytes(R"({"w_down.weight":{"dtype":"I32","shape":[2,3],"data_offsets":[0,24]}})") +
                         std::string(24, '\0'));
        }},
-      {"s2 without the tensor", [](const Folder& d) {
+      {"s2 without the tensor", [](const TempDir& d) {
          Matrix<double> c = Matrix<double>::Ones(2, 3);
          save_checkpoint(d / "s2.safetensors", ParamList<double>{{"c", c.data(), nullptr, 2, 3}});
        }},
-      {"the index without the tensor", [](const Folder& d) {
+      {"the index without the tensor", [](const TempDir& d) {
          write_text(d / kShardIndexName, R"({"weight_map":{"w_gate.weight":"s1.safetensors","w_up.weight":"s1.safetensors"}})");
        }},
   };
   for (const auto& [what, bend] : breaks) {
     INFO(what);
-    Folder dir;
+    TempDir dir;
     swiglu_shards(dir, saved);
     bend(dir);
     SwiGLU<double> into(2, 3, 2);
