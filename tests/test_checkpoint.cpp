@@ -39,6 +39,7 @@
 #include <unistd.h>
 
 #include "fuzz/fuzz_loader.hpp"
+#include "fuzz/replay.hpp"
 #include "sweep.hpp"
 #include "temp_dir.hpp"
 
@@ -971,21 +972,14 @@ TEST_CASE("Random corruptions only ever raise library errors", "[checkpoint][mal
 }
 
 TEST_CASE("The fuzz corpus and regression inputs replay safely", "[checkpoint][fuzz]") {
-  std::size_t files = 0;
-  for (const char* sub : {"fuzz/corpus", "fuzz/regressions"}) {
-    const fs::path d = kTests / sub;
-    REQUIRE(fs::is_directory(d));
-    for (const auto& entry : fs::directory_iterator(d)) {
-      if (!entry.is_regular_file() || entry.path().filename().string().front() == '.') continue;
-      INFO(entry.path().string());
-      const Bytes b = read_bytes(entry.path());
-      try {
-        fuzz::exercise(b.data(), b.size());
-      } catch (const Error&) {
-      }
-      ++files;
-    }
-  }
+  const std::size_t files = fuzz::for_each_committed_input(
+      kTests, {"fuzz/corpus", "fuzz/regressions"}, [](const fs::path& path, const std::string& bytes) {
+        INFO(path.string());
+        try {
+          fuzz::exercise(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size());
+        } catch (const Error&) {
+        }
+      });
   CHECK(files >= 10);
 }
 

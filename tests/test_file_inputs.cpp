@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include "fuzz/fuzz_index.hpp"
+#include "fuzz/replay.hpp"
 #include "sweep.hpp"
 #include "temp_dir.hpp"
 
@@ -497,23 +498,15 @@ TEST_CASE("The shard-index fuzz corpus and regression inputs replay safely", "[c
   // the fuzz target's own body: it parses or throws FormatError, and what
   // it parses to survives being written back. In a forked child, so an
   // input that crashed the parser fails its case, not the run.
-  const fs::path tests = fs::path(__FILE__).parent_path();
-  std::size_t files = 0;
-  for (const char* sub : {"fuzz/corpus_index", "fuzz/regressions_index"}) {
-    const fs::path d = tests / sub;
-    REQUIRE(fs::is_directory(d));
-    for (const auto& entry : fs::directory_iterator(d)) {
-      if (!entry.is_regular_file() || entry.path().filename().string().front() == '.') continue;
-      INFO(entry.path().string());
-      std::ifstream f(entry.path(), std::ios::binary);
-      const std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-      const std::string got = test::outcome_isolated([&] {
-        fuzz::exercise_index(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size());
+  const std::size_t files = fuzz::for_each_committed_input(
+      fs::path(__FILE__).parent_path(), {"fuzz/corpus_index", "fuzz/regressions_index"},
+      [](const fs::path& path, const std::string& bytes) {
+        INFO(path.string());
+        const std::string got = test::outcome_isolated([&] {
+          fuzz::exercise_index(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size());
+        });
+        INFO(got);
+        CHECK((got == "returned" || got.rfind("FormatError: ", 0) == 0));
       });
-      INFO(got);
-      CHECK((got == "returned" || got.rfind("FormatError: ", 0) == 0));
-      ++files;
-    }
-  }
   CHECK(files >= 20);
 }
