@@ -39,7 +39,9 @@
 #include <unistd.h>
 
 #include "fuzz/fuzz_loader.hpp"
+#include "fuzz/replay.hpp"
 #include "sweep.hpp"
+#include "temp_dir.hpp"
 
 using namespace apex;
 namespace fs = std::filesystem;
@@ -51,23 +53,7 @@ namespace {
 
 const fs::path kTests = fs::path(__FILE__).parent_path();
 
-/// A fresh folder, removed with everything in it at scope exit.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static int n = 0;
-    path = fs::temp_directory_path() / ("apex_ckpt_" + std::to_string(::getpid()) + "_" + std::to_string(n++));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::permissions(path, fs::perms::owner_all, fs::perm_options::add, ec);
-    fs::remove_all(path, ec);
-  }
-  std::string operator/(const std::string& name) const { return (path / name).string(); }
-  std::size_t entries() const { return std::size_t(std::distance(fs::directory_iterator(path), fs::directory_iterator())); }
-};
+using test::TempDir;
 
 Bytes read_bytes(const fs::path& p) {
   std::ifstream f(p, std::ios::binary);
@@ -986,21 +972,14 @@ TEST_CASE("Random corruptions only ever raise library errors", "[checkpoint][mal
 }
 
 TEST_CASE("The fuzz corpus and regression inputs replay safely", "[checkpoint][fuzz]") {
-  std::size_t files = 0;
-  for (const char* sub : {"fuzz/corpus", "fuzz/regressions"}) {
-    const fs::path d = kTests / sub;
-    REQUIRE(fs::is_directory(d));
-    for (const auto& entry : fs::directory_iterator(d)) {
-      if (!entry.is_regular_file() || entry.path().filename().string().front() == '.') continue;
-      INFO(entry.path().string());
-      const Bytes b = read_bytes(entry.path());
-      try {
-        fuzz::exercise(b.data(), b.size());
-      } catch (const Error&) {
-      }
-      ++files;
-    }
-  }
+  const std::size_t files = fuzz::for_each_committed_input(
+      kTests, {"fuzz/corpus", "fuzz/regressions"}, [](const fs::path& path, const std::string& bytes) {
+        INFO(path.string());
+        try {
+          fuzz::exercise(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size());
+        } catch (const Error&) {
+        }
+      });
   CHECK(files >= 10);
 }
 

@@ -1,13 +1,19 @@
 #!/usr/bin/env python3
-"""Writes the seed corpus of the safetensors fuzz target (standard library only).
+"""Writes the seed corpora of the fuzz targets (standard library only).
 
-    python3 tests/fuzz/make_corpus.py [OUT_DIR]     (default: tests/fuzz/corpus)
+    python3 tests/fuzz/make_corpus.py [OUT_DIR [INDEX_OUT_DIR]]
+        (defaults: tests/fuzz/corpus, tests/fuzz/corpus_index)
 
 Seeds are small valid files covering every branch the loader has (each
 convertible dtype, other dtypes, scalars, empty tensors, metadata, tensors
 named as SwiGLU(2, 3)'s parameters so a strict load succeeds) and a few
 near-misses (wrong size, overlap, gap, bad dtype) for the mutator to start
 from.
+
+Index seeds (for fuzz_shard_index) are a valid Hugging Face index and the
+inputs the index parser must refuse cheaply: nesting just under, at and far
+beyond its limit, duplicate keys at each level, numbers beyond 64 bits,
+non-string values and file names that leave the folder.
 """
 import json
 import os
@@ -70,13 +76,60 @@ SEEDS = {
 }
 
 
-def main():
-    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")
+def index_bytes(weight_map, metadata=None, raw_metadata=None):
+    """An index; raw_metadata (text) replaces the metadata object verbatim."""
+    meta = raw_metadata if raw_metadata is not None else json.dumps(metadata or {"total_size": 144})
+    return ('{"metadata":' + meta + ',"weight_map":' + json.dumps(weight_map) + "}").encode()
+
+
+SHARDS = {"w_gate.weight": "model-00001-of-00002.safetensors", "w_up.weight": "model-00001-of-00002.safetensors",
+          "w_down.weight": "model-00002-of-00002.safetensors"}
+NEST_LIMIT = 16  # kMaxShardIndexNesting
+
+
+def nested(depth):
+    return "[" * depth + "]" * depth
+
+
+INDEX_SEEDS = {
+    "valid": index_bytes(SHARDS, {"total_size": 144, "format": "apex-ffn", "ranks": "2"}),
+    "valid_pretty": json.dumps({"metadata": {"total_size": 144}, "weight_map": SHARDS}, indent=2).encode(),
+    "empty_map": index_bytes({}),
+    "nested_at_limit": index_bytes(SHARDS, raw_metadata='{"x":' + nested(NEST_LIMIT - 2) + "}"),
+    "nested_over_limit": index_bytes(SHARDS, raw_metadata='{"x":' + nested(NEST_LIMIT - 1) + "}"),
+    "nested_deep_arrays": index_bytes(SHARDS, raw_metadata='{"x":' + nested(5000) + "}"),
+    "nested_deep_objects": index_bytes(SHARDS, raw_metadata='{"x":' + '{"x":' * 5000 + "{}" + "}" * 5000 + "}"),
+    "nested_unclosed": b'{"metadata":{"x":' + b"[" * 5000,
+    "duplicate_tensor": b'{"weight_map":{"a":"s1.safetensors","a":"s2.safetensors"}}',
+    "duplicate_weight_map": b'{"weight_map":{"a":"s1.safetensors"},"weight_map":{"b":"s2.safetensors"}}',
+    "duplicate_metadata_key": b'{"metadata":{"k":"1","k":"2"},"weight_map":{}}',
+    "duplicate_nested_key": b'{"metadata":{"x":[{"y":1,"y":2}]},"weight_map":{}}',
+    "huge_numbers": index_bytes(SHARDS, raw_metadata='{"total_size":18446744073709551616,"n":1e400,"m":-1e-400}'),
+    "total_size_max": index_bytes(SHARDS, raw_metadata='{"total_size":18446744073709551615}'),
+    "total_size_string": index_bytes(SHARDS, raw_metadata='{"total_size":"144"}'),
+    "non_string_metadata": index_bytes(SHARDS, raw_metadata='{"n":1.5,"b":true,"z":null,"o":{"a":[1,"x"]}}'),
+    "non_string_file": b'{"weight_map":{"a":1,"b":null,"c":["s"],"d":{"e":"f"}}}',
+    "metadata_not_object": b'{"metadata":[1,2],"weight_map":{}}',
+    "escaping_names": b'{"weight_map":{"a":"../s.safetensors","b":"/etc/passwd","c":"..","d":"","e":"s\\u0000"}}',
+    "unicode": '{"weight_map":{"ünï":"cödé.safetensors","\\ud83d\\ude00":"s"}}'.encode(),
+    "lone_surrogate": b'{"weight_map":{"\\ud800":"s"}}',
+    "not_object": b'[{"weight_map":{}}]',
+    "trailing": index_bytes(SHARDS) + b" x",
+}
+
+
+def write_all(out, seeds, suffix):
     os.makedirs(out, exist_ok=True)
-    for name, data in SEEDS.items():
-        with open(os.path.join(out, name + ".safetensors"), "wb") as f:
+    for name, data in seeds.items():
+        with open(os.path.join(out, name + suffix), "wb") as f:
             f.write(data)
-    print(f"wrote {len(SEEDS)} seeds to {out}")
+    print(f"wrote {len(seeds)} seeds to {out}")
+
+
+def main():
+    here = os.path.dirname(os.path.abspath(__file__))
+    write_all(sys.argv[1] if len(sys.argv) > 1 else os.path.join(here, "corpus"), SEEDS, ".safetensors")
+    write_all(sys.argv[2] if len(sys.argv) > 2 else os.path.join(here, "corpus_index"), INDEX_SEEDS, ".json")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,10 @@ struct Limits {
   /// Largest accepted JSON header, in bytes (the reference implementation's
   /// cap). Parsing needs memory proportional to the header.
   std::uint64_t max_header_bytes = 100'000'000;
+  /// Largest accepted shard index (`model.safetensors.index.json`,
+  /// shard_index.hpp), in bytes: it is read whole and parsed in memory, so
+  /// it gets the header's cap.
+  std::uint64_t max_index_bytes = 100'000'000;
 };
 
 /// One tensor entry of a validated header.
