@@ -154,6 +154,8 @@ class ExpertParallelMoE {
   void set_threads(int threads) { threads_ = threads; }
   /// Largest count of one MPI call in the exchanges (alltoallv.hpp); lower
   /// it to test or to bound staging memory. ValueError outside [1, 2³¹ − 1].
+  /// Must be the same on every rank: forward and backward agree on it first
+  /// (a ConfigError on every rank otherwise, config_agreement.hpp).
   void set_exchange_limit(Index limit) {
     if (limit < 1 || limit > kMaxIntCount)
       throw ValueError("ExpertParallelMoE::set_exchange_limit: argument 'limit' is " + std::to_string(limit) +
@@ -174,7 +176,7 @@ class ExpertParallelMoE {
     std::vector<std::int64_t> send_counts, recv_counts;
     Clock clock;
 
-    comm_.step(where, [&] {  // 1. route → plan → gather
+    comm_.step(where, {exchange_limit_setting(limit_), routing_setting(router_->routing())}, [&] {  // 1. route
       apex::detail::check_shape(where, "x", x, apex::detail::kAny, d);
       apex::detail::serial([&] { router_->route(x, balancer_->bias(), config_.weights_from_unbiased, c.routing); });
       c.plan.build(c.routing.experts, config_.n_experts);
@@ -238,7 +240,7 @@ class ExpertParallelMoE {
     StepGradientSum<T> replicated(comm_, replicated_params(), grad_stash_);
     Clock clock;
 
-    comm_.step(where, [&] {  // combine → g·dy in plan order
+    comm_.step(where, {exchange_limit_setting(limit_)}, [&] {  // combine → g·dy in plan order
       check_cache(where, c);
       apex::detail::check_shape(where, "dy", dy, n, d);
       dy_sorted.resize(c.plan.rows(), d);
