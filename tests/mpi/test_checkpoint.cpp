@@ -8,6 +8,8 @@
 
 #include <catch2/catch.hpp>
 
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <set>
@@ -197,4 +199,57 @@ TEST_CASE("A sharded checkpoint of a layer with a gated, wider shared expert rou
   const auto all = values_of(single.params());
   REQUIRE(all.count("shared_expert_gate.weight") == 1);
   for (const auto& [name, value] : values_of(ep.params())) CHECK(all.at(name) == value);
+}
+
+TEST_CASE("A save into different folders on different ranks is refused and keeps the checkpoint", "[mpi][regression]") {
+  test::HangGuard guard("save into different folders");
+  SharedFolder a, b;
+  const Communicator& comm = a.comm;
+  if (comm.size() == 1) return;  // nothing can differ
+  const MoEConfig cfg = test::moe_config(7, 2, 1, 6, 8);
+  EP ep(cfg, comm, 1);
+  perturb(ep, 52);
+  mpi::save_checkpoint(a.path, ep);
+  const auto saved = values_of(ep.params());
+  comm.barrier();
+  const auto files_a = a.files(), files_b = b.files();
+  comm.barrier();  // every rank's snapshot before the next save
+  perturb(ep, 53);
+  for (const bool rank0_elsewhere : {false, true}) {
+    INFO("rank 0 passes " << (rank0_elsewhere ? "B, the others A" : "A, the others B"));
+    const bool in_b = (comm.rank() == 0) == rank0_elsewhere;
+    test::throws<FormatError>([&] { mpi::save_checkpoint(in_b ? b.path : a.path, ep); },
+                              {"every rank must pass the same folder"});
+    comm.barrier();
+    CHECK(a.files() == files_a);  // no shard added or removed, the index unchanged
+    CHECK(b.files() == files_b);
+    EP back(cfg, comm, 9);
+    mpi::load_checkpoint(a.path, back);
+    CHECK(values_of(back.params()) == saved);
+  }
+  // The same folder under another name on some ranks is the same folder.
+  const std::string alias = a.path + "/./";
+  mpi::save_checkpoint(comm.rank() == 0 ? a.path : alias, ep);
+  EP back(cfg, comm, 9);
+  mpi::load_checkpoint(a.path, back);
+  CHECK(values_of(back.params()) == values_of(ep.params()));
+  comm.barrier();
+  CHECK(a.files().size() == std::size_t(comm.size()) + 1);  // the new shards and the index, nothing else
+}
+
+TEST_CASE("The committing rank checks every shard the new index names", "[mpi][regression]") {
+  SharedFolder dir;
+  if (dir.comm.rank() != 0) return;  // a local check of rank 0
+  const fs::path folder = dir.path;
+  for (const char* name : {"s1.safetensors", "s2.safetensors"}) {
+    std::FILE* f = std::fopen((folder / name).c_str(), "wb");
+    REQUIRE(f != nullptr);
+    std::fputs("0123456789", f);
+    std::fclose(f);
+  }
+  CHECK_NOTHROW(mpi::detail::check_shards("t", folder, {{"s1.safetensors", 10}, {"s2.safetensors", 10}}));
+  test::throws<FormatError>([&] { mpi::detail::check_shards("t", folder, {{"s1.safetensors", 10}, {"s3.safetensors", 10}}); },
+                            {"s3.safetensors", "does not exist"});
+  test::throws<FormatError>([&] { mpi::detail::check_shards("t", folder, {{"s2.safetensors", 11}}); },
+                            {"s2.safetensors", "10 bytes", "expected 11"});
 }
