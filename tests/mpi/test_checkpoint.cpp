@@ -253,3 +253,60 @@ TEST_CASE("The committing rank checks every shard the new index names", "[mpi][r
   test::throws<FormatError>([&] { mpi::detail::check_shards("t", folder, {{"s2.safetensors", 11}}); },
                             {"s2.safetensors", "10 bytes", "expected 11"});
 }
+
+TEST_CASE("A rejected load leaves every rank's layer as it was", "[mpi]") {
+  test::HangGuard guard("rejected loads");
+  SharedFolder dir;
+  const Communicator& comm = dir.comm;
+  const bool odd = comm.rank() == comm.size() - 1;
+  const MoEConfig cfg = test::moe_config(6, 2, 1, 6, 8);
+  EP ep(cfg, comm, 1);
+  perturb(ep, 54);
+  const std::string good = dir.path + "/good", wide = dir.path + "/wide";
+  if (comm.rank() == 0) {
+    fs::create_directory(good);
+    fs::create_directory(wide);
+  }
+  comm.barrier();
+  mpi::save_checkpoint(good, ep);
+  MoEConfig wider = cfg;
+  wider.d_ffn += 1;
+  EP other(wider, comm, 2);
+  mpi::save_checkpoint(wide, other);  // every expert tensor of another shape
+  // A single-process file whose bias holds a NaN, every weight fine.
+  const std::string nan_bias = dir.path + "/nan_bias.safetensors";
+  if (comm.rank() == 0) {
+    MoEFFN<double> single(cfg, 3);
+    RowVector<double> bias = RowVector<double>::Zero(cfg.n_experts);
+    bias(1) = std::nan("");
+    ParamList<double> state = single.params();
+    state.push_back({"expert_bias", bias.data(), nullptr, 1, bias.cols()});
+    save_checkpoint(nan_bias, state);
+  }
+  comm.barrier();
+  perturb(ep, 55);  // differs from every file
+  const auto before = values_of(ep.params());
+  const RowVector<double> bias_before = ep.balancer().bias();
+  const auto unchanged = [&] {
+    CHECK(values_of(ep.params()) == before);
+    CHECK(ep.balancer().bias() == bias_before);
+  };
+  test::throws<FormatError>([&] { mpi::load_checkpoint(odd ? dir.path + "/nothing-here" : good, ep); });
+  unchanged();
+  test::throws<Error>([&] { mpi::load_checkpoint(odd ? wide : good, ep); });
+  unchanged();
+  test::throws<ValueError>([&] { mpi::load_checkpoint(odd ? nan_bias : good, ep); }, {"expert_bias"});
+  unchanged();
+  test::throws<ValueError>([&] { mpi::load_checkpoint(nan_bias, ep); }, {"expert_bias"});
+  unchanged();
+  // A shard of the good checkpoint cut short: whichever ranks read it fail, no rank changes.
+  comm.barrier();
+  if (comm.rank() == 0) {
+    const ShardIndex index = read_shard_index(good + "/" + kShardIndexName);
+    const std::string shard = good + "/" + index.weight_map.at("router.weight");
+    fs::resize_file(shard, fs::file_size(shard) / 2);
+  }
+  comm.barrier();
+  test::throws<FormatError>([&] { mpi::load_checkpoint(good, ep); });
+  unchanged();
+}
