@@ -32,11 +32,10 @@
 /// summed across ranks in rank order (fixed_order_sum.hpp) and added, so
 /// every rank holds the same values, bitwise, run after run.
 ///
-/// Equivalence: with P ranks holding token blocks X₀ … X_{P−1}, expert e
-/// sees exactly the rows, in the order, that MoEFFN sees on the concatenated
-/// batch, so routed outputs and expert gradients are the single-process
-/// ones; router and shared gradients differ from them only by the order of a
-/// sum (≤ 1e-12 relative in double, tested).
+/// Equivalence: expert e sees the rows, in the order and tiling, that
+/// MoEFFN sees on the concatenated batch; results equal MoEFFN's to rounding
+/// (block alignment, rows per product, sum order: docs/expert_parallel.md),
+/// and are bitwise the same run to run and on any thread count.
 ///
 /// Collectives: forward, backward, observe and the constructor are
 /// collective over the communicator — every rank calls them, in the same
@@ -152,10 +151,9 @@ class ExpertParallelMoE {
   /// Global id of this rank's first routed expert (experts()[j] is expert first_expert() + j).
   Index first_expert() const { return shard_.first(comm_.rank()); }
   void set_threads(int threads) { threads_ = threads; }
-  /// Largest count of one MPI call in the exchanges (alltoallv.hpp); lower
-  /// it to test or to bound staging memory. ValueError outside [1, 2³¹ − 1].
-  /// Must be the same on every rank: forward and backward agree on it first
-  /// (a ConfigError on every rank otherwise, config_agreement.hpp).
+  /// Largest count of one MPI call in the exchanges (alltoallv.hpp), to test
+  /// or to bound staging memory. ValueError outside [1, 2³¹ − 1]; the same on
+  /// every rank (agreed per call, config_agreement.hpp).
   void set_exchange_limit(Index limit) {
     if (limit < 1 || limit > kMaxIntCount)
       throw ValueError("ExpertParallelMoE::set_exchange_limit: argument 'limit' is " + std::to_string(limit) +
