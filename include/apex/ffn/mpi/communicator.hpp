@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <initializer_list>
 #include <memory>
@@ -138,6 +139,13 @@ struct Agreed {
   const char* name;
   std::int64_t value;
 };
+
+/// The bits of a double, to agree on its exact value.
+inline std::int64_t bits_of(double v) {
+  std::int64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof bits);
+  return bits;
+}
 
 /// A duplicate of an `MPI_Comm`, shared by copies, with error agreement.
 class Communicator {

@@ -26,7 +26,6 @@
 
 #include <climits>
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -66,13 +65,9 @@ std::vector<Index> global_capacity_drops(const Communicator& comm, const char* w
   std::vector<T> weights;                                 // N_r·K, row-major
   std::vector<int> all_ids;                               // ΣN_r·K
   std::vector<T> all_weights;                             // ΣN_r·K
-  // What shapes the allgathers and the decision must be the same everywhere
-  // (the factor by its bits).
-  std::int64_t factor_bits = 0;
-  std::memcpy(&factor_bits, &factor, sizeof factor_bits);
-  comm.step(where,
-            {{"argument 'limit' (the exchange limit)", limit}, {"argument 'n_experts'", n_experts},
-             {"the experts per token K", k_count}, {"argument 'factor' (its bits)", factor_bits}},
+  // What shapes the allgathers and the decision must be the same everywhere.
+  comm.step(where, {{"argument 'limit' (the exchange limit)", limit}, {"argument 'n_experts'", n_experts},
+                    {"the experts per token K", k_count}, {"argument 'factor' (its bits)", bits_of(factor)}},
             [&] {
     apex::detail::require_config(n_experts <= INT_MAX, where,
                            "the capacity exchange sends expert ids as int32; n_experts = " + std::to_string(n_experts));
