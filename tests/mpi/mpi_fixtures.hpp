@@ -9,10 +9,17 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <map>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "fixtures.hpp"
@@ -98,5 +105,41 @@ void throws(Fn&& fn, const std::vector<std::string>& texts = {}) {
     FAIL_CHECK("another exception type: " << e.what());
   }
 }
+
+/// Ends the process (exit code 3, naming `what`) unless the scope is left
+/// within `seconds`. A rank left alone in a collective blocks until the
+/// CTest timeout, and its peers' later calls may pair with the wrong
+/// messages; this turns such a hang into a prompt, named failure (mpiexec
+/// then stops the job, since a rank exited without MPI_Finalize).
+class HangGuard {
+ public:
+  explicit HangGuard(std::string what, double seconds = 60) : what_(std::move(what)) {
+    watcher_ = std::thread([this, seconds] {
+      std::unique_lock<std::mutex> lock(mutex_);
+      if (!done_cv_.wait_for(lock, std::chrono::duration<double>(seconds), [this] { return done_; })) {
+        std::fprintf(stderr, "HANG: '%s' did not return within %g s on this rank\n", what_.c_str(), seconds);
+        std::fflush(stderr);
+        std::_Exit(3);
+      }
+    });
+  }
+  HangGuard(const HangGuard&) = delete;
+  HangGuard& operator=(const HangGuard&) = delete;
+  ~HangGuard() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_ = true;
+    }
+    done_cv_.notify_one();
+    watcher_.join();
+  }
+
+ private:
+  std::string what_;
+  std::mutex mutex_;
+  std::condition_variable done_cv_;
+  bool done_ = false;
+  std::thread watcher_;
+};
 
 }  // namespace apex::test

@@ -8,6 +8,8 @@
 
 #include <catch2/catch.hpp>
 
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <set>
@@ -197,4 +199,114 @@ TEST_CASE("A sharded checkpoint of a layer with a gated, wider shared expert rou
   const auto all = values_of(single.params());
   REQUIRE(all.count("shared_expert_gate.weight") == 1);
   for (const auto& [name, value] : values_of(ep.params())) CHECK(all.at(name) == value);
+}
+
+TEST_CASE("A save into different folders on different ranks is refused and keeps the checkpoint", "[mpi][regression]") {
+  test::HangGuard guard("save into different folders");
+  SharedFolder a, b;
+  const Communicator& comm = a.comm;
+  if (comm.size() == 1) return;  // nothing can differ
+  const MoEConfig cfg = test::moe_config(7, 2, 1, 6, 8);
+  EP ep(cfg, comm, 1);
+  perturb(ep, 52);
+  mpi::save_checkpoint(a.path, ep);
+  const auto saved = values_of(ep.params());
+  comm.barrier();
+  const auto files_a = a.files(), files_b = b.files();
+  comm.barrier();  // every rank's snapshot before the next save
+  perturb(ep, 53);
+  for (const bool rank0_elsewhere : {false, true}) {
+    INFO("rank 0 passes " << (rank0_elsewhere ? "B, the others A" : "A, the others B"));
+    const bool in_b = (comm.rank() == 0) == rank0_elsewhere;
+    test::throws<FormatError>([&] { mpi::save_checkpoint(in_b ? b.path : a.path, ep); },
+                              {"every rank must pass the same folder"});
+    comm.barrier();
+    CHECK(a.files() == files_a);  // no shard added or removed, the index unchanged
+    CHECK(b.files() == files_b);
+    EP back(cfg, comm, 9);
+    mpi::load_checkpoint(a.path, back);
+    CHECK(values_of(back.params()) == saved);
+  }
+  // The same folder under another name on some ranks is the same folder.
+  const std::string alias = a.path + "/./";
+  mpi::save_checkpoint(comm.rank() == 0 ? a.path : alias, ep);
+  EP back(cfg, comm, 9);
+  mpi::load_checkpoint(a.path, back);
+  CHECK(values_of(back.params()) == values_of(ep.params()));
+  comm.barrier();
+  CHECK(a.files().size() == std::size_t(comm.size()) + 1);  // the new shards and the index, nothing else
+}
+
+TEST_CASE("The committing rank checks every shard the new index names", "[mpi][regression]") {
+  SharedFolder dir;
+  if (dir.comm.rank() != 0) return;  // a local check of rank 0
+  const fs::path folder = dir.path;
+  for (const char* name : {"s1.safetensors", "s2.safetensors"}) {
+    std::FILE* f = std::fopen((folder / name).c_str(), "wb");
+    REQUIRE(f != nullptr);
+    std::fputs("0123456789", f);
+    std::fclose(f);
+  }
+  CHECK_NOTHROW(mpi::detail::check_shards("t", folder, {{"s1.safetensors", 10}, {"s2.safetensors", 10}}));
+  test::throws<FormatError>([&] { mpi::detail::check_shards("t", folder, {{"s1.safetensors", 10}, {"s3.safetensors", 10}}); },
+                            {"s3.safetensors", "does not exist"});
+  test::throws<FormatError>([&] { mpi::detail::check_shards("t", folder, {{"s2.safetensors", 11}}); },
+                            {"s2.safetensors", "10 bytes", "expected 11"});
+}
+
+TEST_CASE("A rejected load leaves every rank's layer as it was", "[mpi]") {
+  test::HangGuard guard("rejected loads");
+  SharedFolder dir;
+  const Communicator& comm = dir.comm;
+  const bool odd = comm.rank() == comm.size() - 1;
+  const MoEConfig cfg = test::moe_config(6, 2, 1, 6, 8);
+  EP ep(cfg, comm, 1);
+  perturb(ep, 54);
+  const std::string good = dir.path + "/good", wide = dir.path + "/wide";
+  if (comm.rank() == 0) {
+    fs::create_directory(good);
+    fs::create_directory(wide);
+  }
+  comm.barrier();
+  mpi::save_checkpoint(good, ep);
+  MoEConfig wider = cfg;
+  wider.d_ffn += 1;
+  EP other(wider, comm, 2);
+  mpi::save_checkpoint(wide, other);  // every expert tensor of another shape
+  // A single-process file whose bias holds a NaN, every weight fine.
+  const std::string nan_bias = dir.path + "/nan_bias.safetensors";
+  if (comm.rank() == 0) {
+    MoEFFN<double> single(cfg, 3);
+    RowVector<double> bias = RowVector<double>::Zero(cfg.n_experts);
+    bias(1) = std::nan("");
+    ParamList<double> state = single.params();
+    state.push_back({"expert_bias", bias.data(), nullptr, 1, bias.cols()});
+    save_checkpoint(nan_bias, state);
+  }
+  comm.barrier();
+  perturb(ep, 55);  // differs from every file
+  const auto before = values_of(ep.params());
+  const RowVector<double> bias_before = ep.balancer().bias();
+  const auto unchanged = [&] {
+    CHECK(values_of(ep.params()) == before);
+    CHECK(ep.balancer().bias() == bias_before);
+  };
+  test::throws<FormatError>([&] { mpi::load_checkpoint(odd ? dir.path + "/nothing-here" : good, ep); });
+  unchanged();
+  test::throws<Error>([&] { mpi::load_checkpoint(odd ? wide : good, ep); });
+  unchanged();
+  test::throws<ValueError>([&] { mpi::load_checkpoint(odd ? nan_bias : good, ep); }, {"expert_bias"});
+  unchanged();
+  test::throws<ValueError>([&] { mpi::load_checkpoint(nan_bias, ep); }, {"expert_bias"});
+  unchanged();
+  // A shard of the good checkpoint cut short: whichever ranks read it fail, no rank changes.
+  comm.barrier();
+  if (comm.rank() == 0) {
+    const ShardIndex index = read_shard_index(good + "/" + kShardIndexName);
+    const std::string shard = good + "/" + index.weight_map.at("router.weight");
+    fs::resize_file(shard, fs::file_size(shard) / 2);
+  }
+  comm.barrier();
+  test::throws<FormatError>([&] { mpi::load_checkpoint(good, ep); });
+  unchanged();
 }

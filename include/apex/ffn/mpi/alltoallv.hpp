@@ -54,32 +54,66 @@ inline void alltoall_counts(const Communicator& comm, const std::vector<std::int
                 "MPI_Alltoall");
 }
 
+namespace detail {
+
+/// The largest buffer and largest block any rank sends or receives (into
+/// `global`), after checking every rank's arguments. Bad arguments on one
+/// rank must not leave the others in the exchange: the verdict (0 fine,
+/// 1 shape, 2 value), the limit and the sizes go into one MPI_Allreduce
+/// (MAX), so every rank throws the same type, or none does.
+inline void agree_exchange_sizes(const Communicator& comm, const char* where, const std::vector<Index>& send_counts,
+                                 const std::vector<Index>& recv_counts, Index limit, std::int64_t global[2]) {
+  const Index p = comm.size();
+  std::string problem;
+  std::int64_t local[5] = {0, 0, limit, -limit, 0};  // largest buffer, largest block, limit, −limit, verdict
+  if (Index(send_counts.size()) != p || Index(recv_counts.size()) != p) {
+    problem = "count vectors have lengths " + std::to_string(send_counts.size()) + " and " +
+              std::to_string(recv_counts.size()) + ", expected " + std::to_string(p);
+    local[4] = 1;
+  } else if (limit < 1 || limit > kMaxIntCount) {
+    problem = "argument 'limit' is " + std::to_string(limit) + ", expected a value in [1, " +
+              std::to_string(kMaxIntCount) + "]";
+    local[4] = 2;
+  } else {
+    std::int64_t send_total = 0, recv_total = 0;
+    for (Index i = 0; i < p; ++i) {
+      send_total += send_counts[std::size_t(i)];
+      recv_total += recv_counts[std::size_t(i)];
+      local[1] = std::max<std::int64_t>({local[1], send_counts[std::size_t(i)], recv_counts[std::size_t(i)]});
+    }
+    local[0] = std::max(send_total, recv_total);
+  }
+  std::int64_t all[5] = {0, 0, 0, 0, 0};
+  check(MPI_Allreduce(local, all, 5, MPI_INT64_T, MPI_MAX, comm.get()), "MPI_Allreduce (alltoallv size)");
+  if (all[4] != 0) {
+    if (problem.empty()) problem = "another rank's arguments are invalid";
+    if (all[4] == 1) throw ShapeError(std::string(where) + ": " + problem);
+    throw ValueError(std::string(where) + ": " + problem);
+  }
+  if (all[2] != -all[3])
+    throw ConfigError(std::string(where) + ": argument 'limit' differs between ranks, got values from " +
+                      std::to_string(-all[3]) + " to " + std::to_string(all[2]) +
+                      "; every rank must pass the same limit");
+  global[0] = all[0];
+  global[1] = all[1];
+}
+
+}  // namespace detail
+
 /// Sends send_counts[p] scalars to rank p and receives recv_counts[p] from
 /// it; both buffers hold their blocks contiguously in rank order (see the
 /// file comment). Collective; every rank's counts must match its peers'
 /// (rank a's send_counts[b] = rank b's recv_counts[a]). `limit` (≤ 2³¹ − 1)
-/// is the largest count or displacement of one MPI call.
+/// is the largest count or displacement of one MPI call, the same on every
+/// rank. Bad arguments or limits that differ on some rank are the same
+/// ShapeError, ValueError or ConfigError on every rank.
 template <class T>
 void alltoallv(const Communicator& comm, const T* send, const std::vector<Index>& send_counts, T* recv,
                const std::vector<Index>& recv_counts, Index limit = kMaxIntCount) {
   constexpr const char* where = "apex::mpi::alltoallv";
   const Index p = comm.size();
-  if (Index(send_counts.size()) != p || Index(recv_counts.size()) != p)
-    throw ShapeError(std::string(where) + ": count vectors have lengths " + std::to_string(send_counts.size()) +
-                     " and " + std::to_string(recv_counts.size()) + ", expected " + std::to_string(p));
-  if (limit < 1 || limit > kMaxIntCount)
-    throw ValueError(std::string(where) + ": argument 'limit' is " + std::to_string(limit) + ", expected a value in [1, " +
-                     std::to_string(kMaxIntCount) + "]");
-  std::int64_t local[2] = {0, 0};  // largest buffer, largest block
-  std::int64_t send_total = 0, recv_total = 0;
-  for (Index i = 0; i < p; ++i) {
-    send_total += send_counts[i];
-    recv_total += recv_counts[i];
-    local[1] = std::max<std::int64_t>({local[1], send_counts[i], recv_counts[i]});
-  }
-  local[0] = std::max(send_total, recv_total);
-  std::int64_t global[2] = {0, 0};
-  detail::check(MPI_Allreduce(local, global, 2, MPI_INT64_T, MPI_MAX, comm.get()), "MPI_Allreduce (alltoallv size)");
+  std::int64_t global[2] = {0, 0};  // largest buffer, largest block of any rank
+  detail::agree_exchange_sizes(comm, where, send_counts, recv_counts, limit, global);
   const MPI_Datatype type = datatype<T>();
 
   if (global[0] <= limit) {  // one call: every count and displacement fits

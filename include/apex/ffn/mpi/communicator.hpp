@@ -18,18 +18,29 @@
 /// lowest failing rank broadcasts its error's type and message; that rank
 /// rethrows its own exception, every other rank throws the same apex type
 /// with the message `where: rank r failed: <message>`. Cost when nothing
-/// fails: one `MPI_Allreduce` of one int per phase (a few µs on one node).
+/// fails: one `MPI_Allreduce` per phase (a few µs on one node).
+///
+/// **Setting agreement.** A per-rank setting that shapes the messages (the
+/// exchange chunk limit: one rank chunking and another not is a truncation
+/// on one and a hang on the other) is passed to `step(where, same, fn)` as a
+/// named int64; the same `MPI_Allreduce` (MIN over v and −v) gives every
+/// rank the smallest and largest value, so a difference is the same
+/// ConfigError on every rank before anyone enters the collective it shapes.
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstring>
 #include <exception>
+#include <initializer_list>
 #include <memory>
 #include <new>
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "../errors.hpp"
 
@@ -122,6 +133,20 @@ MPI_Datatype datatype() {
   else static_assert(sizeof(T) == 0, "apex::mpi::datatype: no MPI datatype for this scalar");
 }
 
+/// A value that must be the same on every rank (see setting agreement), and
+/// its name for the message, e.g. "the exchange limit (set_exchange_limit)".
+struct Agreed {
+  const char* name;
+  std::int64_t value;
+};
+
+/// The bits of a double, to agree on its exact value.
+inline std::int64_t bits_of(double v) {
+  std::int64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof bits);
+  return bits;
+}
+
 /// A duplicate of an `MPI_Comm`, shared by copies, with error agreement.
 class Communicator {
  public:
@@ -144,14 +169,55 @@ class Communicator {
   MPI_Comm get() const { return *comm_; }
 
   /// Agrees on whether any rank failed its local phase (`error` null: this
-  /// rank did not). Collective. If any rank failed, throws on every rank (see
-  /// the file comment); otherwise returns.
-  void agree(const char* where, const std::exception_ptr& error) const {
-    const int mine = error ? rank_ : size_;
-    int first = size_;
-    detail::check(MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, get()), "MPI_Allreduce (error agreement)");
-    if (first == size_) return;
-    // The first failing rank tells the others what went wrong.
+  /// rank did not) and on every value of `same`. Collective. If any rank
+  /// failed, throws on every rank (see the file comment); else if a value of
+  /// `same` differs between ranks, throws the same ConfigError on every rank;
+  /// otherwise returns.
+  void agree(const char* where, const std::exception_ptr& error, std::initializer_list<Agreed> same = {}) const {
+    // [first failing rank, v₀, −v₀, v₁, −v₁, …], reduced by MIN: one call.
+    std::vector<std::int64_t> mine{error ? rank_ : size_}, all(1 + 2 * same.size());
+    for (const Agreed& a : same) {
+      const std::int64_t v = std::max<std::int64_t>(a.value, INT64_MIN + 1);  // −v must exist
+      mine.push_back(v);
+      mine.push_back(-v);
+    }
+    detail::check(MPI_Allreduce(mine.data(), all.data(), int(mine.size()), MPI_INT64_T, MPI_MIN, get()),
+                  "MPI_Allreduce (error agreement)");
+    if (all[0] != size_) raise(where, error, int(all[0]));
+    std::size_t i = 1;
+    for (const Agreed& a : same) {
+      const std::int64_t low = all[i], high = -all[i + 1];
+      i += 2;
+      if (low != high)
+        throw ConfigError(std::string(where) + ": " + a.name + " differs between ranks, got values from " +
+                          std::to_string(low) + " to " + std::to_string(high) +
+                          "; every rank must use the same value");
+    }
+  }
+
+  /// Runs the local phase `fn` and agrees on its outcome (collective): returns
+  /// on every rank or throws on every rank.
+  template <class Fn>
+  void step(const char* where, Fn&& fn) const {
+    step(where, {}, std::forward<Fn>(fn));
+  }
+  /// As step(where, fn), also agreeing on every value of `same` (setting agreement).
+  template <class Fn>
+  void step(const char* where, std::initializer_list<Agreed> same, Fn&& fn) const {
+    std::exception_ptr error;
+    try {
+      fn();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    agree(where, error, same);
+  }
+
+  void barrier() const { detail::check(MPI_Barrier(get()), "MPI_Barrier"); }
+
+ private:
+  /// The error path of agree: rank `first` failed and tells the others what went wrong.
+  [[noreturn]] void raise(const char* where, const std::exception_ptr& error, int first) const {
     std::string message;
     int head[2] = {0, 0};  // kind, message length
     if (rank_ == first) {
@@ -167,22 +233,6 @@ class Communicator {
                          std::string(where) + ": rank " + std::to_string(first) + " failed: " + message);
   }
 
-  /// Runs the local phase `fn` and agrees on its outcome (collective): returns
-  /// on every rank or throws on every rank.
-  template <class Fn>
-  void step(const char* where, Fn&& fn) const {
-    std::exception_ptr error;
-    try {
-      fn();
-    } catch (...) {
-      error = std::current_exception();
-    }
-    agree(where, error);
-  }
-
-  void barrier() const { detail::check(MPI_Barrier(get()), "MPI_Barrier"); }
-
- private:
   std::shared_ptr<MPI_Comm> comm_;
   int rank_ = 0, size_ = 1;
 };

@@ -11,10 +11,12 @@
 /// rank compares all of them to rank 0's. Every rank reaches the same
 /// verdict, so on a mismatch every rank throws the same ConfigError naming
 /// the first rank that differs and both descriptions. Cost: two small
-/// allgathers, once per construction.
+/// allgathers, once per construction. What can change on one rank after
+/// construction is agreed per call (exchange_limit_setting, routing_setting).
 
 #include <mpi.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <string>
 #include <typeinfo>
@@ -22,6 +24,7 @@
 
 #include "../errors.hpp"
 #include "../moe_config.hpp"
+#include "../types.hpp"
 #include "../version.hpp"
 #include "communicator.hpp"
 
@@ -55,6 +58,28 @@ std::string fingerprint(const char* layer, const MoEConfig& c, const std::string
          "; balancer_alpha " + exact(c.balancer_alpha) + "; " + routing_fingerprint(c.routing) + "; d_shared_ffn " +
          std::to_string(c.d_shared_ffn) + "; shared_expert_gate " + (c.shared_expert_gate ? "1" : "0") +
          (extra.empty() ? "" : "; " + extra);
+}
+
+/// 63 bits of the FNV-1a hash of `text`: a per-call check that every rank
+/// still holds the same text, without sending it.
+inline std::int64_t text_hash(const std::string& text) {
+  std::uint64_t h = 14695981039346656037ull;
+  for (unsigned char ch : text) h = (h ^ ch) * 1099511628211ull;
+  return std::int64_t(h >> 1);
+}
+
+/// The per-rank settings a layer's exchanges depend on, agreed in the first
+/// phase of every forward and backward (Communicator::step) — after
+/// construction they can change on one rank only. The chunk limit decides
+/// how many MPI calls an exchange takes (one rank chunking and another not
+/// is a truncation on one and a hang on the other); the router's routing
+/// options (changeable through router().set_routing) decide the routed
+/// pairs, which would silently stop being MoEFFN's. Not agreed, because
+/// they change neither messages nor results: the thread count (results are
+/// bitwise the same on any, tested) and the phase timers.
+inline Agreed exchange_limit_setting(Index limit) { return {"the exchange limit (set_exchange_limit)", limit}; }
+inline Agreed routing_setting(const RoutingConfig& routing) {
+  return {"the router's routing options (router().set_routing)", text_hash(routing_fingerprint(routing))};
 }
 
 /// Allgathers every rank's `text` (collective) and throws ConfigError on

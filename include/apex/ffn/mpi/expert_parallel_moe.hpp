@@ -32,11 +32,10 @@
 /// summed across ranks in rank order (fixed_order_sum.hpp) and added, so
 /// every rank holds the same values, bitwise, run after run.
 ///
-/// Equivalence: with P ranks holding token blocks X₀ … X_{P−1}, expert e
-/// sees exactly the rows, in the order, that MoEFFN sees on the concatenated
-/// batch, so routed outputs and expert gradients are the single-process
-/// ones; router and shared gradients differ from them only by the order of a
-/// sum (≤ 1e-12 relative in double, tested).
+/// Equivalence: expert e sees the rows, in the order and tiling, that
+/// MoEFFN sees on the concatenated batch; results equal MoEFFN's to rounding
+/// (block alignment, rows per product, sum order: docs/expert_parallel.md),
+/// and are bitwise the same run to run and on any thread count.
 ///
 /// Collectives: forward, backward, observe and the constructor are
 /// collective over the communicator — every rank calls them, in the same
@@ -152,8 +151,9 @@ class ExpertParallelMoE {
   /// Global id of this rank's first routed expert (experts()[j] is expert first_expert() + j).
   Index first_expert() const { return shard_.first(comm_.rank()); }
   void set_threads(int threads) { threads_ = threads; }
-  /// Largest count of one MPI call in the exchanges (alltoallv.hpp); lower
-  /// it to test or to bound staging memory. ValueError outside [1, 2³¹ − 1].
+  /// Largest count of one MPI call in the exchanges (alltoallv.hpp), to test
+  /// or to bound staging memory. ValueError outside [1, 2³¹ − 1]; the same on
+  /// every rank (agreed per call, config_agreement.hpp).
   void set_exchange_limit(Index limit) {
     if (limit < 1 || limit > kMaxIntCount)
       throw ValueError("ExpertParallelMoE::set_exchange_limit: argument 'limit' is " + std::to_string(limit) +
@@ -174,7 +174,7 @@ class ExpertParallelMoE {
     std::vector<std::int64_t> send_counts, recv_counts;
     Clock clock;
 
-    comm_.step(where, [&] {  // 1. route → plan → gather
+    comm_.step(where, {exchange_limit_setting(limit_), routing_setting(router_->routing())}, [&] {  // 1. route
       apex::detail::check_shape(where, "x", x, apex::detail::kAny, d);
       apex::detail::serial([&] { router_->route(x, balancer_->bias(), config_.weights_from_unbiased, c.routing); });
       c.plan.build(c.routing.experts, config_.n_experts);
@@ -238,7 +238,7 @@ class ExpertParallelMoE {
     StepGradientSum<T> replicated(comm_, replicated_params(), grad_stash_);
     Clock clock;
 
-    comm_.step(where, [&] {  // combine → g·dy in plan order
+    comm_.step(where, {exchange_limit_setting(limit_)}, [&] {  // combine → g·dy in plan order
       check_cache(where, c);
       apex::detail::check_shape(where, "dy", dy, n, d);
       dy_sorted.resize(c.plan.rows(), d);

@@ -75,11 +75,13 @@ void allgatherv(const Communicator& comm, const T* mine, const std::vector<Index
 
 /// Replaces data[0, n) on every rank by the sum over ranks, added in rank
 /// order (see the file comment). Collective; n must be the same on every
-/// rank (ShapeError on every rank otherwise, agreed before any data moves).
+/// rank (ShapeError on every rank otherwise, agreed before any data moves),
+/// and so must `limit` (ConfigError on every rank otherwise).
 template <class T>
 void fixed_order_sum(const Communicator& comm, T* data, Index n, Index limit = kMaxIntCount) {
   const Index p = comm.size();
-  comm.step("apex::mpi::fixed_order_sum", [&] {
+  // The limit decides how many MPI calls each step takes: agreed with the size.
+  comm.step("apex::mpi::fixed_order_sum", {{"argument 'limit'", limit}}, [&] {
     std::int64_t mine[2] = {n, -n}, agreed[2] = {0, 0};
     detail::check(MPI_Allreduce(mine, agreed, 2, MPI_INT64_T, MPI_MAX, comm.get()), "MPI_Allreduce (sum size)");
     if (agreed[0] != n || -agreed[1] != n)

@@ -45,7 +45,9 @@ namespace apex::mpi {
 /// rank's `routing` (experts and weights N_r × K, ids in [0, n_experts)).
 /// Collective; adds the bytes this rank sent to `bytes_sent`. Throws the same
 /// exception on every rank (error agreement). `limit`: largest count of one
-/// MPI call (as the row exchange).
+/// MPI call (as the row exchange). `limit`, `factor`, `n_experts` and K must
+/// be the same on every rank: agreed first, a ConfigError on every rank
+/// otherwise.
 template <class T>
 std::vector<Index> global_capacity_drops(const Communicator& comm, const char* where, const Routing<T>& routing,
                                          double factor, Index n_experts, Index limit, double& bytes_sent) {
@@ -63,7 +65,10 @@ std::vector<Index> global_capacity_drops(const Communicator& comm, const char* w
   std::vector<T> weights;                                 // N_r·K, row-major
   std::vector<int> all_ids;                               // ΣN_r·K
   std::vector<T> all_weights;                             // ΣN_r·K
-  comm.step(where, [&] {
+  // What shapes the allgathers and the decision must be the same everywhere.
+  comm.step(where, {{"argument 'limit' (the exchange limit)", limit}, {"argument 'n_experts'", n_experts},
+                    {"the experts per token K", k_count}, {"argument 'factor' (its bits)", bits_of(factor)}},
+            [&] {
     apex::detail::require_config(n_experts <= INT_MAX, where,
                            "the capacity exchange sends expert ids as int32; n_experts = " + std::to_string(n_experts));
     for (Index r = 0; r < p; ++r) {

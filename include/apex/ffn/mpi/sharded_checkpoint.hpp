@@ -14,13 +14,16 @@
 /// docs/checkpoints.md saves it, so `load_sharded_checkpoint(folder, params)`
 /// of sharded_checkpoint.hpp loads the result into a single-process layer.
 ///
-/// Atomic save, in three agreed steps: (1) every rank writes its shard under
-/// a name no earlier save used (`model-<tag>-0000r-of-0000P.safetensors`,
+/// Atomic save, in agreed steps: (0) every rank was given rank 0's folder
+/// (a token file, checkpoint_folder.hpp); (1) every rank writes its shard
+/// under a name no earlier save used (`model-<tag>-0000r-of-0000P.safetensors`,
 /// the tag from rank 0's clock and pid); (2) if any rank failed, every rank
 /// removes its new file and throws — the previous index and its files are
-/// untouched; (3) rank 0 writes the new index atomically (the commit point),
-/// and only then removes the files the previous index named. A crash before
-/// (3) leaves the previous checkpoint whole, plus unreferenced new files.
+/// untouched; (3) rank 0 checks that every new shard is in its folder with
+/// the size its writer reported, writes the new index atomically (the
+/// commit point), and only then removes the files the previous index
+/// named. A crash before (3) leaves the previous checkpoint whole, plus
+/// unreferenced new files.
 
 #include <mpi.h>
 
@@ -32,11 +35,13 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../checkpoint.hpp"
 #include "../errors.hpp"
 #include "../sharded_checkpoint.hpp"
+#include "checkpoint_folder.hpp"
 #include "communicator.hpp"
 #include "expert_parallel_moe.hpp"
 
@@ -73,98 +78,139 @@ inline std::vector<std::string> gather_text(const Communicator& comm, const std:
   return out;
 }
 
+/// A name no earlier save used: rank 0's clock and pid, on every rank (collective).
+inline std::string save_tag(const Communicator& comm) {
+  char tag[32] = {};
+  if (comm.rank() == 0)
+    std::snprintf(tag, sizeof tag, "%llx%x",
+                  static_cast<unsigned long long>(std::chrono::system_clock::now().time_since_epoch().count()),
+                  static_cast<unsigned>(::getpid()));
+  check(MPI_Bcast(tag, int(sizeof tag), MPI_CHAR, 0, comm.get()), "MPI_Bcast (checkpoint tag)");
+  return tag;
+}
+
+/// The shard file of rank r (0-based) of p in the save `tag`.
+inline std::string shard_file(const std::string& tag, int r, int p) {
+  char f[96];
+  std::snprintf(f, sizeof f, "model-%s-%05d-of-%05d.safetensors", tag.c_str(), r + 1, p);
+  return f;
+}
+
+/// What a rank wrote: its tensor names ('\n'-terminated), their data bytes
+/// and the file's size.
+struct ShardReport {
+  std::string names;
+  std::uint64_t tensor_bytes = 0, file_bytes = 0;
+};
+
+/// Writes this rank's shard to `path`: its experts, and on rank 0 also the
+/// replicated tensors and `expert_bias` (1-D). Not collective.
+template <class T, class Expert>
+ShardReport write_shard(const std::string& path, ExpertParallelMoE<T, Expert>& layer, const SaveOptions& options) {
+  const bool first = layer.comm().rank() == 0;
+  RowVector<T> bias = layer.balancer().bias();
+  ParamList<T> state;
+  for (const auto& prm : state_of(layer, bias))
+    if (first || prm.name.rfind("experts.", 0) == 0) state.push_back(prm);  // replicated tensors: rank 0 only
+  SaveOptions o = options;
+  if (first) o.shapes["expert_bias"] = {std::uint64_t(bias.cols())};
+  apex::save_checkpoint(path, state, o);
+  ShardReport report;
+  const std::size_t item = safetensors::dtype_size(o.dtype.value_or(safetensors::dtype_of<T>()));
+  for (const auto& prm : state) {
+    report.names += prm.name + "\n";
+    report.tensor_bytes += std::uint64_t(prm.size()) * item;
+  }
+  report.file_bytes = std::uint64_t(std::filesystem::file_size(path));
+  return report;
+}
+
+/// Every rank's report on rank 0, in rank order (collective); empty elsewhere.
+inline std::vector<ShardReport> gather_reports(const Communicator& comm, const ShardReport& mine) {
+  const std::vector<std::string> names = gather_text(comm, mine.names);
+  const std::uint64_t sizes[2] = {mine.tensor_bytes, mine.file_bytes};
+  std::vector<std::uint64_t> all(comm.rank() == 0 ? std::size_t(2 * comm.size()) : 0);
+  check(MPI_Gather(sizes, 2, MPI_UINT64_T, all.data(), 2, MPI_UINT64_T, 0, comm.get()), "MPI_Gather (checkpoint)");
+  std::vector<ShardReport> out(names.size());
+  for (std::size_t r = 0; r < out.size(); ++r) out[r] = {names[r], all[2 * r], all[2 * r + 1]};
+  return out;
+}
+
+/// The files the index in `folder` names, or none if there is no readable index.
+inline std::set<std::string> indexed_files(const std::filesystem::path& folder) {
+  std::set<std::string> files;
+  std::error_code ec;
+  const std::filesystem::path index_path = folder / kShardIndexName;
+  if (std::filesystem::exists(index_path, ec)) try {
+      for (const auto& f : read_shard_index(index_path.string()).files()) files.insert(f);
+    } catch (const FormatError&) {
+      // an unreadable old index: its files are left alone
+    }
+  return files;
+}
+
+/// Rank 0's commit: checks that every shard of `reports` is in `folder`
+/// with its size, then writes the index atomically. Returns the files the
+/// previous index named.
+inline std::set<std::string> commit_index(const char* where, const std::filesystem::path& folder,
+                                          const std::string& tag, const std::vector<ShardReport>& reports,
+                                          const SaveOptions& options) {
+  const int p = int(reports.size());
+  std::vector<std::pair<std::string, std::uint64_t>> shards;
+  ShardIndex index;
+  for (int r = 0; r < p; ++r) {
+    const std::string file = shard_file(tag, r, p);
+    shards.emplace_back(file, reports[std::size_t(r)].file_bytes);
+    index.total_size += reports[std::size_t(r)].tensor_bytes;
+    const std::string& list = reports[std::size_t(r)].names;
+    for (std::size_t at = 0, nl; (nl = list.find('\n', at)) != std::string::npos; at = nl + 1)
+      index.weight_map[list.substr(at, nl - at)] = file;
+  }
+  check_shards(where, folder, shards);
+  index.metadata["format"] = "apex-ffn";
+  index.metadata["ranks"] = std::to_string(p);
+  for (const auto& [k, v] : options.metadata) index.metadata[k] = v;
+  std::set<std::string> previous = indexed_files(folder);
+  write_shard_index((folder / kShardIndexName).string(), index);
+  return previous;
+}
+
 }  // namespace detail
 
-/// Saves `layer` as a sharded checkpoint in `folder` (which must exist):
-/// one safetensors file per rank and the index. Collective. `options` as
-/// save_checkpoint (dtype, metadata; `expert_bias` is saved 1-D). On any
-/// rank's failure every rank throws (FormatError for I/O, the errors of
-/// save_checkpoint) and the previous checkpoint in `folder` is intact.
+/// Saves `layer` as a sharded checkpoint in `folder` (which must exist, the
+/// same folder on every rank): one safetensors file per rank and the index.
+/// Collective. `options` as save_checkpoint (dtype, metadata; `expert_bias`
+/// is saved 1-D). On any rank's failure every rank throws (FormatError for
+/// I/O and for a folder that is not rank 0's — checkpoint_folder.hpp — the
+/// errors of save_checkpoint) and the previous checkpoint in `folder` is
+/// intact.
 template <class T, class Expert>
 void save_checkpoint(const std::string& folder, ExpertParallelMoE<T, Expert>& layer, const SaveOptions& options = {}) {
   namespace fs = std::filesystem;
   constexpr const char* where = "apex::mpi::save_checkpoint";
   const Communicator& comm = layer.comm();
   const int p = comm.size(), me = comm.rank();
-
-  char tag[32] = {};  // rank 0's clock and pid: a name no earlier save used
-  if (me == 0)
-    std::snprintf(tag, sizeof tag, "%llx%x",
-                  static_cast<unsigned long long>(std::chrono::system_clock::now().time_since_epoch().count()),
-                  static_cast<unsigned>(::getpid()));
-  detail::check(MPI_Bcast(tag, int(sizeof tag), MPI_CHAR, 0, comm.get()), "MPI_Bcast (checkpoint tag)");
-  char file[96];
-  std::snprintf(file, sizeof file, "model-%s-%05d-of-%05d.safetensors", tag, me + 1, p);
-  const fs::path path = fs::path(folder) / file;
-
-  // 1. every rank writes its shard under a fresh name
-  RowVector<T> bias = layer.balancer().bias();
-  ParamList<T> state = detail::state_of(layer, bias);
-  if (me != 0) {  // replicated tensors: rank 0 only
-    ParamList<T> mine;
-    for (const auto& prm : state)
-      if (prm.name.rfind("experts.", 0) == 0) mine.push_back(prm);
-    state = mine;
-  }
-  std::string names;
-  std::uint64_t bytes = 0;
+  const std::string tag = detail::save_tag(comm);
+  detail::agree_on_folder(comm, where, folder, tag);  // before anything is written
+  const fs::path path = fs::path(folder) / detail::shard_file(tag, me, p);
   bool written = false;
-  const auto remove_mine = [&] {
-    if (written) ::unlink(path.c_str());
-  };
   try {
+    detail::ShardReport report;  // 1. every rank writes its shard under a fresh name
     comm.step(where, [&] {
-      SaveOptions o = options;
-      if (me == 0) o.shapes["expert_bias"] = {std::uint64_t(bias.cols())};
-      apex::save_checkpoint(path.string(), state, o);
-      written = true;
-      const std::size_t item = safetensors::dtype_size(o.dtype.value_or(safetensors::dtype_of<T>()));
-      for (const auto& prm : state) {
-        names += prm.name + "\n";
-        bytes += std::uint64_t(prm.size()) * item;
-      }
+      written = true;  // from the first byte on, the file is ours to remove
+      report = detail::write_shard(path.string(), layer, options);
     });
-    // 2. rank 0 learns every rank's tensors, then 3. commits the index
-    const std::vector<std::string> all = detail::gather_text(comm, names);
-    std::uint64_t total = 0;
-    detail::check(MPI_Reduce(&bytes, &total, 1, MPI_UINT64_T, MPI_SUM, 0, comm.get()), "MPI_Reduce (checkpoint)");
+    // 2. rank 0 learns every rank's shard, checks them and commits the index
+    const std::vector<detail::ShardReport> reports = detail::gather_reports(comm, report);
     std::set<std::string> previous;
     comm.step(where, [&] {
-      if (me != 0) return;
-      const std::string index_path = (fs::path(folder) / kShardIndexName).string();
-      std::error_code ec;
-      if (fs::exists(index_path, ec)) try {
-          for (const auto& f : read_shard_index(index_path).files()) previous.insert(f);
-        } catch (const FormatError&) {
-          // an unreadable old index: its files are left alone
-        }
-      ShardIndex index;
-      index.total_size = total;
-      index.metadata["format"] = "apex-ffn";
-      index.metadata["ranks"] = std::to_string(p);
-      for (const auto& [k, v] : options.metadata) index.metadata[k] = v;
-      for (int r = 0; r < p; ++r) {
-        char f[96];
-        std::snprintf(f, sizeof f, "model-%s-%05d-of-%05d.safetensors", tag, r + 1, p);
-        std::string list = all[std::size_t(r)];
-        for (std::size_t at = 0, nl; (nl = list.find('\n', at)) != std::string::npos; at = nl + 1)
-          index.weight_map[list.substr(at, nl - at)] = f;
-      }
-      write_shard_index(index_path, index);
+      if (me == 0) previous = detail::commit_index(where, folder, tag, reports, options);
     });
-    // The new checkpoint is committed: the previous index's files go (best effort).
-    if (me == 0)
-      for (const auto& f : previous) {
-        bool still_used = false;
-        for (int r = 0; r < p && !still_used; ++r) {
-          char g[96];
-          std::snprintf(g, sizeof g, "model-%s-%05d-of-%05d.safetensors", tag, r + 1, p);
-          still_used = f == g;
-        }
-        if (!still_used) ::unlink((fs::path(folder) / f).c_str());
-      }
+    // 3. committed: the previous index's files go (best effort)
+    for (const auto& f : previous)
+      if (f.rfind("model-" + tag + "-", 0) != 0) ::unlink((fs::path(folder) / f).c_str());
   } catch (...) {
-    remove_mine();
+    if (written) ::unlink(path.c_str());
     throw;
   }
 }
