@@ -5,6 +5,7 @@
 // the collective they shape, and the layer usable afterwards. Each test runs
 // under a HangGuard, so a rank left alone in a collective fails the run
 // within a minute instead of blocking until the CTest timeout.
+#include <apex/ffn/ffn_sublayer.hpp>
 #include <apex/ffn/moe.hpp>
 #include <apex/ffn/mpi/alltoallv.hpp>
 #include <apex/ffn/mpi/expert_parallel_moe.hpp>
@@ -158,4 +159,42 @@ TEST_CASE("The thread count may differ between ranks: it changes neither message
   CHECK(a.backward(dy, ca) == b.backward(dy, cb));
   const auto pa = a.params(), pb = b.params();
   for (std::size_t i = 0; i < pa.size(); ++i) CHECK(pa[i].grad() == pb[i].grad());
+}
+
+TEST_CASE("A gated sublayer in different modes or with a bad input on one rank throws alike everywhere",
+          "[mpi][regression]") {
+  // Training with a gate calls the FFN twice per forward (kept rows, then
+  // skipped rows), inference and cacheless calls once: before the sublayer
+  // agreed on its call count, a rank in inference mode left the others
+  // blocked in the second call's exchange.
+  test::HangGuard guard("sublayer mode on one rank");
+  Communicator comm;
+  if (comm.size() == 1) return;
+  const MoEConfig cfg = test::moe_config(6, 2, 1, 8, 10);
+  const Index d = cfg.d_model;
+  using Sub = FFNSublayer<double, EP>;
+  Sub layer(d, EP(cfg, comm, 4), SkipGate<double>(test::gate_config(d, 4, 0.9), 8));
+  const Matrix<double> x = tokens(comm, d);
+  Sub::Cache c;
+  if (culprit(comm)) layer.set_mode(SublayerMode::inference);
+  test::throws<ConfigError>([&] { layer.forward(x, &c); }, {"FFNSublayer::forward", "number of FFN calls"});
+  // A cache passed on some ranks only: the same refusal.
+  layer.set_mode(SublayerMode::training);
+  test::throws<ConfigError>([&] { layer.forward(x, culprit(comm) ? nullptr : &c); }, {"number of FFN calls"});
+
+  // A wrong shape on one rank is that rank's ShapeError, raised on every rank.
+  const Matrix<double> bad = culprit(comm) ? Matrix<double>(x.leftCols(d - 1)) : x;
+  test::throws<ShapeError>([&] { layer.forward(bad, &c); }, {"FFNSublayer::forward", "argument 'x'"});
+
+  // Agreed again, the layer works; a backward fed an inference cache on one
+  // rank is that rank's ValueError everywhere, and adds no gradient.
+  const Matrix<double> y = layer.forward(x, &c);
+  CHECK(y.allFinite());
+  Sub::Cache ci;
+  layer.forward(x, SublayerMode::inference, &ci);
+  layer.zero_grad();
+  const Matrix<double> dy = Matrix<double>::Ones(x.rows(), d);
+  test::throws<ValueError>([&] { layer.backward(dy, culprit(comm) ? ci : c); }, {"inference-mode forward"});
+  for (const auto& p : layer.params()) CHECK(p.grad().isZero(0));
+  CHECK(layer.backward(dy, c).allFinite());
 }

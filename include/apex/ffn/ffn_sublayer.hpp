@@ -29,6 +29,7 @@
 /// in both modes, so `observe(cache)` makes an MoE balancer count exactly the
 /// tokens that were routed through it.
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -70,7 +71,9 @@ struct has_observe<F, std::void_t<decltype(std::declval<F&>().observe(std::declv
 /// FFN types whose forward, backward and observe are collective across
 /// processes (`static constexpr bool kCollective = true`, e.g. the
 /// expert-parallel MoE of mpi/): every process must make the same calls, so
-/// the sublayer calls them also with 0 rows where it would otherwise skip.
+/// the sublayer calls them also with 0 rows where it would otherwise skip,
+/// and runs its own checks through their `agree_step(where, name, value, fn)`
+/// (run `fn`, then agree across processes on its outcome and on `value`).
 template <class F, class = void>
 struct is_collective : std::false_type {};
 template <class F>
@@ -146,10 +149,15 @@ class FFNSublayer {
   /// x: N × d → y: N × d, in `mode`. Three steps: decide which tokens the
   /// FFN sees, run it, and fill the cache — each field written once.
   Matrix<T> forward(const ConstMatrixRef<T>& x, SublayerMode mode, Cache* cache) const {
-    detail::check_shape("FFNSublayer::forward", "x", x, detail::kAny, d_model());
-    detail::check_mode("FFNSublayer::forward", mode);
+    constexpr const char* where = "FFNSublayer::forward";
     const bool train = cache != nullptr && mode == SublayerMode::training;
-    Decision decision = decide(x, train);
+    Decision decision;
+    // Training with a gate calls the FFN twice (kept rows, then skipped rows).
+    local_step(where, train && gate_ ? 2 : 1, [&] {
+      detail::check_shape(where, "x", x, detail::kAny, d_model());
+      detail::check_mode(where, mode);
+      decision = decide(x, train);
+    });
     Matrix<T> f;  // training, gated: N × d, F of every token
     Matrix<T> y = run(x, decision, train, cache, f);
     if (cache) fill_cache(*cache, x.rows(), train, std::move(decision), std::move(f));
@@ -164,15 +172,17 @@ class FFNSublayer {
   /// dy check; the norm, FFN and gate backwards check their parts.
   Matrix<T> backward(const ConstMatrixRef<T>& dy, const Cache& cache) {
     constexpr const char* where = "FFNSublayer::backward";
-    if (cache.mode != SublayerMode::training)
-      throw ValueError(
-          "FFNSublayer::backward: argument 'cache' was filled by an inference-mode forward, expected a "
-          "training-mode one (inference does not compute the FFN of skipped tokens)");
-    check_provenance(where, cache);
     const Index n = cache.tokens;
     const Index n_kept = Index(cache.kept.size());
-    if (gate_) detail::check_shape(where, "cache.f", cache.f, n, d_model());
-    detail::check_shape(where, "dy", dy, n, d_model());
+    local_step(where, 1, [&] {
+      if (cache.mode != SublayerMode::training)
+        throw ValueError(
+            "FFNSublayer::backward: argument 'cache' was filled by an inference-mode forward, expected a "
+            "training-mode one (inference does not compute the FFN of skipped tokens)");
+      check_provenance(where, cache);
+      if (gate_) detail::check_shape(where, "cache.f", cache.f, n, d_model());
+      detail::check_shape(where, "dy", dy, n, d_model());
+    });
 
     // y = x + m ⊙ F(RMSNorm(x)):  ∂L/∂F_t = m_t · ∂L/∂y_t, the residual passes dy.
     Matrix<T> dx = dy;  // N × d
@@ -365,6 +375,21 @@ class FFNSublayer {
   }
 
   static constexpr bool collective = detail::sublayer::is_collective<FFN>::value;
+
+  /// Runs the sublayer's own checks and decisions, `fn`. With a collective
+  /// FFN every process must then make the same FFN calls: the FFN's
+  /// `agree_step` runs `fn` and agrees on its outcome and on `ffn_calls`, so a
+  /// check failing on one process, or processes in different modes (one
+  /// passing a cache, one not), give the same exception on every process
+  /// instead of leaving the others blocked in the FFN's collective.
+  template <class Fn>
+  void local_step(const char* where, std::int64_t ffn_calls, Fn&& fn) const {
+    if constexpr (collective)
+      ffn_.agree_step(where, "the number of FFN calls (the sublayer's mode, a cache passed or not, a gate or not)",
+                      ffn_calls, std::forward<Fn>(fn));
+    else
+      fn();
+  }
 
   RMSNorm<T> norm_;
   FFN ffn_;

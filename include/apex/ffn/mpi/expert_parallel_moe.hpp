@@ -144,6 +144,15 @@ class ExpertParallelMoE {
   ExpertParallelMoE(const MoEConfig& config, Communicator comm, std::uint64_t seed = 0)
       : ExpertParallelMoE(config, std::move(comm), Rng(seed)) {}
 
+  /// Collective: runs the caller's local phase `fn` and agrees on its
+  /// outcome and on `value`, named `name` in the error, so a caller that wraps
+  /// this layer (FFNSublayer) can make its own checks and its calls agree
+  /// across ranks: the same exception on every rank, never a hang.
+  template <class Fn>
+  void agree_step(const char* where, const char* name, std::int64_t value, Fn&& fn) const {
+    comm_.step(where, {Agreed{name, value}}, std::forward<Fn>(fn));
+  }
+
   const MoEConfig& config() const { return config_; }
   Index d_model() const { return config_.d_model; }
   const Communicator& comm() const { return comm_; }
