@@ -239,7 +239,7 @@ LoadResult load_checkpoint(const std::string& path, ExpertParallelMoE<T, Expert>
     ParamList<T> wanted = params;
     if (sharded) {
       const std::string index_path = shard_index_path(path);
-      const ShardIndex index = read_shard_index(index_path);
+      const ShardIndex index = read_shard_index(index_path, options.limits);
       has_bias = index.weight_map.count("expert_bias") > 0;
       if (has_bias) wanted.push_back(Param<T>{"expert_bias", bias.data(), nullptr, 1, bias.cols()});
       staged.emplace(wanted);
