@@ -305,10 +305,23 @@ TEST_CASE("Gradients that do not fit beside the weights are a ConfigError naming
                        Catch::Matchers::StartsWith("X: a layer with its gradients needs ") &&
                            Catch::Matchers::Contains("of physical memory; set APEX_FFN_ALLOW_OVERCOMMIT=1 to allocate "
                                                      "them anyway"));
+  // A sum past 2^64 used to wrap to a small total that fit (regression).
+  const std::uint64_t huge = std::numeric_limits<std::uint64_t>::max() - 7;
+  CHECK_THROWS_WITH(check_gradient_fit("X", "a layer", huge, 64),
+                    Catch::Matchers::Contains("X: a layer with its gradients needs") &&
+                        Catch::Matchers::Contains("does not fit in 64 bits"));
   ::setenv(kAllowOvercommitEnv, "1", 1);
   CHECK_NOTHROW(check_gradient_fit("X", "a layer", phys / 2, phys / 2 + 1));
   if (saved) ::setenv(kAllowOvercommitEnv, saved_value.c_str(), 1);
   else ::unsetenv(kAllowOvercommitEnv);
+}
+
+TEST_CASE("KappaSwiGLU::weight_bytes adds its parts in checked arithmetic", "[core][memory]") {
+  // The SwiGLU's bytes plus α and b; at d_ffn near the index limit the
+  // products are refused before any sum is formed.
+  CHECK(KappaSwiGLU<float>::weight_bytes("K", 4, 8) == SwiGLU<float>::weight_bytes("K", 4, 8) + 2 * 8 * sizeof(float));
+  const Index big = std::numeric_limits<Index>::max() / 8;
+  CHECK_THROWS_AS(KappaSwiGLU<double>::weight_bytes("K", 1, big), ConfigError);
 }
 
 // ---- error handling (sweeps) ----

@@ -272,8 +272,10 @@ class KappaSwiGLU {
   bool has_gradients() const { return has_grads_; }
   /// Bytes of the weights of a d_model × d_ffn layer: the SwiGLU's plus α, b.
   static std::uint64_t weight_bytes(const char* where, Index d_model, Index d_ffn) {
-    return SwiGLU<T>::weight_bytes(where, d_model, d_ffn) +
-           detail::scalar_bytes<T>(where, "kappa weight bytes", detail::checked_product(where, "2*d_ffn", {2, d_ffn}));
+    const std::uint64_t kappa =
+        detail::scalar_bytes<T>(where, "kappa weight bytes", detail::checked_product(where, "2*d_ffn", {2, d_ffn}));
+    return std::uint64_t(detail::checked_sum(where, "weight bytes", Index(SwiGLU<T>::weight_bytes(where, d_model, d_ffn)),
+                                             Index(kappa)));
   }
   /// Allocates every gradient (the SwiGLU's too), zeroed, unless they exist.
   /// ConfigError as SwiGLU::allocate_gradients.

@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <sstream>
 #include <string>
 
@@ -112,6 +113,11 @@ inline void check_memory_fit(const char* where, const std::string& what, std::ui
 inline void check_gradient_fit(const char* where, const std::string& what, std::uint64_t weight_bytes,
                                std::uint64_t gradient_bytes) {
   if (overcommit_allowed()) return;
+  // Both terms come from checked products, each below 2^63, so a sum that
+  // wrapped could only come from a caller's own counts: refuse it.
+  if (gradient_bytes > std::numeric_limits<std::uint64_t>::max() - weight_bytes)
+    throw ConfigError(std::string(where) + ": " + what + " with its gradients needs " + std::to_string(weight_bytes) +
+                      " + " + std::to_string(gradient_bytes) + " bytes, which does not fit in 64 bits");
   detail::require_memory_fit(where, what + " with its gradients", weight_bytes + gradient_bytes,
                              physical_memory_bytes(), "allocate them");
 }
