@@ -41,15 +41,8 @@ namespace {
 
 constexpr double kBeyondFloat = 1e39;  // finite as a double, +inf as a float
 
-MoEConfig small_config() {
-  MoEConfig c;
-  c.d_model = 4;
-  c.d_ffn = 3;
-  c.n_experts = 4;
-  c.n_active = 2;
-  c.n_shared = 1;
-  return c;
-}
+/// d 4, f 3, E 4, K 2, one shared expert.
+MoEConfig small_config() { return test::moe_config(4, 2, 1, 4, 3); }
 
 /// PackedMoE's parts constructor (the loaders' path) with another config.
 void packed_from_parts(const MoEConfig& bad) {
