@@ -6,8 +6,8 @@
 // one benchmark loop (manual time = the code under test), so drift and other
 // load on a shared machine hit both alike; the ratio is reported as a counter.
 
-#include <apex/ffn/init.hpp>
-#include <apex/ffn/types.hpp>
+#include <apex/ffn/core/init.hpp>
+#include <apex/ffn/core/types.hpp>
 #include <benchmark/benchmark.h>
 
 #include <chrono>

@@ -25,7 +25,7 @@
 // Shapes: small (preset 512/1376/E8/K2/S1), fine (1024/512/E64/K8/S2),
 // coarse (1024/3584/E8/K2/S0); medium (2048/5504/E64/K4/S2) for memory only.
 #include <apex/ffn/inference.hpp>
-#include <apex/ffn/moe.hpp>
+#include <apex/ffn/moe/moe_ffn.hpp>
 
 #include <algorithm>
 #include <fstream>
@@ -233,7 +233,7 @@ BENCHMARK_TEMPLATE(BM_Resident, bf16)->Iterations(1)->Unit(benchmark::kSecond);
 BENCHMARK_TEMPLATE(BM_Resident, float)->Iterations(1)->Unit(benchmark::kSecond);
 
 // The float training layer of the medium preset used for forward only: its
-// gradients are allocated lazily (param.hpp), so it holds its weights and
+// gradients are allocated lazily (core/param.hpp), so it holds its weights and
 // nothing more — resident set ≈ 1.0× the weight bytes (≈ 2× while every
 // layer allocated its gradients at construction). grads_allocated must stay 0.
 void BM_ResidentTraining(benchmark::State& state) {

@@ -18,9 +18,9 @@
 //     bench_kappa --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
 //
 // reports the median over repetitions of every counter.
-#include <apex/ffn/kappa_swiglu.hpp>
-#include <apex/ffn/moe.hpp>
-#include <apex/ffn/swiglu.hpp>
+#include <apex/ffn/layers/kappa_swiglu.hpp>
+#include <apex/ffn/moe/moe_ffn.hpp>
+#include <apex/ffn/layers/swiglu.hpp>
 
 #include <algorithm>
 #include <vector>

@@ -19,8 +19,8 @@
 //
 // Shapes: small (preset 512/1376/E8/K2/S1), medium (2048/5504/E64/K4/S2),
 // fine (1024/512/E64/K8/S2), coarse (1024/3584/E8/K2/S0).
-#include <apex/ffn/moe.hpp>
-#include <apex/ffn/packed/linear.hpp>
+#include <apex/ffn/moe/moe_ffn.hpp>
+#include <apex/ffn/kernels/packed_products.hpp>
 
 #include <algorithm>
 #include <map>
@@ -297,7 +297,7 @@ void BM_MoE_ForwardBackward(benchmark::State& state) {
   state.counters["fb_over_f"] = total / forward;
 }
 
-// The training products on the packed engine (packed/linear.hpp) against
+// The training products on the packed engine (kernels/packed_products.hpp) against
 // Eigen's GEMM, in one binary: every iteration runs the step once with the
 // engine and once without, in alternating order, so load from other tenants
 // of the machine hits both alike. x_eigen = engine time / Eigen time.

@@ -21,9 +21,9 @@
 //
 //   cmake --preset bench && cmake --build --preset bench --target bench_packed
 //   build/bench/benchmarks/bench_packed --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
-#include <apex/ffn/activations.hpp>
-#include <apex/ffn/linear.hpp>
-#include <apex/ffn/packed/kernels.hpp>
+#include <apex/ffn/layers/activations.hpp>
+#include <apex/ffn/layers/linear.hpp>
+#include <apex/ffn/kernels/fused_expert.hpp>
 
 #include <algorithm>
 #include <cstdlib>

@@ -30,10 +30,10 @@
 //     bench_skip_gate --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
 //
 // reports the median over repetitions of every counter.
-#include <apex/ffn/ffn_sublayer.hpp>
-#include <apex/ffn/moe.hpp>
-#include <apex/ffn/skip_gate.hpp>
-#include <apex/ffn/swiglu.hpp>
+#include <apex/ffn/layers/ffn_sublayer.hpp>
+#include <apex/ffn/moe/moe_ffn.hpp>
+#include <apex/ffn/layers/skip_gate.hpp>
+#include <apex/ffn/layers/swiglu.hpp>
 
 #include <time.h>
 #ifdef __GLIBC__

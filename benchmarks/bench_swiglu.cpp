@@ -3,7 +3,7 @@
 //
 //   forward          6·N·d·f FLOPs  ≡  X (N×d) · W (3f×d)ᵀ
 //   forward+backward 18·N·d·f FLOPs ≡  X (N×d) · W (9f×d)ᵀ
-#include <apex/ffn/swiglu.hpp>
+#include <apex/ffn/layers/swiglu.hpp>
 
 #include "bench_common.hpp"
 

@@ -22,7 +22,7 @@ target_link_libraries(apex_ffn_mpi INTERFACE apex_ffn MPI::MPI_CXX)
 # compile, and they do not build warning-free with -Wextra under mpicxx).
 target_compile_definitions(apex_ffn_mpi INTERFACE OMPI_SKIP_MPICXX=1 MPICH_SKIP_MPICXX=1)
 set_target_properties(apex_ffn_mpi PROPERTIES EXPORT_NAME mpi)
-# Sharded checkpoints (mpi/sharded_checkpoint.hpp) need apex::checkpoint as well.
+# Sharded checkpoints (mpi/expert_parallel_checkpoint.hpp) need apex::checkpoint as well.
 
 # mpiexec for this machine's tests: as root Open MPI needs to be told it may
 # run; --oversubscribe lets 3 and 4 ranks share fewer cores.

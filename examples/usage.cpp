@@ -1,10 +1,10 @@
 // Using apex-ffn in your own model: one MoE FFN sublayer of APEX-1 — a skip
 // gate, RMSNorm, and a mixture of κ-SwiGLU experts — trained for one step
 // with plain SGD. Your model supplies the input and the gradient of its loss.
-#include <apex/ffn/ffn_sublayer.hpp>
-#include <apex/ffn/kappa_swiglu.hpp>
-#include <apex/ffn/moe.hpp>
-#include <apex/ffn/skip_gate.hpp>
+#include <apex/ffn/layers/ffn_sublayer.hpp>
+#include <apex/ffn/layers/kappa_swiglu.hpp>
+#include <apex/ffn/moe/moe_ffn.hpp>
+#include <apex/ffn/layers/skip_gate.hpp>
 
 #include <cstdio>
 

@@ -4,15 +4,15 @@
 // every truncation, random corruption, the fuzz corpus and its regression
 // inputs), PyTorch interop in both directions, and the error sweep of
 // mismatched files and bad options.
-#include <apex/ffn/checkpoint.hpp>
-#include <apex/ffn/ffn_sublayer.hpp>
-#include <apex/ffn/kappa_swiglu.hpp>
-#include <apex/ffn/moe.hpp>
-#include <apex/ffn/multi_token_heads.hpp>
-#include <apex/ffn/name_maps.hpp>
-#include <apex/ffn/rms_norm.hpp>
-#include <apex/ffn/sharded_checkpoint.hpp>
-#include <apex/ffn/swiglu.hpp>
+#include <apex/ffn/io/checkpoint.hpp>
+#include <apex/ffn/layers/ffn_sublayer.hpp>
+#include <apex/ffn/layers/kappa_swiglu.hpp>
+#include <apex/ffn/moe/moe_ffn.hpp>
+#include <apex/ffn/layers/multi_token_heads.hpp>
+#include <apex/ffn/io/name_maps.hpp>
+#include <apex/ffn/layers/rms_norm.hpp>
+#include <apex/ffn/io/sharded_checkpoint.hpp>
+#include <apex/ffn/layers/swiglu.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -123,7 +123,7 @@ TEMPLATE_TEST_CASE("A checkpoint round-trips a SwiGLU exactly in its own dtype",
 }
 
 TEST_CASE("Saving, loading and running forward never allocate gradients", "[checkpoint][lazy]") {
-  // A layer loaded to serve holds its weights only (param.hpp): every
+  // A layer loaded to serve holds its weights only (core/param.hpp): every
   // checkpoint path takes the values-only view.
   TempDir dir;
   MoEConfig cfg;
@@ -166,7 +166,7 @@ TEST_CASE("Saving, loading and running forward never allocate gradients", "[chec
   CHECK(c.forward(x) == a.forward(x));
   CHECK(none(c));
 
-  // A family checkpoint (name_maps.hpp), bias included.
+  // A family checkpoint (io/name_maps.hpp), bias included.
   MoEFFN<double> m(cfg, 7), n(cfg, 8);
   m.balancer().set_bias(RowVector<double>::LinSpaced(4, -0.1, 0.1));
   save_family_checkpoint(dir / "ds.safetensors", m, MoEFamily::DeepSeekV3);
@@ -561,7 +561,7 @@ TEST_CASE("Saving into an unwritable or missing folder raises FormatError", "[ch
 
 TEST_CASE("A file name of up to 255 bytes saves and loads, leaving no temporary file",
           "[checkpoint][regression][atomic]") {
-  // write_file_atomic (safetensors/atomic_save.hpp) named its temporary file
+  // write_file_atomic (io/safetensors/atomic_save.hpp) named its temporary file
   // "." + name + ".tmp.<pid>.<n>", some 20 bytes longer than the target, so
   // a valid 250-byte name failed with FormatError ("File name too long")
   // (issue 17, defect 4). Fixed: where the temporary name would not fit the
@@ -638,7 +638,7 @@ double run_with_fifo_watchdog(const std::string& fifo, const std::function<void(
 }  // namespace
 
 TEST_CASE("Loading from a FIFO raises FormatError at once instead of blocking", "[checkpoint][regression][filetype]") {
-  // FileSource (safetensors/posix_file.hpp): open(path, O_RDONLY) of a named
+  // FileSource (io/safetensors/posix_file.hpp): open(path, O_RDONLY) of a named
   // pipe waits for a writer before fstat can show it is no regular file, so
   // load_checkpoint on a FIFO blocked forever (issue 17, defect 3). Fixed:
   // the path is opened with O_NONBLOCK, which returns at once, and rejected

@@ -10,9 +10,9 @@
 // Threads only record what they saw; Catch2's assertions run on the main
 // thread after the join (Catch2 is not thread-safe).
 #include <apex/ffn.hpp>
-#include <apex/ffn/ffn_sublayer.hpp>
-#include <apex/ffn/kappa_swiglu.hpp>
-#include <apex/ffn/skip_gate.hpp>
+#include <apex/ffn/layers/ffn_sublayer.hpp>
+#include <apex/ffn/layers/kappa_swiglu.hpp>
+#include <apex/ffn/layers/skip_gate.hpp>
 
 #include <catch2/catch.hpp>
 

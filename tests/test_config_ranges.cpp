@@ -6,19 +6,19 @@
 // enumerators (a cast from an integer) must be a ConfigError naming the
 // field and the value, never silently read as another enumerator.
 // docs/error_model.md lists what is checked.
-#include <apex/ffn/checkpoint.hpp>
-#include <apex/ffn/cross_entropy.hpp>
-#include <apex/ffn/family_presets.hpp>
-#include <apex/ffn/ffn_sublayer.hpp>
+#include <apex/ffn/io/checkpoint.hpp>
+#include <apex/ffn/layers/cross_entropy.hpp>
+#include <apex/ffn/moe/families.hpp>
+#include <apex/ffn/layers/ffn_sublayer.hpp>
 #include <apex/ffn/inference.hpp>
 #include <apex/ffn/inference/packed_load.hpp>
-#include <apex/ffn/kappa_swiglu.hpp>
-#include <apex/ffn/load_balancer.hpp>
-#include <apex/ffn/moe.hpp>
-#include <apex/ffn/multi_token_heads.hpp>
-#include <apex/ffn/name_maps.hpp>
-#include <apex/ffn/rms_norm.hpp>
-#include <apex/ffn/skip_gate.hpp>
+#include <apex/ffn/layers/kappa_swiglu.hpp>
+#include <apex/ffn/moe/load_balancer.hpp>
+#include <apex/ffn/moe/moe_ffn.hpp>
+#include <apex/ffn/layers/multi_token_heads.hpp>
+#include <apex/ffn/io/name_maps.hpp>
+#include <apex/ffn/layers/rms_norm.hpp>
+#include <apex/ffn/layers/skip_gate.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -127,12 +127,12 @@ void for_each_float_option(double v, const std::function<void(std::string, std::
 }  // namespace
 
 TEST_CASE("float options beyond float's range are rejected in float layers", "[sweeps][regression]") {
-  // routing_config.hpp, moe_config.hpp and the other configs checked their
+  // moe/routing_config.hpp, moe/config.hpp and the other configs checked their
   // floating options for finiteness as doubles only: routing.routed_scale =
   // 1e39 in MoEFFN<float> became +inf and the output non-finite (the κ
   // options alone were checked against the layer's scalar). Fixed: every
   // option a layer converts to its scalar type T must lie within T's range
-  // (detail::require_fits, scalar_range.hpp), checked where the layer is
+  // (detail::require_fits, core/scalar_range.hpp), checked where the layer is
   // built (validate_for<T>).
   std::vector<Case> cases;
   for_each_float_option<float>(kBeyondFloat, [&](std::string what, std::function<void()> call, std::string field) {
@@ -172,7 +172,7 @@ TEST_CASE("float options that fit double are accepted in double layers", "[sweep
 
 TEST_CASE("a capacity factor beyond float's range is accepted and saturates", "[sweeps]") {
   // The capacity factor is never converted to the scalar type: C is computed
-  // in double and clamped to the batch (capacity.hpp), so it is the one
+  // in double and clamped to the batch (moe/capacity.hpp), so it is the one
   // floating option a float layer accepts beyond float's range.
   MoEConfig c = small_config();
   MoEFFN<float> dropless(c, 5);
@@ -196,7 +196,7 @@ E out_of_range(int v) {
 }  // namespace
 
 TEST_CASE("every enum field of every config rejects a value outside its enumerators", "[sweeps][regression]") {
-  // routing_config.hpp validated Scoring but not GroupScore: GroupScore(7)
+  // moe/routing_config.hpp validated Scoring but not GroupScore: GroupScore(7)
   // was accepted and read as Max (the router tests == Top2Sum). The same
   // held for every other enum a configuration carries: MoEFamily (read as
   // Qwen3-MoE/OLMoE by the name maps, a default routing by family_routing),

@@ -120,7 +120,7 @@ TEST_CASE("params() views the layer's storage", "[core]") {
   CHECK(ps[0].grad().isZero());
 }
 
-// ---- lazily allocated gradients (param.hpp) ----
+// ---- lazily allocated gradients (core/param.hpp) ----
 
 namespace {
 
@@ -334,7 +334,7 @@ static_assert(std::is_base_of<Error, ShapeError>::value && std::is_base_of<Error
 static_assert(std::is_base_of<std::runtime_error, Error>::value, "apex::Error is a std::runtime_error");
 
 TEST_CASE("Rng::index rejects an empty range", "[sweeps][regression][init]") {
-  // init.hpp, Rng::index(n) computes `… % n`: n = 0 was an integer division
+  // core/init.hpp, Rng::index(n) computes `… % n`: n = 0 was an integer division
   // by zero (SIGFPE on x86, undefined behaviour). Fixed: ValueError unless n ≥ 1.
   expect(outcome_isolated([] {
            Rng rng(1);

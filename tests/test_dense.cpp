@@ -314,7 +314,7 @@ TEST_CASE("the block interface of SwiGLU and kappa-SwiGLU computes what forward 
 }
 
 TEMPLATE_TEST_CASE("RMSNorm never turns a finite input into NaN", "[sweeps][regression][rmsnorm]", float, double) {
-  // rms_norm.hpp: eps = 0 was accepted ("eps must be finite and >= 0"); an
+  // layers/rms_norm.hpp: eps = 0 was accepted ("eps must be finite and >= 0"); an
   // all-zero row then gave r = 1/sqrt(0) = inf and x̂ = 0·inf = NaN, so a
   // valid configuration turned a finite input into NaN. Fixed: eps must be
   // > 0 (ConfigError), and any positive eps, even the smallest subnormal,

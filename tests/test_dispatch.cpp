@@ -1,11 +1,11 @@
-// The dispatch module (dispatch.hpp) on its own: the plan (empty experts,
+// The dispatch module (moe/dispatch.hpp) on its own: the plan (empty experts,
 // everything on one expert, N = 0, stable order, inverse map), each movement
 // against a plain loop and against its backward (adjoint identities), the
 // side-input gather and scatter, shape errors; and the expert contract
-// (expert_contract.hpp): a user-defined expert type through MoEFFN, forward
+// (moe/expert_contract.hpp): a user-defined expert type through MoEFFN, forward
 // and backward, by finite differences.
-#include <apex/ffn/dispatch.hpp>
-#include <apex/ffn/moe.hpp>
+#include <apex/ffn/moe/dispatch.hpp>
+#include <apex/ffn/moe/moe_ffn.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -162,7 +162,7 @@ TEST_CASE("dispatch movements equal plain loops and are adjoint to their backwar
 
 namespace {
 
-// A user-defined expert meeting the contract (expert_contract.hpp) without
+// A user-defined expert meeting the contract (moe/expert_contract.hpp) without
 // any side input: y = ReLU(x·Wᵀ), W: d × d; work holds the pre-activation.
 template <class T>
 class ReluExpert {
@@ -263,7 +263,7 @@ TEST_CASE("a user-defined expert type runs through MoEFFN, forward and backward"
 using apex::test::outcome_isolated;
 
 TEST_CASE("DispatchPlan::build rejects expert ids out of range", "[sweeps][regression][dispatch]") {
-  // dispatch.hpp, DispatchPlan::build(experts, n_experts) incremented
+  // moe/dispatch.hpp, DispatchPlan::build(experts, n_experts) incremented
   // offset[experts(t, k) + 1] unchecked: an id ≥ n_experts or < 0 wrote out
   // of bounds (heap-buffer-overflow). The struct is public; MoEFFN only
   // feeds it router output. Fixed: ValueError on an id outside

@@ -1,4 +1,4 @@
-// Loading the open MoE families' checkpoints (name_maps.hpp, and
+// Loading the open MoE families' checkpoints (io/name_maps.hpp, and
 // load_packed_moe under a family's names): a loaded checkpoint keeps its
 // values — DeepSeek-V3's correction bias outside the balancer's [−1, 1]
 // included, so the float and packed layers route alike — and a rejected load
@@ -8,8 +8,8 @@
 
 #include <apex/ffn/inference.hpp>
 #include <apex/ffn/inference/packed_load.hpp>
-#include <apex/ffn/moe.hpp>
-#include <apex/ffn/name_maps.hpp>
+#include <apex/ffn/moe/moe_ffn.hpp>
+#include <apex/ffn/io/name_maps.hpp>
 
 #include <cstring>
 #include <filesystem>
@@ -57,7 +57,7 @@ std::vector<unsigned char> snapshot(MoEFFN<float>& moe) {
 
 TEST_CASE("DeepSeek-V3: a correction bias outside [-1, 1] loads as stored, float and packed route alike",
           "[families][balancer][regression]") {
-  // name_maps.hpp put e_score_correction_bias through LoadBalancer::set_bias,
+  // io/name_maps.hpp put e_score_correction_bias through LoadBalancer::set_bias,
   // which clamped it into [−1, 1]; load_packed_moe kept the file's values.
   // With the bias at 2 for experts 0–2 and 0.99 for the rest the float layer
   // routed on [1, 1, 1, .99, …] and most top-K entries differed from the

@@ -8,12 +8,12 @@
 // naming the problem, at once, with the destination left as it was. Probes
 // that hung or crashed before their fix run in a forked child with a time
 // limit (outcome_isolated), so a returning defect fails its own test.
-#include <apex/ffn/checkpoint.hpp>
+#include <apex/ffn/io/checkpoint.hpp>
 #include <apex/ffn/inference/packed_load.hpp>
-#include <apex/ffn/moe.hpp>
-#include <apex/ffn/name_maps.hpp>
-#include <apex/ffn/sharded_checkpoint.hpp>
-#include <apex/ffn/swiglu.hpp>
+#include <apex/ffn/moe/moe_ffn.hpp>
+#include <apex/ffn/io/name_maps.hpp>
+#include <apex/ffn/io/sharded_checkpoint.hpp>
+#include <apex/ffn/layers/swiglu.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -149,7 +149,7 @@ void expect_prompt_format_error(const std::function<void()>& call, const std::ve
 
 TEST_CASE("A deeply nested value in a shard index is a FormatError, not a stack overflow",
           "[checkpoint][regression][index]") {
-  // read_shard_index (shard_index.hpp) turned every non-string metadata
+  // read_shard_index (io/shard_index.hpp) turned every non-string metadata
   // value into a string with nlohmann::json::dump(), which recurses once per
   // level: 100,000 nested arrays in a 200 KB index overflowed the stack
   // (SIGSEGV; a stack overflow under ASan) in load_sharded_checkpoint.

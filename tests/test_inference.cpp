@@ -5,11 +5,11 @@
 // stale copies, the memory check.
 #include <catch2/catch.hpp>
 
-#include <apex/ffn/checkpoint.hpp>
+#include <apex/ffn/io/checkpoint.hpp>
 #include <apex/ffn/inference.hpp>
 #include <apex/ffn/inference/packed_load.hpp>
-#include <apex/ffn/kappa_swiglu.hpp>
-#include <apex/ffn/name_maps.hpp>
+#include <apex/ffn/layers/kappa_swiglu.hpp>
+#include <apex/ffn/io/name_maps.hpp>
 
 #include <algorithm>
 #include <cstdio>

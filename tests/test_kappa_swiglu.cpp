@@ -3,8 +3,8 @@
 // bounds for extreme inputs, the regulariser, float against double, errors,
 // the same inside MoEFFN, and the error sweep of the options, the setters and
 // the inputs.
-#include <apex/ffn/kappa_swiglu.hpp>
-#include <apex/ffn/moe.hpp>
+#include <apex/ffn/layers/kappa_swiglu.hpp>
+#include <apex/ffn/moe/moe_ffn.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -662,7 +662,7 @@ TEMPLATE_TEST_CASE("KappaSwiGLU sweep: options and setters and inputs", "[sweeps
 }
 
 TEST_CASE("KappaSwiGLU of float rejects options beyond the range of float", "[sweeps][regression][kappa]") {
-  // kappa_swiglu.hpp: KappaOptions::validate checked U and c for finiteness
+  // layers/kappa_swiglu.hpp: KappaOptions::validate checked U and c for finiteness
   // as doubles; KappaSwiGLU<float> converts them with T(opt_.c), T(opt_.U).
   // c = 1e39 is finite as a double but inf as a float, so s = c·ℓ was inf
   // (NaN for ℓ = 0), u = b + α·s = 0·inf = NaN and the output NaN for a

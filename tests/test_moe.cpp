@@ -3,8 +3,8 @@
 // differences, determinism across runs and thread counts, balancing, and
 // the error sweeps and regression tests of the router, the load balancer,
 // MoEConfig and MoEFFN.
-#include <apex/ffn/kappa_swiglu.hpp>
-#include <apex/ffn/moe.hpp>
+#include <apex/ffn/layers/kappa_swiglu.hpp>
+#include <apex/ffn/moe/moe_ffn.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -129,7 +129,7 @@ TEST_CASE("load balancer worked step (docs/math.md#load-balancer)", "[moe][balan
 TEST_CASE("load balancer: set_bias stores any finite bias, update's steps are what is clamped",
           "[moe][balancer][regression]") {
   // set_bias clamped into [−1, 1], so a loaded DeepSeek-V3 correction bias
-  // beyond it was changed on load (name_maps.hpp). The clamp is a rule of
+  // beyond it was changed on load (io/name_maps.hpp). The clamp is a rule of
   // the update step: a step never takes b_e out of [−1, 1], or further out
   // than it already is; values set from outside stay exact.
   LoadBalancer<double> lb(4, 1, 0.1);
@@ -354,7 +354,7 @@ TEST_CASE("observe with a token mask counts only those tokens", "[moe][balancer]
 
 TEST_CASE("observe with and without a mask rejects a cache of a layer of another E or K",
           "[moe][balancer][regression]") {
-  // moe.hpp, observe(cache, token_counted) trusted the cache: one filled by a
+  // moe/moe_ffn.hpp, observe(cache, token_counted) trusted the cache: one filled by a
   // layer with more experts (E = 8 into E = 4) made `++counts[expert]` write
   // past `counts`, one of another K read past the routing matrix. Fixed: both
   // overloads check the cache against the layer as backward does.
@@ -410,7 +410,7 @@ TEST_CASE("constructors with sizes near the Index limit raise ConfigError, not o
       {"KappaSwiGLU d = 2^62", [=] { KappaSwiGLU<float>(huge, 4, 0); }, {"SwiGLU", "2*d_ffn*d_model"}},
       {"default_ffn_width", [=] { (void)default_ffn_width(huge); }, {"default_ffn_width", "8*d_model"}},
       {"Router d = 2^62", [=] { Rng rng(0); Router<float>(huge, 4, 2, rng); }, {"Router", "n_experts*d_model"}},
-      // MoEFFN counts its weight bytes before it builds anything (memory_budget.hpp).
+      // MoEFFN counts its weight bytes before it builds anything (core/memory_budget.hpp).
       {"MoEFFN d = 2^62", [=] { MoEFFN<float>(config(huge, 4)); }, {"MoEFFN", "d_ffn*d_model"}},
       {"MoEFFN f = 2^62", [=] { MoEFFN<float>(config(4, huge)); }, {"MoEFFN", "d_ffn*d_model"}},
       {"LoadBalancer::observe N = 2^62",
@@ -708,7 +708,7 @@ TEMPLATE_TEST_CASE("MoEConfig and MoEFFN sweep: fields and inputs and caches", "
 }
 
 TEST_CASE("LoadBalancer with a negative expert count raises ConfigError", "[sweeps][regression][balancer]") {
-  // load_balancer.hpp, constructor: the member initialisers built
+  // moe/load_balancer.hpp, constructor: the member initialisers built
   // `bias_(RowVector<T>::Zero(n_experts))` and `counts_(n_experts, 0)` before
   // the body's require_config ran, so n_experts = -1 tripped Eigen's size
   // assertion (abort; undefined behaviour with NDEBUG) instead of raising
@@ -718,7 +718,7 @@ TEST_CASE("LoadBalancer with a negative expert count raises ConfigError", "[swee
 }
 
 TEST_CASE("Router::route checks the width of x and the bias", "[sweeps][regression][router]") {
-  // router.hpp, Router::route: neither `x` (N × d) nor `bias` (1 × E) was
+  // moe/router.hpp, Router::route: neither `x` (N × d) nor `bias` (1 × E) was
   // checked. A wrong width of x failed an eigen_assert in linear_nt (abort;
   // out-of-bounds reads with NDEBUG); a short bias was read past its end
   // (`bias(e)`); a NaN bias silently yielded NaN routing weights. route is
@@ -750,7 +750,7 @@ TEST_CASE("Router::route checks the width of x and the bias", "[sweeps][regressi
 }
 
 TEST_CASE("Router::softmax_backward and Router::backward check their shapes", "[sweeps][regression][router]") {
-  // router.hpp: softmax_backward(routing, d_weights, d_logits) and
+  // moe/router.hpp: softmax_backward(routing, d_weights, d_logits) and
   // backward(x, d_logits) checked nothing; d_weights that is not N × K,
   // d_logits that is not N × E or x that is not N × d failed eigen_asserts or
   // read and wrote out of bounds. Fixed: softmax_backward checks the routing,
@@ -801,7 +801,7 @@ TEST_CASE("Router::softmax_backward and Router::backward check their shapes", "[
 }
 
 TEST_CASE("LoadBalancer::observe rejects negative counts and token numbers", "[sweeps][regression][balancer]") {
-  // load_balancer.hpp, observe: only the length of `counts` and its sum
+  // moe/load_balancer.hpp, observe: only the length of `counts` and its sum
   // (= n_tokens·K) were checked. {−2, 4, 0, 0} for one token with K = 2 sums
   // to 2 and was accepted, making expert 0's load −1; {−1, −1, 0, 0} with
   // n_tokens = −1 was accepted too, and the next update() moved the bias
@@ -824,9 +824,9 @@ TEST_CASE("LoadBalancer::observe rejects negative counts and token numbers", "[s
 TEST_CASE("SwiGLU and KappaSwiGLU and MoEFFN backward reject a cache that no forward filled",
           "[sweeps][regression][cache]") {
   // The same defect, before the fix:
-  //  - swiglu.hpp SwiGLU::backward and kappa_swiglu.hpp KappaSwiGLU::backward:
+  //  - layers/swiglu.hpp SwiGLU::backward and layers/kappa_swiglu.hpp KappaSwiGLU::backward:
   //    work.leftCols(f) of a 0 × 0 work failed an eigen_assert;
-  //  - moe.hpp MoEFFN::backward: plan.count(e) indexed the empty plan.offset (null dereference).
+  //  - moe/moe_ffn.hpp MoEFFN::backward: plan.count(e) indexed the empty plan.offset (null dereference).
   // Fixed: each backward checks its cache's own shapes (cache.x columns = d,
   // work columns = work_cols(), for MoEFFN the plan against E), raising
   // ShapeError naming 'cache'.
@@ -850,10 +850,10 @@ TEST_CASE("backward rejects a cache filled by a layer of another shape", "[sweep
   // Caches are plain structs, so one layer's cache can reach another
   // layer's backward. With the same batch size the dy check passes, and
   // before the fix:
-  //  - swiglu.hpp SwiGLU::backward with the cache of a SwiGLU whose d_ffn is
+  //  - layers/swiglu.hpp SwiGLU::backward with the cache of a SwiGLU whose d_ffn is
   //    6 (work 3 × 18) in a layer with d_ffn 8 read columns 0–8, 8–16 and
   //    10–18 of that work as G, U and A: no error, wrong gradients;
-  //  - moe.hpp MoEFFN::backward with the cache of an MoE of 4 experts in one
+  //  - moe/moe_ffn.hpp MoEFFN::backward with the cache of an MoE of 4 experts in one
   //    of 6 read plan.offset[5] and [6] past the end, then took blocks of
   //    the sorted buffers at those garbage offsets (an eigen_assert in a
   //    debug build, a heap-buffer-overflow under AddressSanitizer).

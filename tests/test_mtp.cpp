@@ -4,9 +4,9 @@
 // cases, a seeded statistical test that sampling reproduces the main model's
 // distribution, and that the biased scheme fails the same test), and the error
 // sweeps and regression tests of all three.
-#include <apex/ffn/cross_entropy.hpp>
-#include <apex/ffn/multi_token_heads.hpp>
-#include <apex/ffn/speculative.hpp>
+#include <apex/ffn/layers/cross_entropy.hpp>
+#include <apex/ffn/layers/multi_token_heads.hpp>
+#include <apex/ffn/layers/speculative.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -1116,7 +1116,7 @@ TEMPLATE_TEST_CASE("speculative drafting and verification sweep", "[sweeps][spec
 }
 
 TEST_CASE("multi_token_loss reports logits without columns as a ShapeError", "[sweeps][regression][mtp]") {
-  // multi_token_heads.hpp, multi_token_loss: `main_logits` with 0 columns
+  // layers/multi_token_heads.hpp, multi_token_loss: `main_logits` with 0 columns
   // raised ConfigError ("main_logits must have at least one column"). It is
   // an argument of the wrong shape, and draft_greedy/draft_sample/
   // verify_* raise ShapeError for the same input. Fixed: it uses
@@ -1129,7 +1129,7 @@ TEST_CASE("multi_token_loss reports logits without columns as a ShapeError", "[s
 
 TEST_CASE("cross_entropy drops targets equal to an in-vocabulary ignore index as PyTorch does",
           "[sweeps][regression][cross_entropy]") {
-  // cross_entropy.hpp: CrossEntropyOptions::ignore_index may be a real token
+  // layers/cross_entropy.hpp: CrossEntropyOptions::ignore_index may be a real token
   // id (PyTorch allows it, e.g. a padding id), while multi_token_loss rejects
   // one (ConfigError). The difference is documented on both option structs
   // and in docs/error_model.md; this test pins what cross_entropy does with
@@ -1198,7 +1198,7 @@ struct draft_logits_takes_lvalue<
 }  // namespace
 
 TEST_CASE("MultiTokenHeads::draft_logits refuses a temporary", "[sweeps][regression][mtp]") {
-  // multi_token_heads.hpp, draft_logits(const Matrix<T>& y, Index t) returns
+  // layers/multi_token_heads.hpp, draft_logits(const Matrix<T>& y, Index t) returns
   // a Map into y, and a const reference binds to a temporary, so
   // `auto z = heads.draft_logits(heads.forward(h), t);` compiled and z
   // dangled as soon as the statement ended (use after free). Fixed: the
@@ -1210,7 +1210,7 @@ TEST_CASE("MultiTokenHeads::draft_logits refuses a temporary", "[sweeps][regress
 
 TEST_CASE("draft_sample names itself and head_logits when the logits are not finite",
           "[sweeps][regression][speculative]") {
-  // speculative.hpp, draft_sample: the finiteness check happened inside
+  // layers/speculative.hpp, draft_sample: the finiteness check happened inside
   // softmax_rows, so the message read "softmax_rows: argument 'logits'
   // contains NaN or Inf" — a function and an argument the caller never
   // used. Fixed: draft_sample checks head_logits itself, as draft_greedy does.

@@ -2,7 +2,7 @@
 // hand-computed cases and an independent reference, the packed layout, and
 // every kernel path the CPU supports against a double-precision reference
 // loop with componentwise error bounds derived from the sizes.
-#include <apex/ffn/packed/kernels.hpp>
+#include <apex/ffn/kernels/fused_expert.hpp>
 
 #include <catch2/catch.hpp>
 

@@ -6,10 +6,10 @@
 // layer the caller assigns the result to keeps its weights.
 #include <catch2/catch.hpp>
 
-#include <apex/ffn/checkpoint.hpp>
+#include <apex/ffn/io/checkpoint.hpp>
 #include <apex/ffn/inference.hpp>
 #include <apex/ffn/inference/packed_load.hpp>
-#include <apex/ffn/kappa_swiglu.hpp>
+#include <apex/ffn/layers/kappa_swiglu.hpp>
 
 #include <functional>
 #include <memory>

@@ -6,8 +6,8 @@
 #include <catch2/catch.hpp>
 
 #include <apex/ffn/inference.hpp>
-#include <apex/ffn/kappa_swiglu.hpp>
-#include <apex/ffn/memory_budget.hpp>
+#include <apex/ffn/layers/kappa_swiglu.hpp>
+#include <apex/ffn/core/memory_budget.hpp>
 
 #include <cstdint>
 #include <limits>
@@ -122,7 +122,7 @@ TEST_CASE("packed size checks reject byte counts that overflow", "[inference][me
 }
 
 TEST_CASE("PackedMoE::weight_bytes is what the layer holds: no router gradient buffer", "[inference][memory][regression]") {
-  // The router, RMSNorm and skip gate allocate gradients lazily (param.hpp),
+  // The router, RMSNorm and skip gate allocate gradients lazily (core/param.hpp),
   // so a packed layer holds the router's E × d weights once; weight_bytes
   // still counted a gradient buffer beside them.
   const MoEConfig cfg = full_config();

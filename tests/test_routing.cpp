@@ -3,11 +3,11 @@
 // examples, gradients by finite differences for every combination, the
 // default path unchanged, shared experts of another width, and the
 // RoutingConfig error sweep.
-#include <apex/ffn/family_presets.hpp>
+#include <apex/ffn/moe/families.hpp>
 #include <apex/ffn/inference.hpp>
-#include <apex/ffn/kappa_swiglu.hpp>
-#include <apex/ffn/moe.hpp>
-#include <apex/ffn/name_maps.hpp>
+#include <apex/ffn/layers/kappa_swiglu.hpp>
+#include <apex/ffn/moe/moe_ffn.hpp>
+#include <apex/ffn/io/name_maps.hpp>
 
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
@@ -537,7 +537,7 @@ TEST_CASE("kappa-SwiGLU experts read the raw logit under every scoring", "[routi
 }
 
 TEST_CASE("a capacity at or above the batch saturates: nothing is dropped", "[routing][capacity][regression]") {
-  // capacity.hpp: expert_capacity computed Index(std::ceil(φ·rows/E)) for any
+  // moe/capacity.hpp: expert_capacity computed Index(std::ceil(φ·rows/E)) for any
   // finite φ; φ = 1e300 passed validate() and the conversion of 4e300 to an
   // integer was undefined behaviour (a negative capacity in practice:
   // expert_capacity(1e30, 10, 1) was INT64_MIN), so every routed pair was
@@ -607,7 +607,7 @@ MoEFFN<T> sigmoid_layer_near(double logit, Matrix<T>& x) {
 }  // namespace
 
 TEST_CASE("sigmoid renormalisation is finite when every score underflows", "[routing][regression]") {
-  // router.hpp: with sigmoid scoring and renormalisation the weights were
+  // moe/router.hpp: with sigmoid scoring and renormalisation the weights were
   // g_k = c·s_k / Σ_j s_j. In float, logits near −160 give σ = 0 exactly
   // (exp(160) overflows), so the weights were 0/0 = NaN and the output NaN
   // for a finite input. Fixed (DeepSeek-V3's rule as Hugging Face writes

@@ -4,12 +4,12 @@
 // differences, the compute penalty, a small training run in which the
 // gate learns which tokens need the FFN, and the error sweeps and cache
 // regression tests of both.
-#include <apex/ffn/ffn_sublayer.hpp>
-#include <apex/ffn/kappa_swiglu.hpp>
-#include <apex/ffn/moe.hpp>
-#include <apex/ffn/multi_token_heads.hpp>
-#include <apex/ffn/skip_gate.hpp>
-#include <apex/ffn/swiglu.hpp>
+#include <apex/ffn/layers/ffn_sublayer.hpp>
+#include <apex/ffn/layers/kappa_swiglu.hpp>
+#include <apex/ffn/moe/moe_ffn.hpp>
+#include <apex/ffn/layers/multi_token_heads.hpp>
+#include <apex/ffn/layers/skip_gate.hpp>
+#include <apex/ffn/layers/swiglu.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -946,9 +946,9 @@ TEMPLATE_TEST_CASE("SkipGate and FFNSublayer sweep: configurations and inputs an
 TEST_CASE("RMSNorm and SkipGate and FFNSublayer backward reject a cache that no forward filled",
           "[sweeps][regression][cache]") {
   // Before the fix:
-  //  - rms_norm.hpp RMSNorm::backward: dy (0 × d) ⊙ cache.x_hat (0 × 0) failed an eigen_assert;
-  //  - skip_gate.hpp SkipGate::backward: w2_grad_ += dsᵀ·a with a 0 × 0 `a` failed an eigen_assert;
-  //  - ffn_sublayer.hpp FFNSublayer::backward (gated): dy ⊙ cache.f (0 × 0) failed an eigen_assert.
+  //  - layers/rms_norm.hpp RMSNorm::backward: dy (0 × d) ⊙ cache.x_hat (0 × 0) failed an eigen_assert;
+  //  - layers/skip_gate.hpp SkipGate::backward: w2_grad_ += dsᵀ·a with a 0 × 0 `a` failed an eigen_assert;
+  //  - layers/ffn_sublayer.hpp FFNSublayer::backward (gated): dy ⊙ cache.f (0 × 0) failed an eigen_assert.
   const Index d = 4;
   const Matrix<double> dy = Matrix<double>::Zero(0, d);
   expect_cache_rejected(

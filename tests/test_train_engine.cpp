@@ -1,13 +1,13 @@
-// The float training layers on the packed engine (train_linear.hpp,
-// packed/linear.hpp): SwiGLU, κ-SwiGLU and MoEFFN forward, ∂L/∂x and weight
+// The float training layers on the packed engine (layers/gated_products.hpp,
+// kernels/packed_products.hpp): SwiGLU, κ-SwiGLU and MoEFFN forward, ∂L/∂x and weight
 // gradients against the Eigen path within float rounding, on every kernel path
 // the CPU has, on odd sizes and N = 0, 1, 13, 300; bitwise equality across the
 // paths, across runs and across thread counts; the products themselves
 // against a double reference.
-#include <apex/ffn/kappa_swiglu.hpp>
-#include <apex/ffn/moe.hpp>
-#include <apex/ffn/packed/linear.hpp>
-#include <apex/ffn/swiglu.hpp>
+#include <apex/ffn/layers/kappa_swiglu.hpp>
+#include <apex/ffn/moe/moe_ffn.hpp>
+#include <apex/ffn/kernels/packed_products.hpp>
+#include <apex/ffn/layers/swiglu.hpp>
 
 #include <catch2/catch.hpp>
 

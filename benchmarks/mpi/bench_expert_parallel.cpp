@@ -9,7 +9,7 @@
 // every expert's gradient across ranks (timed as MPI_Allreduce).
 //
 //     mpiexec -n 2 bench_expert_parallel --preset small --tokens 512 --reps 7
-#include <apex/ffn/moe.hpp>
+#include <apex/ffn/moe/moe_ffn.hpp>
 #include <apex/ffn/mpi/expert_parallel_moe.hpp>
 #include <apex/ffn/mpi/fixed_order_sum.hpp>
 

@@ -12,9 +12,9 @@
 /// shrinking a norm gain towards 0 or a bias towards 0 is not a prior anyone
 /// wants.
 
-#include <apex/ffn/errors.hpp>
-#include <apex/ffn/param.hpp>
-#include <apex/ffn/types.hpp>
+#include <apex/ffn/core/errors.hpp>
+#include <apex/ffn/core/param.hpp>
+#include <apex/ffn/core/types.hpp>
 
 #include <algorithm>
 #include <cmath>

@@ -23,15 +23,15 @@
 /// this same forward and loss code, so evaluation and decoding are written
 /// once for both.
 
-#include <apex/ffn/cross_entropy.hpp>
-#include <apex/ffn/ffn_sublayer.hpp>
-#include <apex/ffn/kappa_swiglu.hpp>
-#include <apex/ffn/moe.hpp>
-#include <apex/ffn/moe_config.hpp>
-#include <apex/ffn/multi_token_heads.hpp>
-#include <apex/ffn/rms_norm.hpp>
-#include <apex/ffn/skip_gate.hpp>
-#include <apex/ffn/swiglu.hpp>
+#include <apex/ffn/layers/cross_entropy.hpp>
+#include <apex/ffn/layers/ffn_sublayer.hpp>
+#include <apex/ffn/layers/kappa_swiglu.hpp>
+#include <apex/ffn/moe/moe_ffn.hpp>
+#include <apex/ffn/moe/config.hpp>
+#include <apex/ffn/layers/multi_token_heads.hpp>
+#include <apex/ffn/layers/rms_norm.hpp>
+#include <apex/ffn/layers/skip_gate.hpp>
+#include <apex/ffn/layers/swiglu.hpp>
 
 #include <cstdint>
 #include <string>

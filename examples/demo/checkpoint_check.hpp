@@ -5,9 +5,9 @@
 /// into a differently initialised model, whose validation loss must be the
 /// same. Needs the library's checkpoint support (APEX_DEMO_HAVE_CHECKPOINT).
 
-#include <apex/ffn/checkpoint.hpp>
-#include <apex/ffn/param.hpp>
-#include <apex/ffn/types.hpp>
+#include <apex/ffn/io/checkpoint.hpp>
+#include <apex/ffn/core/param.hpp>
+#include <apex/ffn/core/types.hpp>
 
 #include <cstddef>
 #include <cstdint>

@@ -15,12 +15,12 @@
 /// forward into a caller-owned cache, a backward that adds (`+=`) into the
 /// gradients. There is no input gradient: the inputs are token ids.
 
-#include <apex/ffn/errors.hpp>
-#include <apex/ffn/init.hpp>
-#include <apex/ffn/linear.hpp>
-#include <apex/ffn/param.hpp>
-#include <apex/ffn/router.hpp>
-#include <apex/ffn/types.hpp>
+#include <apex/ffn/core/errors.hpp>
+#include <apex/ffn/core/init.hpp>
+#include <apex/ffn/layers/linear.hpp>
+#include <apex/ffn/core/param.hpp>
+#include <apex/ffn/moe/router.hpp>
+#include <apex/ffn/core/types.hpp>
 
 #include <cmath>
 #include <cstdint>

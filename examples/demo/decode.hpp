@@ -3,7 +3,7 @@
 /// Text generation with the demo model: plain autoregressive decoding (one
 /// main-model forward per character) and speculative decoding, where the
 /// multi-token heads draft the next N characters and one main-model forward
-/// over N+1 context windows verifies them (`speculative.hpp`).
+/// over N+1 context windows verifies them (`layers/speculative.hpp`).
 ///
 /// The model has no attention and no key/value cache: "running the main
 /// model on [x_{t+1}, d_0, …, d_{N−1}]" is one forward pass over the N+1
@@ -13,9 +13,9 @@
 /// Both work on any CharModel: the training layers or packed inference
 /// layers (packed_char_model.hpp).
 
-#include <apex/ffn/cross_entropy.hpp>
-#include <apex/ffn/init.hpp>
-#include <apex/ffn/speculative.hpp>
+#include <apex/ffn/layers/cross_entropy.hpp>
+#include <apex/ffn/core/init.hpp>
+#include <apex/ffn/layers/speculative.hpp>
 
 #include <cmath>
 #include <vector>

@@ -4,9 +4,9 @@
 /// after each prompt, with plain greedy decoding alongside to check that
 /// speculation changes nothing, on any CharModel (float or packed).
 
-#include <apex/ffn/init.hpp>
-#include <apex/ffn/speculative.hpp>
-#include <apex/ffn/types.hpp>
+#include <apex/ffn/core/init.hpp>
+#include <apex/ffn/layers/speculative.hpp>
+#include <apex/ffn/core/types.hpp>
 
 #include <cstddef>
 #include <cstdint>

@@ -4,7 +4,7 @@
 /// MoE layer over training, and the load imbalance with and without the
 /// balancer.
 
-#include <apex/ffn/types.hpp>
+#include <apex/ffn/core/types.hpp>
 
 #include <algorithm>
 #include <cmath>

@@ -4,8 +4,8 @@
 /// baselines, the packed copy, load balancing, skip gates, multi-token heads,
 /// speculative decoding and a sample — one function per section.
 
-#include <apex/ffn/load_balancer.hpp>
-#include <apex/ffn/types.hpp>
+#include <apex/ffn/moe/load_balancer.hpp>
+#include <apex/ffn/core/types.hpp>
 
 #include <algorithm>
 #include <cstddef>

@@ -2,7 +2,7 @@
 /// \file demo_run.hpp
 /// What one demo run measured, gathered for the report and the exit status.
 
-#include <apex/ffn/types.hpp>
+#include <apex/ffn/core/types.hpp>
 
 #include <cmath>
 #include <optional>

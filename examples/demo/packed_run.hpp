@@ -3,7 +3,7 @@
 /// The packed inference copy of the trained model (FFN weights in bf16 or
 /// float), evaluated and decoded exactly as the float model was.
 
-#include <apex/ffn/types.hpp>
+#include <apex/ffn/core/types.hpp>
 
 #include <chrono>
 #include <cstddef>

@@ -4,8 +4,8 @@
 /// skip rate, every MoE layer's expert load — and the load of a window of
 /// its steps.
 
-#include <apex/ffn/load_balancer.hpp>
-#include <apex/ffn/types.hpp>
+#include <apex/ffn/moe/load_balancer.hpp>
+#include <apex/ffn/core/types.hpp>
 
 #include <algorithm>
 #include <cmath>

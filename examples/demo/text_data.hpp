@@ -4,10 +4,10 @@
 /// split, batches of context windows with their next-token labels, and the
 /// bigram baseline the model has to beat.
 
-#include <apex/ffn/cross_entropy.hpp>
-#include <apex/ffn/errors.hpp>
-#include <apex/ffn/init.hpp>
-#include <apex/ffn/types.hpp>
+#include <apex/ffn/layers/cross_entropy.hpp>
+#include <apex/ffn/core/errors.hpp>
+#include <apex/ffn/core/init.hpp>
+#include <apex/ffn/core/types.hpp>
 
 #include <algorithm>
 #include <array>

@@ -11,9 +11,9 @@
 ///  4. global-norm clipping, AdamW;
 ///  5. every MoE balancer counts the tokens it routed and updates its bias.
 
-#include <apex/ffn/errors.hpp>
-#include <apex/ffn/kappa_swiglu.hpp>
-#include <apex/ffn/load_balancer.hpp>
+#include <apex/ffn/core/errors.hpp>
+#include <apex/ffn/layers/kappa_swiglu.hpp>
+#include <apex/ffn/moe/load_balancer.hpp>
 
 #include <cmath>
 #include <string>

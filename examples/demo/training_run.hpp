@@ -4,7 +4,7 @@
 /// log.csv and scored on the start of the validation text as it goes, and
 /// the contrast run of the same model with the balancer's bias updates off.
 
-#include <apex/ffn/types.hpp>
+#include <apex/ffn/core/types.hpp>
 
 #include <algorithm>
 #include <cmath>

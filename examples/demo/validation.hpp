@@ -3,7 +3,7 @@
 /// The trained model on the whole validation text — skip gates as learned
 /// and forced open — next to the unigram and bigram baselines.
 
-#include <apex/ffn/types.hpp>
+#include <apex/ffn/core/types.hpp>
 
 #include <cmath>
 #include <cstddef>

@@ -14,11 +14,11 @@
 //     mpi::sum_gradients adds their gradients across ranks;
 //   - each rank's experts have the gradients of every token routed to them.
 // Plain SGD then keeps every replica identical on every rank.
-#include <apex/ffn/ffn_sublayer.hpp>
-#include <apex/ffn/moe.hpp>
+#include <apex/ffn/layers/ffn_sublayer.hpp>
+#include <apex/ffn/moe/moe_ffn.hpp>
 #include <apex/ffn/mpi/expert_parallel_moe.hpp>
 #include <apex/ffn/mpi/fixed_order_sum.hpp>
-#include <apex/ffn/skip_gate.hpp>
+#include <apex/ffn/layers/skip_gate.hpp>
 
 #include <mpi.h>
 

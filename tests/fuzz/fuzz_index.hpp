@@ -11,7 +11,7 @@
 // write parses back to the same index (else it throws std::logic_error,
 // which is never an apex::Error).
 
-#include <apex/ffn/shard_index.hpp>
+#include <apex/ffn/io/shard_index.hpp>
 
 #include <cstdint>
 #include <stdexcept>

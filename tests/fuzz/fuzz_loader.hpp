@@ -11,8 +11,8 @@
 // input: what was read, written back, reads back the same (else it throws
 // std::logic_error, which is never an apex::Error).
 
-#include <apex/ffn/checkpoint.hpp>
-#include <apex/ffn/swiglu.hpp>
+#include <apex/ffn/io/checkpoint.hpp>
+#include <apex/ffn/layers/swiglu.hpp>
 
 #include <cmath>
 #include <cstdint>

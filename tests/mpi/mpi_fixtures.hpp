@@ -3,8 +3,8 @@
 // same single-process reference layer, and compares its own slice.
 
 #include <apex/ffn/mpi/communicator.hpp>
-#include <apex/ffn/param.hpp>
-#include <apex/ffn/types.hpp>
+#include <apex/ffn/core/param.hpp>
+#include <apex/ffn/core/types.hpp>
 
 #include <catch2/catch.hpp>
 

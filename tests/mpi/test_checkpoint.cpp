@@ -1,10 +1,10 @@
 // Sharded checkpoints of the expert-parallel layer: round trips, loads into
 // a single-process layer and from one, resharding to fewer ranks, and
 // atomicity when one rank fails.
-#include <apex/ffn/checkpoint.hpp>
-#include <apex/ffn/moe.hpp>
-#include <apex/ffn/mpi/sharded_checkpoint.hpp>
-#include <apex/ffn/sharded_checkpoint.hpp>
+#include <apex/ffn/io/checkpoint.hpp>
+#include <apex/ffn/moe/moe_ffn.hpp>
+#include <apex/ffn/mpi/expert_parallel_checkpoint.hpp>
+#include <apex/ffn/io/sharded_checkpoint.hpp>
 
 #include <catch2/catch.hpp>
 

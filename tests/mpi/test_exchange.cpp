@@ -1,6 +1,6 @@
 // The MPI building blocks on their own: the chunked alltoallv, the
 // fixed-order sum and the expert shard.
-#include <apex/ffn/moe.hpp>
+#include <apex/ffn/moe/moe_ffn.hpp>
 #include <apex/ffn/mpi/alltoallv.hpp>
 #include <apex/ffn/mpi/expert_parallel_moe.hpp>
 #include <apex/ffn/mpi/expert_shard.hpp>

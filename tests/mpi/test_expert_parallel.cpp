@@ -3,14 +3,14 @@
 // capacity limit drops and the balancer bias, for whatever number of ranks
 // the test runs on (CTest: 1 to 4), with APEX-1's routing and with every
 // routing option of the open MoE families (docs/routing.md).
-#include <apex/ffn/family_presets.hpp>
-#include <apex/ffn/ffn_sublayer.hpp>
-#include <apex/ffn/kappa_swiglu.hpp>
-#include <apex/ffn/moe.hpp>
+#include <apex/ffn/moe/families.hpp>
+#include <apex/ffn/layers/ffn_sublayer.hpp>
+#include <apex/ffn/layers/kappa_swiglu.hpp>
+#include <apex/ffn/moe/moe_ffn.hpp>
 #include <apex/ffn/mpi/expert_parallel_moe.hpp>
 #include <apex/ffn/mpi/fixed_order_sum.hpp>
-#include <apex/ffn/mpi/kappa_moe.hpp>
-#include <apex/ffn/skip_gate.hpp>
+#include <apex/ffn/mpi/kappa_regulariser.hpp>
+#include <apex/ffn/layers/skip_gate.hpp>
 
 #include <catch2/catch.hpp>
 

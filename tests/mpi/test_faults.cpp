@@ -1,7 +1,7 @@
 // Faults and bad input on one rank become the same typed exception on every
 // rank, and no rank is left blocked in a collective: each test below would
 // hang (and be killed by the CTest timeout) if agreement were missing.
-#include <apex/ffn/moe.hpp>
+#include <apex/ffn/moe/moe_ffn.hpp>
 #include <apex/ffn/mpi/expert_parallel_moe.hpp>
 
 #include <catch2/catch.hpp>

@@ -5,8 +5,8 @@
 // the collective they shape, and the layer usable afterwards. Each test runs
 // under a HangGuard, so a rank left alone in a collective fails the run
 // within a minute instead of blocking until the CTest timeout.
-#include <apex/ffn/ffn_sublayer.hpp>
-#include <apex/ffn/moe.hpp>
+#include <apex/ffn/layers/ffn_sublayer.hpp>
+#include <apex/ffn/moe/moe_ffn.hpp>
 #include <apex/ffn/mpi/alltoallv.hpp>
 #include <apex/ffn/mpi/expert_parallel_moe.hpp>
 #include <apex/ffn/mpi/fixed_order_sum.hpp>

@@ -3,7 +3,7 @@
 // bits (forward and forward_into, a layer before and after a rejected load),
 // which == on matrices would also grant to +0 against -0 and deny to NaN.
 
-#include <apex/ffn/types.hpp>
+#include <apex/ffn/core/types.hpp>
 
 #include <cstring>
 

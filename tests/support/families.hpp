@@ -4,10 +4,10 @@
 // with a reference input `test.x`, output `test.y` and expert choice
 // `test.experts` from the family's PyTorch code, in F64.
 
-#include <apex/ffn/family_presets.hpp>
-#include <apex/ffn/moe_config.hpp>
-#include <apex/ffn/safetensors.hpp>
-#include <apex/ffn/types.hpp>
+#include <apex/ffn/moe/families.hpp>
+#include <apex/ffn/moe/config.hpp>
+#include <apex/ffn/io/safetensors.hpp>
+#include <apex/ffn/core/types.hpp>
 
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>

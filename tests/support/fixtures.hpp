@@ -4,10 +4,10 @@
 // inputs in either scalar type, and the routing margin that keeps finite
 // differences away from a top-K flip.
 
-#include <apex/ffn/moe.hpp>
-#include <apex/ffn/moe_config.hpp>
-#include <apex/ffn/skip_gate.hpp>
-#include <apex/ffn/types.hpp>
+#include <apex/ffn/moe/moe_ffn.hpp>
+#include <apex/ffn/moe/config.hpp>
+#include <apex/ffn/layers/skip_gate.hpp>
+#include <apex/ffn/core/types.hpp>
 
 #include <algorithm>
 #include <cstdint>

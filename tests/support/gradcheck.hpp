@@ -10,9 +10,9 @@
 // Tests use the scalar loss L = Σ_ij y_ij · R_ij for a fixed random R, so
 // ∂L/∂y = R.
 
-#include <apex/ffn/init.hpp>
-#include <apex/ffn/param.hpp>
-#include <apex/ffn/types.hpp>
+#include <apex/ffn/core/init.hpp>
+#include <apex/ffn/core/param.hpp>
+#include <apex/ffn/core/types.hpp>
 
 #include <algorithm>
 #include <cmath>

@@ -17,8 +17,8 @@
 // forked child process (outcome_isolated), so a regression fails its own test
 // instead of ending the whole run.
 
-#include <apex/ffn/errors.hpp>
-#include <apex/ffn/types.hpp>
+#include <apex/ffn/core/errors.hpp>
+#include <apex/ffn/core/types.hpp>
 
 #include <catch2/catch.hpp>
 

@@ -6,7 +6,7 @@
 // rejection raised before the expensive part of a load (packing the experts)
 // from one raised half-way.
 
-#include <apex/ffn/safetensors.hpp>
+#include <apex/ffn/io/safetensors.hpp>
 
 #include <nlohmann/json.hpp>
 

@@ -5,7 +5,7 @@
 /// they use. Their checkpoint loaders are in inference/packed_load.hpp (the
 /// `apex::checkpoint` target, which needs nlohmann_json).
 
-#include "memory_budget.hpp"
+#include "core/memory_budget.hpp"
 #include "inference/common.hpp"
 #include "inference/packed_kappa.hpp"
 #include "inference/packed_moe.hpp"

@@ -12,9 +12,9 @@
 ///     local_experts.hpp       a rank's expert compute (tasks as MoEFFN's)
 ///     global_capacity.hpp     global_capacity_drops: the capacity limit on all ranks' batch
 ///     expert_parallel_moe.hpp ExpertParallelMoE<T, Expert>
-///     kappa_moe.hpp           κ-SwiGLU's layer-wide regulariser across ranks
+///     moe/kappa_experts.hpp           κ-SwiGLU's layer-wide regulariser across ranks
 ///
-/// Sharded checkpoints (mpi/sharded_checkpoint.hpp) also need apex::checkpoint
+/// Sharded checkpoints (mpi/expert_parallel_checkpoint.hpp) also need apex::checkpoint
 /// and are not included here.
 
 #include "mpi/alltoallv.hpp"
@@ -25,5 +25,5 @@
 #include "mpi/expert_shard.hpp"
 #include "mpi/fixed_order_sum.hpp"
 #include "mpi/global_capacity.hpp"
-#include "mpi/kappa_moe.hpp"
+#include "mpi/kappa_regulariser.hpp"
 #include "mpi/local_experts.hpp"

@@ -21,11 +21,11 @@
 #include <string>
 #include <type_traits>
 
-#include "../checked_size.hpp"
-#include "../errors.hpp"
-#include "../packed/bf16.hpp"
-#include "../packed/packed_weights.hpp"
-#include "../types.hpp"
+#include "../core/checked_size.hpp"
+#include "../core/errors.hpp"
+#include "../kernels/bf16_vectors.hpp"
+#include "../kernels/packed_weights.hpp"
+#include "../core/types.hpp"
 
 namespace apex {
 

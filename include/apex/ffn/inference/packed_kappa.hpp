@@ -5,7 +5,7 @@
 ///     Y = (G·σ(κ ⊙ G) ⊙ U)·W_downᵀ,   [G | U] = X·[W_gate; W_up]ᵀ,
 ///     κ_tj = exp(ln U_max · tanh(b_j + α_j·s_t)) ∈ [1/U_max, U_max],   s_t = c·ℓ_t
 ///
-/// The packed kernels fuse SiLU into the gate/up pass (packed/kernels.hpp);
+/// The packed kernels fuse SiLU into the gate/up pass (kernels/fused_expert.hpp);
 /// κ needs each row's router logit, so here the gate/up panels are run with
 /// the plain epilogue (G in lanes 0–15, U in lanes 16–31 of each panel), A is
 /// formed from them with the float layer's own expressions for κ and
@@ -20,12 +20,12 @@
 #include <cmath>
 #include <limits>
 
-#include "../activations.hpp"
-#include "../checked_size.hpp"
-#include "../errors.hpp"
-#include "../kappa_options.hpp"
-#include "../packed/kernels.hpp"
-#include "../types.hpp"
+#include "../layers/activations.hpp"
+#include "../core/checked_size.hpp"
+#include "../core/errors.hpp"
+#include "../layers/kappa_options.hpp"
+#include "../kernels/fused_expert.hpp"
+#include "../core/types.hpp"
 
 namespace apex {
 

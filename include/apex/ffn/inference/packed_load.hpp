@@ -5,7 +5,7 @@
 /// `experts.3.w_gate.weight`, `experts.3.kappa_alpha`,
 /// `shared_experts.0.w_down.weight`, `shared_expert_gate.weight`, …; see
 /// MoEFFN::param_values) or, with `PackedLoadOptions::family`, under the
-/// Hugging Face names of an open MoE family (name_maps.hpp: DeepSeek-V3,
+/// Hugging Face names of an open MoE family (io/name_maps.hpp: DeepSeek-V3,
 /// Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), in F32, F64 or BF16.
 ///
 /// Loading goes expert by expert: one expert's three matrices are decoded
@@ -17,7 +17,7 @@
 /// load_checkpoint reports them: names (FormatError naming the missing and
 /// the unexpected tensors; strict by default), dtypes (FormatError for
 /// anything but F32, F64, BF16), shapes (ShapeError), memory and κ options
-/// (ConfigError, memory_budget.hpp). Then, as the float layer would reject
+/// (ConfigError, core/memory_budget.hpp). Then, as the float layer would reject
 /// them: a non-finite router weight or balancing bias is a ValueError (the
 /// float layer's forward rejects the non-finite logits every call would
 /// produce). NaN/Inf in expert weights and κ parameters are propagated, as
@@ -31,7 +31,7 @@
 /// load_family_checkpoint reads them. κ's options (U, c) are not in
 /// checkpoints: pass them.
 ///
-/// Needs the `apex::checkpoint` target (nlohmann_json), like checkpoint.hpp;
+/// Needs the `apex::checkpoint` target (nlohmann_json), like io/checkpoint.hpp;
 /// the layers themselves (inference.hpp) need only Eigen.
 
 #include <optional>
@@ -39,9 +39,9 @@
 #include <string>
 #include <vector>
 
-#include "../checkpoint.hpp"
-#include "../errors.hpp"
-#include "../safetensors.hpp"
+#include "../io/checkpoint.hpp"
+#include "../core/errors.hpp"
+#include "../io/safetensors.hpp"
 #include "packed_moe.hpp"
 #include "packed_read.hpp"
 #include "packed_sublayer.hpp"

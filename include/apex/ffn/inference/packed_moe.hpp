@@ -1,7 +1,7 @@
 #pragma once
 /// \file inference/packed_moe.hpp
 /// `PackedMoE<Storage, Expert>`: the inference-only MoE layer on packed
-/// weights (packed/packed_weights.hpp) in float or bf16 — the forward of
+/// weights (kernels/packed_weights.hpp) in float or bf16 — the forward of
 /// `MoEFFN<float, Expert>` without gradients, caches for backward, or a float
 /// copy of the expert weights (docs/inference.md):
 ///
@@ -12,10 +12,10 @@
 /// (inference/packed_shared.hpp). Everything that decides selection stays
 /// float and is the float layer's own code: the router (`Router<float>::route`,
 /// its weights copied), the balancing bias, the capacity limit
-/// (capacity.hpp), κ's α and b and the shared gate; so for the same input the
+/// (moe/capacity.hpp), κ's α and b and the shared gate; so for the same input the
 /// top-K choice, the routing weights, the dropped assignments, κ and γ are
 /// bit for bit those of the float layer. Only the expert products run on
-/// packed weights, through dispatch.hpp's plan, gather and fixed-order
+/// packed weights, through moe/dispatch.hpp's plan, gather and fixed-order
 /// combine, as in MoEFFN:
 ///  1. route, plan (counting sort of the N·K pairs by expert), capacity
 ///     drops (their weights zeroed for the combine), gather;
@@ -36,7 +36,7 @@
 ///
 /// Memory: the packed experts (padding included), the router weights (E × d
 /// floats), the bias and the shared gate weight (d floats): `weight_bytes`.
-/// The router's gradient is never allocated (gradients are lazy, param.hpp,
+/// The router's gradient is never allocated (gradients are lazy, core/param.hpp,
 /// and a packed layer has no backward).
 
 #include <cstdint>
@@ -45,19 +45,19 @@
 #include <utility>
 #include <vector>
 
-#include "../capacity.hpp"
-#include "../dispatch.hpp"
-#include "../errors.hpp"
-#include "../expert_tasks.hpp"
-#include "../kappa_swiglu.hpp"
-#include "../memory_budget.hpp"
-#include "../moe.hpp"
-#include "../moe_config.hpp"
-#include "../packed/kernels.hpp"
-#include "../parallel.hpp"
-#include "../router.hpp"
-#include "../swiglu.hpp"
-#include "../types.hpp"
+#include "../moe/capacity.hpp"
+#include "../moe/dispatch.hpp"
+#include "../core/errors.hpp"
+#include "../moe/expert_tasks.hpp"
+#include "../layers/kappa_swiglu.hpp"
+#include "../core/memory_budget.hpp"
+#include "../moe/moe_ffn.hpp"
+#include "../moe/config.hpp"
+#include "../kernels/fused_expert.hpp"
+#include "../core/parallel.hpp"
+#include "../moe/router.hpp"
+#include "../layers/swiglu.hpp"
+#include "../core/types.hpp"
 #include "common.hpp"
 #include "packed_kappa.hpp"
 #include "packed_shared.hpp"
@@ -97,7 +97,7 @@ class PackedMoE {
   /// options and the shared gate weight copied, expert weights packed (bf16:
   /// rounded to nearest even).
   /// ConfigError if the packed layer would not fit in physical memory
-  /// (memory_budget.hpp).
+  /// (core/memory_budget.hpp).
   static PackedMoE from(const Source& src) {
     const MoEConfig& cfg = src.config();
     check_fits("PackedMoE::from", cfg, 0);
@@ -174,7 +174,7 @@ class PackedMoE {
   /// Threads for dispatch (0 = OpenMP's default; ignored without OpenMP).
   void set_threads(int threads) { threads_ = threads; }
   int threads() const { return threads_; }
-  /// Kernel path and bf16 product choice (packed/kernels.hpp); checked at
+  /// Kernel path and bf16 product choice (kernels/fused_expert.hpp); checked at
   /// the next forward.
   void set_kernel_options(const packed::ForwardOptions& o) { kernel_ = o; }
   const packed::ForwardOptions& kernel_options() const { return kernel_; }
@@ -197,15 +197,15 @@ class PackedMoE {
                                           detail::inference::packed_expert_bytes(where, kDtype, d, f), kappa);
     const Index routed = detail::checked_product(where, "routed experts bytes", {e, one});
     const Index shared = detail::inference::PackedShared::weight_bytes(where, config, kDtype);
-    // The router holds its E × d weights only: its gradient is never allocated here (param.hpp).
+    // The router holds its E × d weights only: its gradient is never allocated here (core/param.hpp).
     const Index router = detail::checked_product(where, "router and bias bytes", {e, detail::checked_sum(where, "router width", d, 1), 4});
     return std::uint64_t(detail::checked_sum(where, "layer bytes", detail::checked_sum(where, "experts bytes", routed, shared),
                                              router));
   }
 
   /// ConfigError unless a layer of `config` (plus `staging` bytes held while
-  /// it is built) fits in physical memory (memory_budget.hpp), or if the
-  /// byte count overflows (checked_size.hpp's rule).
+  /// it is built) fits in physical memory (core/memory_budget.hpp), or if the
+  /// byte count overflows (core/checked_size.hpp's rule).
   static void check_fits(const char* where, const MoEConfig& config, std::uint64_t staging) {
     config.validate_for<float>(where);  // computes in float
     check_memory_fit(where,
@@ -306,7 +306,7 @@ class PackedMoE {
     // route → plan → gather: the float layer's code
     detail::serial([&] { router_.route(x, bias_, config_.weights_from_unbiased, c.routing); });
     c.plan.build(c.routing.experts, config_.n_experts);
-    // capacity limit: MoEFFN's rule (capacity.hpp) on the same routing, so the same drops
+    // capacity limit: MoEFFN's rule (moe/capacity.hpp) on the same routing, so the same drops
     const Matrix<float>& combine_weights = dispatch::apply_capacity(
         config_.routing.capacity_factor, config_.n_experts, c.plan, c.routing.weights, c.dropped, c.kept_weights);
     dispatch::gather_rows(c.plan, x, c.x_sorted, threads);
@@ -316,7 +316,7 @@ class PackedMoE {
     c.y_sorted.resize(c.plan.rows(), d);
     c.shared_y.resize(std::size_t(shared_.size()));
     for (auto& ys : c.shared_y) ys.resize(n, d);
-    // (expert × row tile) tasks as MoEFFN's (expert_tasks.hpp), largest first
+    // (expert × row tile) tasks as MoEFFN's (moe/expert_tasks.hpp), largest first
     const auto tasks = detail::forward_tasks(c.plan.offset, shared_.size(), n, detail::inference::kMaxTileRows);
     const float* xs = c.x_sorted.data();
     float* ys = c.y_sorted.data();

@@ -12,11 +12,11 @@
 #include <string>
 #include <vector>
 
-#include "../checkpoint.hpp"
-#include "../errors.hpp"
-#include "../family_presets.hpp"
-#include "../name_maps.hpp"
-#include "../safetensors.hpp"
+#include "../io/checkpoint.hpp"
+#include "../core/errors.hpp"
+#include "../moe/families.hpp"
+#include "../io/name_maps.hpp"
+#include "../io/safetensors.hpp"
 #include "packed_moe.hpp"
 
 namespace apex {
@@ -32,7 +32,7 @@ struct PackedLoadOptions {
   /// none. Ignored under a family's names (see `family`).
   std::string bias_name = "expert_bias";
   /// Read the MoE layer under the Hugging Face names of this open MoE family
-  /// (name_maps.hpp; the prefix is still prepended, e.g. "model.layers.3."),
+  /// (io/name_maps.hpp; the prefix is still prepended, e.g. "model.layers.3."),
   /// with the checks of load_family_checkpoint: FormatError for another
   /// family's file or a DeepSeek-V3 file without its correction bias,
   /// ConfigError for a configuration the family's block cannot hold (its
@@ -127,7 +127,7 @@ inline void add_swiglu_names(std::vector<Expected>& want, const std::string& p, 
 }
 
 /// The file's name of a layer parameter `internal` (MoEFFN::param_values()):
-/// the prefix and, under a family, its Hugging Face name (name_maps.hpp).
+/// the prefix and, under a family, its Hugging Face name (io/name_maps.hpp).
 struct FileNames {
   std::string prefix;
   std::optional<MoEFamily> family;

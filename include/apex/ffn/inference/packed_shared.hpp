@@ -17,12 +17,12 @@
 #include <utility>
 #include <vector>
 
-#include "../checked_size.hpp"
-#include "../errors.hpp"
-#include "../shared_expert_gate.hpp"
-#include "../moe_config.hpp"
-#include "../packed/kernels.hpp"
-#include "../types.hpp"
+#include "../core/checked_size.hpp"
+#include "../core/errors.hpp"
+#include "../moe/shared_expert_gate.hpp"
+#include "../moe/config.hpp"
+#include "../kernels/fused_expert.hpp"
+#include "../core/types.hpp"
 #include "common.hpp"
 
 namespace apex::detail::inference {
@@ -85,7 +85,7 @@ class PackedShared {
   }
 
   /// With a gate: gate (N) = σ(x·w_gateᵀ) and every ys (N × d) scaled by it
-  /// row by row; without one: gate emptied. shared_expert_gate.hpp, as MoEFFN,
+  /// row by row; without one: gate emptied. moe/shared_expert_gate.hpp, as MoEFFN,
   /// so gate and scaled rows are the float layer's bits for the same D_s.
   void apply_gate(const ConstMatrixRef<float>& x, Vector<float>& gate, std::vector<Matrix<float>>& ys) const {
     if (!gated()) {

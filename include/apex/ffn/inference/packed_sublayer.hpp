@@ -18,7 +18,7 @@
 #include <string>
 #include <utility>
 
-#include "../ffn_sublayer.hpp"
+#include "../layers/ffn_sublayer.hpp"
 #include "packed_moe.hpp"
 #include "packed_swiglu.hpp"
 

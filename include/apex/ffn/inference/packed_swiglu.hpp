@@ -16,13 +16,13 @@
 #include <string>
 #include <utility>
 
-#include "../errors.hpp"
-#include "../expert_tasks.hpp"
-#include "../memory_budget.hpp"
-#include "../packed/kernels.hpp"
-#include "../parallel.hpp"
-#include "../swiglu.hpp"
-#include "../types.hpp"
+#include "../core/errors.hpp"
+#include "../moe/expert_tasks.hpp"
+#include "../core/memory_budget.hpp"
+#include "../kernels/fused_expert.hpp"
+#include "../core/parallel.hpp"
+#include "../layers/swiglu.hpp"
+#include "../core/types.hpp"
 #include "common.hpp"
 
 namespace apex {
@@ -68,7 +68,7 @@ class PackedSwiGLU {
     return std::uint64_t(detail::inference::packed_expert_bytes(where, kDtype, d, f));
   }
   /// ConfigError unless a d × f layer plus `staging` bytes fits in physical
-  /// memory, or if their sum overflows (checked_size.hpp's rule).
+  /// memory, or if their sum overflows (core/checked_size.hpp's rule).
   static void check_fits(const char* where, Index d, Index f, std::uint64_t staging) {
     detail::require_config(d > 0 && f > 0, where, "d_model and d_ffn must be positive, got " + std::to_string(d) +
                                                       " and " + std::to_string(f));
@@ -125,7 +125,7 @@ class PackedSwiGLU {
  private:
   void compute(const ConstMatrixRef<float>& x, float* y) const {
     const Index n = x.rows(), d = d_model();
-    // the tiles of one shared expert over n rows (expert_tasks.hpp)
+    // the tiles of one shared expert over n rows (moe/expert_tasks.hpp)
     const auto tiles = detail::forward_tasks({0}, 1, n, detail::inference::kMaxTileRows);
     detail::parallel_for(Index(tiles.size()), resolve_threads(threads_), [&](Index i) {
       const Index b = tiles[std::size_t(i)].begin, m = tiles[std::size_t(i)].rows;

@@ -30,8 +30,8 @@
 #include <string>
 #include <vector>
 
-#include "../errors.hpp"
-#include "../types.hpp"
+#include "../core/errors.hpp"
+#include "../core/types.hpp"
 #include "communicator.hpp"
 
 namespace apex::mpi {

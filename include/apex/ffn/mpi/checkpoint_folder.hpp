@@ -1,6 +1,6 @@
 #pragma once
 /// \file mpi/checkpoint_folder.hpp
-/// The two checks that keep a sharded save (sharded_checkpoint.hpp) from
+/// The two checks that keep a sharded save (mpi/expert_parallel_checkpoint.hpp) from
 /// committing an index whose shards are not where the index says.
 ///
 /// **One folder.** Every rank writes its shard into the folder it was
@@ -33,7 +33,7 @@
 #include <utility>
 #include <vector>
 
-#include "../errors.hpp"
+#include "../core/errors.hpp"
 #include "communicator.hpp"
 
 namespace apex::mpi::detail {

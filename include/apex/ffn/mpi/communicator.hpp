@@ -42,7 +42,7 @@
 #include <utility>
 #include <vector>
 
-#include "../errors.hpp"
+#include "../core/errors.hpp"
 
 namespace apex::mpi {
 

@@ -22,10 +22,10 @@
 #include <typeinfo>
 #include <vector>
 
-#include "../errors.hpp"
-#include "../moe_config.hpp"
-#include "../types.hpp"
-#include "../version.hpp"
+#include "../core/errors.hpp"
+#include "../moe/config.hpp"
+#include "../core/types.hpp"
+#include "../core/version.hpp"
 #include "communicator.hpp"
 
 namespace apex::mpi {

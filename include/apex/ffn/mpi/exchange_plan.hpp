@@ -16,7 +16,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "../types.hpp"
+#include "../core/types.hpp"
 #include "alltoallv.hpp"
 #include "communicator.hpp"
 #include "expert_shard.hpp"

@@ -6,12 +6,12 @@
 /// tokens (data parallel). docs/expert_parallel.md has the cost model.
 ///
 /// Every MoEConfig option is MoEFFN's: the router's scoring, groups,
-/// renormalisation and scale (routing_config.hpp) act per token, so each
+/// renormalisation and scale (moe/routing_config.hpp) act per token, so each
 /// rank routes its own tokens; the shared experts (of width d_shared_ffn)
 /// and Qwen2-MoE's shared-expert gate are replicated; the capacity limit is
 /// decided on the whole batch (global_capacity.hpp).
 ///
-/// Forward, per rank (N local tokens, the plan of dispatch.hpp):
+/// Forward, per rank (N local tokens, the plan of moe/dispatch.hpp):
 ///  1. route, plan, gather x (and the experts' side input, κ's logit) into
 ///     plan order — by global expert, hence by (owner rank, local expert);
 ///     with a capacity factor, allgather every rank's routing and drop what
@@ -52,17 +52,17 @@
 
 #include <mpi.h>
 
-#include "../dispatch.hpp"
-#include "../errors.hpp"
-#include "../expert_contract.hpp"
-#include "../init.hpp"
-#include "../load_balancer.hpp"
-#include "../moe.hpp"
-#include "../parallel.hpp"
-#include "../router.hpp"
-#include "../shared_expert_gate.hpp"
-#include "../swiglu.hpp"
-#include "../workspace.hpp"
+#include "../moe/dispatch.hpp"
+#include "../core/errors.hpp"
+#include "../moe/expert_contract.hpp"
+#include "../core/init.hpp"
+#include "../moe/load_balancer.hpp"
+#include "../moe/moe_ffn.hpp"
+#include "../core/parallel.hpp"
+#include "../moe/router.hpp"
+#include "../moe/shared_expert_gate.hpp"
+#include "../layers/swiglu.hpp"
+#include "../core/workspace.hpp"
 #include "communicator.hpp"
 #include "config_agreement.hpp"
 #include "expert_shard.hpp"
@@ -341,7 +341,7 @@ class ExpertParallelMoE {
     out.insert(out.begin() + 1, routed.begin(), routed.end());  // after router.weight, as MoEFFN orders them
     return out;
   }
-  /// params() values only: never allocates gradients (param.hpp), for checkpoints.
+  /// params() values only: never allocates gradients (core/param.hpp), for checkpoints.
   ParamList<T> param_values() {
     ParamList<T> out;
     apex::detail::append_prefixed(out, "router.", router_->param_values());
@@ -394,7 +394,7 @@ class ExpertParallelMoE {
   /// The weights the combine reads: with the capacity limit, g with the dropped pairs 0.
   const Matrix<T>& combine_weights(const Cache& c) const { return capacity_on() ? c.kept_weights : c.routing.weights; }
 
-  /// Capacity limit (capacity.hpp) on the whole batch (global_capacity.hpp),
+  /// Capacity limit (moe/capacity.hpp) on the whole batch (global_capacity.hpp),
   /// collective: lists this rank's dropped pairs in c.dropped and zeroes
   /// their weights in c.kept_weights.
   void apply_capacity(const char* where, Cache& c) const {

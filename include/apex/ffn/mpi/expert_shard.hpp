@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "../errors.hpp"
-#include "../types.hpp"
+#include "../core/errors.hpp"
+#include "../core/types.hpp"
 
 namespace apex::mpi {
 

@@ -27,8 +27,8 @@
 #include <utility>
 #include <vector>
 
-#include "../param.hpp"
-#include "../types.hpp"
+#include "../core/param.hpp"
+#include "../core/types.hpp"
 #include "alltoallv.hpp"
 #include "communicator.hpp"
 

@@ -1,6 +1,6 @@
 #pragma once
 /// \file mpi/global_capacity.hpp
-/// The capacity limit (capacity.hpp) of an expert-parallel layer, decided on
+/// The capacity limit (moe/capacity.hpp) of an expert-parallel layer, decided on
 /// the whole batch.
 ///
 /// The rule keeps, per expert, the C = ⌈φ·N·K/E⌉ highest-weighted of the
@@ -29,12 +29,12 @@
 #include <string>
 #include <vector>
 
-#include "../capacity.hpp"
-#include "../checked_size.hpp"
-#include "../dispatch.hpp"
-#include "../errors.hpp"
-#include "../router.hpp"
-#include "../types.hpp"
+#include "../moe/capacity.hpp"
+#include "../core/checked_size.hpp"
+#include "../moe/dispatch.hpp"
+#include "../core/errors.hpp"
+#include "../moe/router.hpp"
+#include "../core/types.hpp"
 #include "communicator.hpp"
 #include "fixed_order_sum.hpp"
 

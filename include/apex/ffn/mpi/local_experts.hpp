@@ -4,7 +4,7 @@
 /// expert-major blocks (exchange_plan.hpp) and the shared experts on its own
 /// tokens, threaded over (expert × row tile) tasks as MoEFFN threads them.
 ///
-/// The tasks are MoEFFN's (expert_tasks.hpp): forward tiles each block of m
+/// The tasks are MoEFFN's (moe/expert_tasks.hpp): forward tiles each block of m
 /// rows into ⌈m / max_tile⌉ near-equal tiles (MoEFFN::kMaxTileRows), so a
 /// routed expert sees exactly the row blocks it would see in MoEFFN on the
 /// concatenated batch; backward runs one task per non-empty expert (its
@@ -14,11 +14,11 @@
 #include <algorithm>
 #include <vector>
 
-#include "../expert_contract.hpp"
-#include "../expert_tasks.hpp"
-#include "../parallel.hpp"
-#include "../types.hpp"
-#include "../workspace.hpp"
+#include "../moe/expert_contract.hpp"
+#include "../moe/expert_tasks.hpp"
+#include "../core/parallel.hpp"
+#include "../core/types.hpp"
+#include "../core/workspace.hpp"
 
 namespace apex::mpi::detail {
 

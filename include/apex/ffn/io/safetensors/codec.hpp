@@ -1,0 +1,78 @@
+#pragma once
+/// \file io/safetensors/codec.hpp
+/// Arrays of elements to and from their on-disk bytes (F32, F64, BF16, all
+/// little-endian), and the chunk size every bounded buffer uses.
+///
+/// Exists so that the reader and the writer share one definition of what a
+/// stored F32, F64 or BF16 tensor means, whichever scalar type the caller
+/// holds; a dtype that cannot convert is an error here, typed by direction.
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "../../core/errors.hpp"
+#include "element_bits.hpp"
+#include "dtype.hpp"
+
+namespace apex {
+namespace safetensors {
+namespace detail {
+
+/// Chunk size of every bounded read and write buffer (a multiple of 8).
+inline constexpr std::size_t kChunkBytes = std::size_t(1) << 16;
+
+/// Decodes `count` little-endian elements of `dtype` (F32, F64 or BF16) into
+/// `out`; FormatError for any other dtype (it came from a file).
+template <class T>
+void decode(DType dtype, const unsigned char* src, std::size_t count, T* out) {
+  switch (dtype) {
+    case DType::F32:
+      for (std::size_t i = 0; i < count; ++i)
+        out[i] = static_cast<T>(bits_to_float(static_cast<std::uint32_t>(load_le(src + 4 * i, 4))));
+      break;
+    case DType::F64:
+      for (std::size_t i = 0; i < count; ++i) {
+        const double v = bits_to_double(load_le(src + 8 * i, 8));
+        if constexpr (std::is_same_v<T, float>)
+          out[i] = to_float(v);
+        else
+          out[i] = v;
+      }
+      break;
+    case DType::BF16:
+      for (std::size_t i = 0; i < count; ++i)
+        out[i] = static_cast<T>(bf16_to_float(static_cast<std::uint16_t>(load_le(src + 2 * i, 2))));
+      break;
+    default:
+      throw FormatError(std::string("safetensors: cannot convert dtype ") + dtype_name(dtype));
+  }
+}
+
+/// Encodes `count` values as little-endian `dtype` (F32, F64 or BF16) into
+/// `dst`; ValueError for any other dtype (the caller chose it).
+template <class T>
+void encode(DType dtype, const T* in, std::size_t count, unsigned char* dst) {
+  switch (dtype) {
+    case DType::F32:
+      for (std::size_t i = 0; i < count; ++i) store_le(dst + 4 * i, float_to_bits(to_float(double(in[i]))), 4);
+      break;
+    case DType::F64:
+      for (std::size_t i = 0; i < count; ++i) store_le(dst + 8 * i, double_to_bits(double(in[i])), 8);
+      break;
+    case DType::BF16:
+      for (std::size_t i = 0; i < count; ++i) {
+        const std::uint16_t b = std::is_same_v<T, float> ? float_to_bf16(float(in[i])) : double_to_bf16(double(in[i]));
+        store_le(dst + 2 * i, b, 2);
+      }
+      break;
+    default:
+      throw ValueError(std::string("safetensors: cannot write dtype ") + dtype_name(dtype) +
+                       "; choose F32, F64 or BF16");
+  }
+}
+
+}  // namespace detail
+}  // namespace safetensors
+}  // namespace apex

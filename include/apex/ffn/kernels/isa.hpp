@@ -1,0 +1,115 @@
+#pragma once
+/// \file kernels/isa.hpp
+/// The instruction-set paths of the packed expert engine and how one is chosen.
+///
+/// Every path is compiled into every build: the SIMD paths are ordinary
+/// functions carrying GCC/Clang `__attribute__((target(...)))`, so a build for
+/// the compiler's default target (x86-64 baseline, as the test and sanitizer
+/// presets use) still contains the AVX2, AVX-512 and AVX-512 BF16 kernels.
+/// Which path a call uses by default is fixed at compile time from the
+/// compiler's target macros (`-march=native` on this machine selects
+/// `avx512_bf16`); a caller may name another path explicitly, which is checked
+/// against the running CPU (`cpu_supports`) so an unsupported path is a typed
+/// error instead of SIGILL. Tests run every path the CPU supports.
+
+#include <cstdint>
+#include <string>
+
+#include "../core/errors.hpp"
+
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+#define APEX_PACKED_X86 1
+#include <immintrin.h>
+// The target strings name everything a path's kernels use; a path is only
+// entered after cpu_supports() said yes.
+#define APEX_TARGET_AVX2 __attribute__((target("avx2,fma")))
+#define APEX_TARGET_AVX512 __attribute__((target("avx512f,avx2,fma")))
+#define APEX_TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bf16,avx2,fma")))
+#else
+#define APEX_PACKED_X86 0
+#endif
+
+namespace apex::packed {
+
+/// A kernel path. `avx512_bf16` differs from `avx512` only for bf16 weights
+/// and many rows, where it multiplies bf16 pairs with `vdpbf16ps`.
+enum class Isa { scalar, avx2, avx512, avx512_bf16 };
+
+/// The path the compiler targets (see the file comment).
+inline constexpr Isa kDefaultIsa =
+#if APEX_PACKED_X86 && defined(__AVX512BF16__) && defined(__AVX512F__)
+    Isa::avx512_bf16;
+#elif APEX_PACKED_X86 && defined(__AVX512F__)
+    Isa::avx512;
+#elif APEX_PACKED_X86 && defined(__AVX2__) && defined(__FMA__)
+    Isa::avx2;
+#else
+    Isa::scalar;
+#endif
+
+/// All paths, in increasing order of capability.
+inline constexpr Isa kAllIsas[] = {Isa::scalar, Isa::avx2, Isa::avx512, Isa::avx512_bf16};
+
+inline const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::scalar: return "scalar";
+    case Isa::avx2: return "avx2";
+    case Isa::avx512: return "avx512";
+    case Isa::avx512_bf16: return "avx512_bf16";
+  }
+  return "unknown";
+}
+
+/// Whether the running CPU can execute path `isa`.
+inline bool cpu_supports(Isa isa) {
+  switch (isa) {
+    case Isa::scalar: return true;
+#if APEX_PACKED_X86
+    case Isa::avx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case Isa::avx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case Isa::avx512_bf16: return cpu_supports(Isa::avx512) && __builtin_cpu_supports("avx512bf16");
+#else
+    default: return false;
+#endif
+  }
+  return false;
+}
+
+namespace detail {
+/// ConfigError unless the CPU runs `isa`: a path named explicitly on the wrong
+/// machine would otherwise die of an illegal instruction.
+inline void require_isa(const char* where, Isa isa) {
+  bool known = false;  // a value cast from an integer: name it, not "unknown"
+  for (Isa i : kAllIsas) known = known || i == isa;
+  apex::detail::require_config(known, where,
+                               "isa must be one of scalar, avx2, avx512, avx512_bf16, got " + std::to_string(int(isa)));
+  apex::detail::require_config(cpu_supports(isa), where,
+                               std::string("kernel path '") + isa_name(isa) + "' is not supported by this CPU");
+}
+
+#if APEX_PACKED_X86
+#ifndef APEX_PACKED_PREFETCH_BYTES
+#define APEX_PACKED_PREFETCH_BYTES 4096
+#endif
+/// How far ahead of the slab being multiplied the kernels prefetch weights.
+/// With few rows the loop is a chain of dependent FMAs, the out-of-order
+/// window fills with them and the hardware alone keeps too few cache misses in
+/// flight to reach the memory bandwidth; an explicit prefetch 4 KiB ahead
+/// (into the next panel at a panel's end: panels are contiguous) restores it
+/// (measured here: bf16 decode from ≈ 68 % to ≈ 90 % of the read bandwidth;
+/// 1 and 2 KiB help less, 8 KiB less again).
+/// Prefetches never fault; the address is formed as an integer, never as an
+/// out-of-range pointer.
+inline constexpr std::uintptr_t kPrefetchBytes = APEX_PACKED_PREFETCH_BYTES;
+
+inline void prefetch_slab(const void* slab) {
+  const std::uintptr_t a = reinterpret_cast<std::uintptr_t>(slab) + kPrefetchBytes;
+  _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(a + 64), _MM_HINT_T0);
+}
+#endif
+
+}  // namespace detail
+
+}  // namespace apex::packed

@@ -1,0 +1,223 @@
+#pragma once
+/// \file kernels/packed_weights.hpp
+/// One SwiGLU expert's weights packed once for the kernels of kernels/fused_expert.hpp,
+/// in float or bf16.
+///
+/// The kernels compute 32 output lanes at a time (two 16-float AVX-512
+/// vectors, four AVX2 vectors) over a reduction of length K, reading for each
+/// k one 32-lane slab of weights. A *panel* is those slabs for k = 0…K−1,
+/// stored contiguously, so a kernel streams it front to back:
+///
+///   float:  panel[k·32 + lane]                         K × 32 floats
+///   bf16:   panel[(k/2)·64 + lane·2 + (k mod 2)]        ⌈K/2⌉ × 32 pairs
+///
+/// The bf16 form keeps the two k of a pair next to each other in one 32-bit
+/// lane (the "VNNI" order `vdpbf16ps` multiplies); the shift-widening kernels
+/// read the same bytes, the even k by `<< 16`, the odd k by masking the low
+/// half. Every slab is 128 bytes and every panel starts on a 64-byte boundary,
+/// so all weight loads are aligned.
+///
+/// Gate and up are interleaved: panel p of `gate_up` holds, in lanes 0–15, the
+/// gate rows 16p…16p+15 and, in lanes 16–31, the up rows of the same outputs,
+/// so one pass over the panel yields G and U of 16 hidden units and SiLU(G)·U
+/// is formed in registers. Panel q of `down` holds rows 32q…32q+31 of W_down
+/// (output features of the expert). Rows past f (resp. d) and the k padding
+/// of an odd bf16 K are zero, so they contribute exact zeros.
+///
+/// Sizes: gate_up is ⌈f/16⌉ panels of K = d, down ⌈d/32⌉ panels of K = f;
+/// padding costs at most 15 hidden units and 31 output features.
+
+#include <cstddef>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <utility>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#include "../core/checked_size.hpp"
+#include "../core/errors.hpp"
+#include "../core/types.hpp"
+#include "bf16_vectors.hpp"
+
+namespace apex::packed {
+
+/// Storage type of packed weights. Accumulation is fp32 for both.
+enum class Dtype { f32, bf16 };
+
+inline const char* dtype_name(Dtype t) { return t == Dtype::f32 ? "f32" : "bf16"; }
+inline Index dtype_bytes(Dtype t) { return t == Dtype::f32 ? 4 : 2; }
+
+namespace detail {
+
+/// Zero-initialised array of a trivial type on a 64-byte boundary (the
+/// kernels' aligned loads need it; `std::vector` guarantees only 16).
+///
+/// Arrays of 2 MiB or more are placed on 2 MiB boundaries and, on Linux,
+/// offered to transparent huge pages (`madvise`; a no-op where THP is off).
+/// A decode step streams every expert's weights once: with 4 KiB pages that
+/// is one TLB miss per 4 KiB, and hardware prefetchers stop at each 4 KiB
+/// boundary, which costs a measurable share of the memory bandwidth.
+template <class T>
+class AlignedArray {
+ public:
+  static constexpr std::size_t kAlign = 64;
+  static constexpr std::size_t kHugePage = std::size_t(2) << 20;
+  AlignedArray() = default;
+  explicit AlignedArray(Index n) : n_(n) {
+    if (n == 0) return;
+    const std::size_t bytes = std::size_t(n) * sizeof(T);
+    const std::size_t align = bytes >= kHugePage ? kHugePage : kAlign;
+    void* raw = ::operator new(bytes, std::align_val_t(align));
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (align == kHugePage) ::madvise(raw, bytes / kHugePage * kHugePage, MADV_HUGEPAGE);  // advice only
+#endif
+    p_ = std::unique_ptr<T, Free>(static_cast<T*>(raw), Free{align});
+    std::uninitialized_value_construct_n(p_.get(), std::size_t(n));  // zeros
+  }
+  AlignedArray(const AlignedArray& o) : AlignedArray(o.n_) {
+    if (n_) std::memcpy(p_.get(), o.p_.get(), std::size_t(n_) * sizeof(T));
+  }
+  AlignedArray(AlignedArray&& o) noexcept : p_(std::move(o.p_)), n_(std::exchange(o.n_, 0)) {}
+  AlignedArray& operator=(AlignedArray o) noexcept {
+    std::swap(p_, o.p_);
+    std::swap(n_, o.n_);
+    return *this;
+  }
+  T* data() { return p_.get(); }
+  const T* data() const { return p_.get(); }
+  Index size() const { return n_; }
+
+ private:
+  struct Free {
+    std::size_t align = kAlign;
+    void operator()(T* p) const { ::operator delete(p, std::align_val_t(align)); }
+  };
+  std::unique_ptr<T, Free> p_;
+  Index n_ = 0;
+};
+
+}  // namespace detail
+
+/// A K × (32·panels) weight block in the panel order described in the file
+/// comment. Lane `l` of panel `p` is logical output `32p + l`; what that
+/// output is (a gate row, an up row, a down row) is the owner's business.
+class PanelMatrix {
+ public:
+  static constexpr Index kLanes = 32;
+
+  PanelMatrix() = default;
+  PanelMatrix(Dtype dtype, Index k, Index panels)
+      : dtype_(dtype), k_(k), kpad_(dtype == Dtype::bf16 ? k + (k & 1) : k), panels_(panels) {
+    const Index n = apex::detail::checked_product("PanelMatrix", "packed weights (panels x K x 32 lanes x bytes)",
+                                                  {panels_, kpad_, kLanes, dtype_bytes(dtype)}) /
+                    dtype_bytes(dtype);
+    if (dtype == Dtype::f32) f32_ = detail::AlignedArray<float>(n);
+    else b16_ = detail::AlignedArray<bf16>(n);
+  }
+
+  Dtype dtype() const { return dtype_; }
+  Index k() const { return k_; }           ///< reduction length
+  Index k_padded() const { return kpad_; } ///< k rounded up to a pair for bf16
+  Index panels() const { return panels_; }
+  Index panel_size() const { return kpad_ * kLanes; }  ///< elements per panel
+  std::size_t bytes() const { return std::size_t(panels_ * panel_size() * dtype_bytes(dtype_)); }
+
+  /// Panel p: panel_size() elements, 64-byte aligned. Only the accessor of
+  /// the matrix's dtype is valid.
+  const float* f32_panel(Index p) const { return f32_.data() + p * panel_size(); }
+  const bf16* bf16_panel(Index p) const { return b16_.data() + p * panel_size(); }
+
+  /// Element offset of (k, lane) inside a panel.
+  Index offset(Index k, Index lane) const {
+    return dtype_ == Dtype::f32 ? k * kLanes + lane : (k >> 1) * 2 * kLanes + lane * 2 + (k & 1);
+  }
+  /// Stores w (rounded to bf16 when the dtype is bf16).
+  void set(Index p, Index k, Index lane, float w) {
+    const Index i = p * panel_size() + offset(k, lane);
+    if (dtype_ == Dtype::f32) f32_.data()[i] = w;
+    else b16_.data()[i] = to_bf16(w);
+  }
+  float get(Index p, Index k, Index lane) const {
+    const Index i = p * panel_size() + offset(k, lane);
+    return dtype_ == Dtype::f32 ? f32_.data()[i] : to_float(b16_.data()[i]);
+  }
+
+ private:
+  Dtype dtype_ = Dtype::f32;
+  Index k_ = 0, kpad_ = 0, panels_ = 0;
+  detail::AlignedArray<float> f32_;
+  detail::AlignedArray<bf16> b16_;
+};
+
+/// One SwiGLU expert, y = (SiLU(x·W_gateᵀ) ⊙ x·W_upᵀ)·W_downᵀ, packed.
+/// Immutable once built: to follow changed float weights, pack again.
+class PackedExpert {
+ public:
+  /// Number of hidden units per gate/up panel (the other 16 lanes are up).
+  static constexpr Index kHiddenPerPanel = 16;
+  /// Output features per down panel.
+  static constexpr Index kOutPerPanel = 32;
+
+  /// w_gate, w_up: f × d, w_down: d × f (PyTorch `[out, in]`, as SwiGLU stores
+  /// them). ConfigError if d or f is 0, ShapeError if the shapes disagree.
+  PackedExpert(const ConstMatrixRef<float>& w_gate, const ConstMatrixRef<float>& w_up,
+               const ConstMatrixRef<float>& w_down, Dtype dtype)
+      : d_(w_gate.cols()), f_(w_gate.rows()), dtype_(dtype) {
+    constexpr const char* where = "PackedExpert";
+    if (d_ < 1 || f_ < 1) {
+      throw ConfigError(std::string(where) + ": argument 'w_gate' has shape [" + std::to_string(f_) + " x " +
+                        std::to_string(d_) + "], d_model and d_ffn must be at least 1");
+    }
+    apex::detail::check_shape(where, "w_up", w_up, f_, d_);
+    apex::detail::check_shape(where, "w_down", w_down, d_, f_);
+    gate_up_ = PanelMatrix(dtype, d_, (f_ + kHiddenPerPanel - 1) / kHiddenPerPanel);
+    down_ = PanelMatrix(dtype, f_, (d_ + kOutPerPanel - 1) / kOutPerPanel);
+    for (Index j = 0; j < f_; ++j) {
+      const Index p = j / kHiddenPerPanel, l = j % kHiddenPerPanel;
+      for (Index k = 0; k < d_; ++k) {
+        gate_up_.set(p, k, l, w_gate(j, k));
+        gate_up_.set(p, k, kHiddenPerPanel + l, w_up(j, k));
+      }
+    }
+    for (Index i = 0; i < d_; ++i)
+      for (Index j = 0; j < f_; ++j) down_.set(i / kOutPerPanel, j, i % kOutPerPanel, w_down(i, j));
+  }
+
+  Index d_model() const { return d_; }
+  Index d_ffn() const { return f_; }
+  Dtype dtype() const { return dtype_; }
+  /// Bytes of packed weights (what a forward streams), padding included.
+  std::size_t bytes() const { return gate_up_.bytes() + down_.bytes(); }
+
+  const PanelMatrix& gate_up() const { return gate_up_; }
+  const PanelMatrix& down() const { return down_; }
+
+  /// The weights as float, `[out, in]`: exactly the packed values (for bf16,
+  /// the bf16-rounded inputs). w_gate, w_up: f × d, w_down: d × f.
+  Matrix<float> w_gate() const { return unpack_gate_up(0); }
+  Matrix<float> w_up() const { return unpack_gate_up(kHiddenPerPanel); }
+  Matrix<float> w_down() const {
+    Matrix<float> w(d_, f_);  // d × f
+    for (Index i = 0; i < d_; ++i)
+      for (Index j = 0; j < f_; ++j) w(i, j) = down_.get(i / kOutPerPanel, j, i % kOutPerPanel);
+    return w;
+  }
+
+ private:
+  Matrix<float> unpack_gate_up(Index lane0) const {
+    Matrix<float> w(f_, d_);  // f × d
+    for (Index j = 0; j < f_; ++j)
+      for (Index k = 0; k < d_; ++k) w(j, k) = gate_up_.get(j / kHiddenPerPanel, k, lane0 + j % kHiddenPerPanel);
+    return w;
+  }
+
+  Index d_, f_;
+  Dtype dtype_;
+  PanelMatrix gate_up_;  // ⌈f/16⌉ panels × K = d: lanes 0–15 gate, 16–31 up
+  PanelMatrix down_;     // ⌈d/32⌉ panels × K = f: lanes = W_down rows
+};
+
+}  // namespace apex::packed

@@ -1,0 +1,341 @@
+#pragma once
+/// \file moe/router.hpp
+/// Top-K router (docs/math.md#router).
+///
+///     ℓ = X·W_routerᵀ          (N × E, no bias: the raw logits)
+///     r = ℓ + b                (b: the load balancer's bias, not trained)
+///     (e_1..e_K) = top-K(r)    per token, ties to the lower expert index
+///     g = softmax(r_{e_1..e_K})   — or softmax(ℓ_{e_1..e_K}) with
+///                                   `weights_from_unbiased`
+///
+/// Selection has no gradient; the bias gets none. Gradients flow through the
+/// softmax of the K selected entries into W_router and X.
+///
+/// Other scorings (softmax over all E, sigmoid), group-limited selection,
+/// renormalisation and a routed scaling factor: `set_routing` with a
+/// RoutingConfig (moe/routing_config.hpp, docs/routing.md). The default config
+/// keeps the path above unchanged; the choice is made once per call.
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "../core/checked_size.hpp"
+#include "../core/errors.hpp"
+#include "../core/init.hpp"
+#include "../layers/linear.hpp"
+#include "../core/param.hpp"
+#include "routing_config.hpp"
+#include "../core/types.hpp"
+
+namespace apex {
+
+/// Row-major integer matrix (expert ids).
+using IndexMatrix = Eigen::Matrix<Index, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+/// One batch's routing decision.
+template <class T>
+struct Routing {
+  Matrix<T> logits;     ///< N × E: ℓ, unbiased
+  IndexMatrix experts;  ///< N × K: chosen experts, best first
+  Matrix<T> weights;    ///< N × K: g, each row sums to 1 (to routed_scale, or less without renormalisation)
+  Matrix<T> scores;     ///< N × E: s = softmax(ℓ) or σ(ℓ) for those scorings; 0 × 0 otherwise
+};
+
+template <class T>
+class Router {
+ public:
+  Router(Index d_model, Index n_experts, Index n_active, Rng& rng) : k_(n_active) {
+    detail::require_config(d_model > 0, "Router", "d_model must be positive");
+    detail::require_config(n_experts >= 1, "Router", "n_experts must be >= 1");
+    detail::require_config(n_active >= 1 && n_active <= n_experts, "Router", "need 1 <= n_active <= n_experts");
+    detail::checked_product("Router", "weight size n_experts*d_model", {n_experts, d_model});
+    weight_.resize(n_experts, d_model);
+    init_linear(weight_, rng);  // its gradient: allocate_gradients() (core/param.hpp)
+  }
+
+  Index d_model() const { return weight_.cols(); }
+  Index n_experts() const { return weight_.rows(); }
+  Index n_active() const { return k_; }
+
+  /// Scoring, selection and weighting (moe/routing_config.hpp). Throws
+  /// ConfigError naming the field if `routing` does not fit this router's E and K.
+  void set_routing(const RoutingConfig& routing) {
+    routing.validate_for<T>("Router::set_routing", n_experts(), k_);
+    routing_ = routing;
+  }
+  const RoutingConfig& routing() const { return routing_; }
+
+  /// Routes x (N × d) with balancing bias (1 × E). Throws ShapeError if x
+  /// or the bias has the wrong shape, ValueError if the bias or a logit is not
+  /// finite: the top-K choice of a NaN is undefined.
+  void route(const ConstMatrixRef<T>& x, const RowVector<T>& bias, bool weights_from_unbiased,
+             Routing<T>& out) const {
+    constexpr const char* where = "Router::route";
+    detail::check_shape(where, "x", x, detail::kAny, d_model());
+    detail::check_shape(where, "bias", bias, 1, n_experts());
+    detail::check_finite(where, "bias", bias);  // E values: a NaN bias would give NaN weights
+    const Index n = x.rows(), e_count = n_experts();
+    out.logits.resize(n, e_count);
+    detail::linear_nt(x, weight_, out.logits, false);
+    if (!out.logits.allFinite())
+      throw ValueError("Router::route: router logits are not finite (the input contains NaN/Inf or is too large)");
+    out.experts.resize(n, k_);
+    out.weights.resize(n, k_);
+    if (!routing_.is_default()) return route_general(bias, weights_from_unbiased, out);
+    out.scores.resize(0, 0);
+    Eigen::Array<T, 1, Eigen::Dynamic> top(k_);  // scores of the current best K, descending
+    for (Index t = 0; t < n; ++t) {
+      // Insertion into a sorted top-K list: a later expert displaces an
+      // earlier one only if strictly greater, so ties keep the lower index.
+      Index filled = 0;
+      for (Index e = 0; e < e_count; ++e) {
+        insert_top_k(out.logits(t, e) + bias(e), e, top, out.experts.row(t), filled);
+      }
+      // g = softmax over the selected (biased by default) scores, shifted by the max.
+      for (Index k = 0; k < k_; ++k)
+        out.weights(t, k) = weights_from_unbiased ? out.logits(t, out.experts(t, k)) : top(k);
+      auto w = out.weights.row(t).array();
+      w = (w - w.maxCoeff()).exp();
+      w /= w.sum();
+    }
+  }
+
+  /// The whole backward of route, given ∂L/∂g (d_weights, N × K) and,
+  /// optionally, gradients that reach the selected logits by another path
+  /// (d_pair_logits, N × K: ∂L/∂ℓ[t, e_k], e.g. from experts that read ℓ;
+  /// pass an empty 0 × 0 matrix for none). With s the softmax's scores:
+  ///     ∂L/∂ℓ[t, e_k] = g_k (∂L/∂g_k − Σ_j g_j ∂L/∂g_j) + d_pair_logits(t, k)
+  /// (∂s/∂ℓ = 1 whichever scores the softmax read; every other ∂L/∂ℓ is 0),
+  /// then ∂L/∂W_router += (∂L/∂ℓ)ᵀ·X (E × d); returns ∂L/∂X = (∂L/∂ℓ)·W_router
+  /// (N × d). docs/math.md#router. `routing` must come from a route of this
+  /// router on x (shapes and expert ids are checked). Throws ShapeError or ValueError.
+  Matrix<T> backward(const ConstMatrixRef<T>& x, const Routing<T>& routing, const ConstMatrixRef<T>& d_weights,
+                     const ConstMatrixRef<T>& d_pair_logits = Matrix<T>()) {
+    constexpr const char* where = "Router::backward";
+    detail::check_shape(where, "x", x, detail::kAny, d_model());
+    check_routing(where, routing, x.rows());
+    detail::check_shape(where, "d_weights", d_weights, x.rows(), k_);
+    const bool extra = d_pair_logits.rows() != 0 || d_pair_logits.cols() != 0;  // 0 × 0: none
+    if (extra) detail::check_shape(where, "d_pair_logits", d_pair_logits, x.rows(), k_);
+    Matrix<T> d_logits = Matrix<T>::Zero(x.rows(), n_experts());  // N × E
+    add_softmax_backward(routing, d_weights, d_logits);
+    if (extra)
+      for (Index t = 0; t < x.rows(); ++t)
+        for (Index k = 0; k < k_; ++k) d_logits(t, routing.experts(t, k)) += d_pair_logits(t, k);
+    Matrix<T> dx(x.rows(), d_model());                                    // N × d
+    allocate_gradients();
+    detail::linear_nt_backward(d_logits, x, weight_, weight_grad_, dx);  // ℓ = X·Wᵀ
+    return dx;
+  }
+
+  /// The softmax part alone: adds ∂L/∂ℓ = g_k (∂L/∂g_k − Σ_j g_j ∂L/∂g_j)
+  /// at column e_k into d_logits (N × E), for a caller that combines it with
+  /// other logit gradients itself. d_weights: N × K. Throws ShapeError or ValueError.
+  void softmax_backward(const Routing<T>& routing, const ConstMatrixRef<T>& d_weights, Matrix<T>& d_logits) const {
+    constexpr const char* where = "Router::softmax_backward";
+    check_routing(where, routing, detail::kAny);
+    detail::check_shape(where, "d_weights", d_weights, routing.weights.rows(), k_);
+    detail::check_shape(where, "d_logits", d_logits, routing.weights.rows(), n_experts());
+    add_softmax_backward(routing, d_weights, d_logits);
+  }
+
+  /// `weight` with its gradient, which this allocates (zeroed) if not yet:
+  /// the view must stay valid for the layer's life (core/param.hpp).
+  ParamList<T> params() {
+    allocate_gradients();
+    return {detail::make_param<T>("weight", weight_, &weight_grad_)};
+  }
+  /// The same tensor, values only: never allocates the gradient (core/param.hpp).
+  ParamList<T> param_values() { return {detail::make_value_param<T>("weight", weight_)}; }
+  /// Zeroes the gradient (allocating it, zeroed, if not yet).
+  void zero_grad() {
+    if (!has_gradients()) return allocate_gradients();
+    weight_grad_.setZero();
+  }
+  /// Whether the gradient exists (core/param.hpp: allocated lazily).
+  bool has_gradients() const { return has_grads_; }
+  /// Allocates the gradient, zeroed, unless it exists.
+  void allocate_gradients() {
+    if (has_grads_) return;
+    weight_grad_ = Matrix<T>::Zero(n_experts(), d_model());
+    has_grads_ = true;
+  }
+
+  /// E × d (PyTorch `nn.Linear(d, E).weight`).
+  Matrix<T>& weight() { return weight_; }
+  const Matrix<T>& weight() const { return weight_; }
+  /// E × d once allocated (has_gradients()), else 0 × 0.
+  const Matrix<T>& weight_grad() const { return weight_grad_; }
+
+ private:
+  /// Sorted insertion of (score, e) into the current best K (`top` descending,
+  /// `experts` their ids, `filled` of them valid): a later expert displaces an
+  /// earlier one only if strictly greater, so ties keep the lower index.
+  template <class TopArray, class ExpertRow>
+  void insert_top_k(T score, Index e, TopArray& top, ExpertRow experts, Index& filled) const {
+    if (filled == k_ && !(score > top(k_ - 1))) return;
+    Index pos = filled < k_ ? filled++ : k_ - 1;
+    while (pos > 0 && score > top(pos - 1)) {
+      top(pos) = top(pos - 1);
+      experts(pos) = experts(pos - 1);
+      --pos;
+    }
+    top(pos) = score;
+    experts(pos) = e;
+  }
+
+  /// ShapeError unless `routing` is a routing of this router (logits N × E,
+  /// experts and weights N × K), ValueError for an expert id outside [0, E):
+  /// a routing of another router would scatter past d_logits.
+  void check_routing(const char* where, const Routing<T>& routing, Index n) const {
+    detail::check_shape(where, "routing.weights", routing.weights, n, k_);
+    n = routing.weights.rows();
+    detail::check_shape(where, "routing.experts", routing.experts, n, k_);
+    detail::check_shape(where, "routing.logits", routing.logits, n, n_experts());
+    if (routing_.scoring != Scoring::SoftmaxSelected)
+      detail::check_shape(where, "routing.scores", routing.scores, n, n_experts());
+    for (Index t = 0; t < n; ++t)
+      for (Index k = 0; k < k_; ++k)
+        if (routing.experts(t, k) < 0 || routing.experts(t, k) >= n_experts())
+          throw ValueError(std::string(where) + ": argument 'routing.experts' has expert id " +
+                           std::to_string(routing.experts(t, k)) + " at (" + std::to_string(t) + ", " +
+                           std::to_string(k) + "), expected a value in [0, " + std::to_string(n_experts()) + ")");
+  }
+
+  /// d_logits(t, e_k) += g_k (∂L/∂g_k − Σ_j g_j ∂L/∂g_j); shapes checked by the caller.
+  void add_softmax_backward(const Routing<T>& routing, const ConstMatrixRef<T>& d_weights, Matrix<T>& d_logits) const {
+    if (!routing_.is_default()) return add_general_backward(routing, d_weights, d_logits);
+    for (Index t = 0; t < routing.weights.rows(); ++t) {
+      const auto g = routing.weights.row(t).array();
+      const auto dg = d_weights.row(t).array();
+      const T inner = (g * dg).sum();
+      for (Index k = 0; k < k_; ++k) d_logits(t, routing.experts(t, k)) += g(k) * (dg(k) - inner);
+    }
+  }
+
+  /// route for a non-default RoutingConfig (docs/routing.md); logits filled,
+  /// experts and weights sized by the caller.
+  void route_general(const RowVector<T>& bias, bool weights_from_unbiased, Routing<T>& out) const {
+    const Index n = out.logits.rows(), e_count = n_experts();
+    const Scoring scoring = routing_.scoring;
+    const T scale = T(routing_.routed_scale);
+    if (scoring == Scoring::SoftmaxSelected) {
+      out.scores.resize(0, 0);
+    } else {
+      out.scores.resize(n, e_count);
+      for (Index t = 0; t < n; ++t) {
+        auto l = out.logits.row(t).array();
+        auto s = out.scores.row(t).array();
+        if (scoring == Scoring::Sigmoid) {
+          s = T(1) / (T(1) + (-l).exp());
+        } else {
+          s = (l - l.maxCoeff()).exp();
+          s /= s.sum();
+        }
+      }
+    }
+    const Index groups = routing_.n_groups, per_group = e_count / groups;
+    std::vector<char> allowed(static_cast<std::size_t>(e_count), 1);
+    Eigen::Array<T, 1, Eigen::Dynamic> key(e_count), top(k_), group_key(groups);
+    std::vector<Index> group_order(static_cast<std::size_t>(groups));
+    for (Index t = 0; t < n; ++t) {
+      // r = s + b (ℓ + b for SoftmaxSelected): the selection key only.
+      if (scoring == Scoring::SoftmaxSelected)
+        key = out.logits.row(t).array() + bias.array();
+      else
+        key = out.scores.row(t).array() + bias.array();
+      if (groups > 1) {
+        // Group score: sum of the two largest keys (or the largest) of each group.
+        for (Index g = 0; g < groups; ++g) {
+          T first = key(g * per_group), second = -std::numeric_limits<T>::infinity();
+          for (Index i = 1; i < per_group; ++i) {
+            const T v = key(g * per_group + i);
+            if (v > first) {
+              second = first;
+              first = v;
+            } else if (v > second) {
+              second = v;
+            }
+          }
+          group_key(g) = (routing_.group_score == GroupScore::Top2Sum && per_group >= 2) ? first + second : first;
+        }
+        // Keep the best topk_group groups; ties to the lower group index (stable sort).
+        for (Index g = 0; g < groups; ++g) group_order[std::size_t(g)] = g;
+        std::stable_sort(group_order.begin(), group_order.end(),
+                         [&](Index a, Index b) { return group_key(a) > group_key(b); });
+        std::fill(allowed.begin(), allowed.end(), char(0));
+        for (Index i = 0; i < routing_.topk_group; ++i) {
+          const Index g = group_order[std::size_t(i)];
+          std::fill(allowed.begin() + g * per_group, allowed.begin() + (g + 1) * per_group, char(1));
+        }
+      }
+      // Top-K of the allowed keys by sorted insertion; ties keep the lower index.
+      Index filled = 0;
+      for (Index e = 0; e < e_count; ++e) {
+        if (!allowed[std::size_t(e)]) continue;
+        insert_top_k(key(e), e, top, out.experts.row(t), filled);
+      }
+      auto w = out.weights.row(t).array();
+      if (scoring == Scoring::SoftmaxSelected) {
+        for (Index k = 0; k < k_; ++k) w(k) = weights_from_unbiased ? out.logits(t, out.experts(t, k)) : top(k);
+        w = (w - w.maxCoeff()).exp();
+        w /= w.sum();
+      } else {
+        for (Index k = 0; k < k_; ++k) w(k) = out.scores(t, out.experts(t, k));
+        if (routing_.renormalize) w /= routing_.renorm_denominator(w.sum());  // + ε for Sigmoid: never 0/0
+      }
+      w *= scale;
+    }
+  }
+
+  /// Backward of route_general's weights into d_logits (N × E), per token:
+  ///  SoftmaxSelected: g = c·p, p = softmax(z_sel): ∂z_k = p_k (c ∂g_k − Σ_j p_j c ∂g_j)
+  ///  renormalised: p_k = w_k / D: ∂w_j = (c ∂g_j − Σ_k p_k c ∂g_k) / D; else ∂w_j = c ∂g_j
+  ///               (D = Σ_k w_k, + ε for Sigmoid: RoutingConfig::renorm_denominator)
+  ///  sigmoid:     ∂ℓ_{e_j} += ∂w_j s_{e_j} (1 − s_{e_j})
+  ///  softmax all: ∂ℓ_e += s_e (∂w_e − Σ_j ∂w_j s_{e_j})   (∂w_e = 0 off the selection)
+  void add_general_backward(const Routing<T>& routing, const ConstMatrixRef<T>& d_weights, Matrix<T>& d_logits) const {
+    const Scoring scoring = routing_.scoring;
+    const T scale = T(routing_.routed_scale);
+    Eigen::Array<T, 1, Eigen::Dynamic> p(k_), dp(k_), dw(k_);
+    for (Index t = 0; t < routing.weights.rows(); ++t) {
+      p = routing.weights.row(t).array() / scale;
+      dp = d_weights.row(t).array() * scale;
+      if (scoring == Scoring::SoftmaxSelected) {
+        const T inner = (p * dp).sum();
+        for (Index k = 0; k < k_; ++k) d_logits(t, routing.experts(t, k)) += p(k) * (dp(k) - inner);
+        continue;
+      }
+      if (routing_.renormalize) {
+        T sum_w = 0;
+        for (Index k = 0; k < k_; ++k) sum_w += routing.scores(t, routing.experts(t, k));
+        dw = (dp - (p * dp).sum()) / routing_.renorm_denominator(sum_w);  // the forward's D
+      } else {
+        dw = dp;
+      }
+      if (scoring == Scoring::Sigmoid) {
+        for (Index k = 0; k < k_; ++k) {
+          const T s = routing.scores(t, routing.experts(t, k));
+          d_logits(t, routing.experts(t, k)) += dw(k) * s * (T(1) - s);
+        }
+      } else {
+        T inner = 0;
+        for (Index k = 0; k < k_; ++k) inner += dw(k) * routing.scores(t, routing.experts(t, k));
+        d_logits.row(t).array() -= routing.scores.row(t).array() * inner;
+        for (Index k = 0; k < k_; ++k)
+          d_logits(t, routing.experts(t, k)) += routing.scores(t, routing.experts(t, k)) * dw(k);
+      }
+    }
+  }
+
+  Index k_;
+  RoutingConfig routing_;
+  Matrix<T> weight_;       ///< E × d
+  Matrix<T> weight_grad_;  ///< E × d once allocated, else 0 × 0
+  bool has_grads_ = false;
+};
+
+}  // namespace apex
