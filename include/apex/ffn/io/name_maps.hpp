@@ -27,6 +27,7 @@
 #include "checkpoint.hpp"
 #include "../core/errors.hpp"
 #include "../moe/families.hpp"
+#include "../core/state_names.hpp"
 #include "../moe/moe_ffn.hpp"
 
 namespace apex {
@@ -36,75 +37,85 @@ namespace detail {
 /// The family name of `internal` (a name of MoEFFN::param_values()); ConfigError
 /// for a parameter the family's block does not have.
 inline std::string family_tensor_name(MoEFamily f, const std::string& internal) {
-  const bool mixtral = f == MoEFamily::Mixtral;
-  const std::string block = mixtral ? "block_sparse_moe." : "mlp.";
+  namespace sn = state_names;
+  const FamilyTensorNames& n = family_traits(f, "family_params").names;
+  const std::string block = n.block;
   auto proj = [&](const std::string& w) -> std::string {
-    if (mixtral) return w == "w_gate.weight" ? "w1.weight" : w == "w_up.weight" ? "w3.weight" : "w2.weight";
-    return w == "w_gate.weight" ? "gate_proj.weight" : w == "w_up.weight" ? "up_proj.weight" : "down_proj.weight";
+    return w == sn::kGate ? n.gate_proj : w == sn::kUp ? n.up_proj : n.down_proj;
   };
-  auto is_proj = [](const std::string& w) { return w == "w_gate.weight" || w == "w_up.weight" || w == "w_down.weight"; };
-  if (internal == "router.weight") return block + "gate.weight";
-  if (internal.rfind("experts.", 0) == 0) {
-    const auto dot = internal.find('.', 8);
-    if (dot != std::string::npos && is_proj(internal.substr(dot + 1)))
+  const std::string routed = sn::kRoutedPrefix, shared = sn::shared_expert(0);
+  if (internal == sn::kRouter) return block + "gate.weight";
+  if (internal.rfind(routed, 0) == 0) {
+    const auto dot = internal.find('.', routed.size());
+    if (dot != std::string::npos && sn::is_projection(internal.substr(dot + 1)))
       return block + internal.substr(0, dot + 1) + proj(internal.substr(dot + 1));
   }
-  if (internal.rfind("shared_experts.0.", 0) == 0 && is_proj(internal.substr(17))) {
-    if (f == MoEFamily::DeepSeekV3) return "mlp.shared_experts." + proj(internal.substr(17));
-    if (f == MoEFamily::Qwen2MoE) return "mlp.shared_expert." + proj(internal.substr(17));
-  }
-  if (internal == "shared_expert_gate.weight" && f == MoEFamily::Qwen2MoE) return "mlp.shared_expert_gate.weight";
+  if (n.shared_block && internal.rfind(shared, 0) == 0 && sn::is_projection(internal.substr(shared.size())))
+    return n.shared_block + proj(internal.substr(shared.size()));
+  if (n.shared_gate && internal == sn::kSharedGate) return n.shared_gate;
   throw ConfigError(std::string("family_params: the ") + family_name(f) + " name map has no name for parameter '" +
                     internal + "'");
 }
 
 /// ConfigError unless the layer's shared experts fit the family's block.
 inline void check_family_fit(const char* where, const MoEConfig& c, MoEFamily f) {
-  check_family(where, f);
-  const std::string fam = family_name(f);
-  switch (f) {
-    case MoEFamily::DeepSeekV3:
+  const FamilyTraits& row = family_traits(f, where);
+  const std::string fam = row.model_type;
+  switch (row.shared_layout) {
+    case FamilySharedLayout::OneMLP:
       require_config(c.n_shared <= 1, where, "the " + fam + " name map holds the shared experts as one MLP "
                                                             "(n_shared <= 1, width d_shared_ffn), got n_shared = " +
                                                             std::to_string(c.n_shared));
       require_config(!c.shared_expert_gate, where, "the " + fam + " block has no shared_expert_gate");
       break;
-    case MoEFamily::Qwen2MoE:
+    case FamilySharedLayout::OneGated:
       require_config(c.n_shared == 1 && c.shared_expert_gate, where,
                      "the " + fam + " block has one gated shared expert (n_shared = 1, shared_expert_gate)");
       break;
-    default:
+    case FamilySharedLayout::None:
       require_config(c.n_shared == 0 && !c.shared_expert_gate, where,
                      "the " + fam + " block has no shared experts, got n_shared = " + std::to_string(c.n_shared));
   }
 }
 
-/// Which family a file's tensor names under `prefix` belong to ("" if none
-/// of the signatures is present).
+/// The part of a tensor name up to its last dot ("mlp.shared_expert_gate."
+/// of "mlp.shared_expert_gate.weight"): files are told apart by such stems.
+inline std::string name_stem(const char* name) {
+  const std::string s = name;
+  return s.substr(0, s.rfind('.') + 1);
+}
+
+/// Which family a file's tensor names under `prefix` belong to, as the
+/// FamilyTensorNames::file_kind of the first family whose own names it holds
+/// ("" if none of the signatures is present).
 inline std::string detect_family(const safetensors::Reader& file, const std::string& prefix) {
   auto has = [&](const std::string& start) {
     for (const auto& t : file.tensors())
       if (t.name.rfind(prefix + start, 0) == 0) return true;
     return false;
   };
-  if (has("block_sparse_moe.")) return "mixtral";
-  if (has("mlp.shared_expert.") || has("mlp.shared_expert_gate.")) return "qwen2_moe";
-  if (has("mlp.gate.e_score_correction_bias") || has("mlp.shared_experts.")) return "deepseek_v3";
-  if (has("mlp.gate.weight")) return "qwen3_moe or olmoe";
+  const FamilyTensorNames& mixtral = family_traits(MoEFamily::Mixtral).names;
+  const FamilyTensorNames& qwen2 = family_traits(MoEFamily::Qwen2MoE).names;
+  const FamilyTensorNames& deepseek = family_traits(MoEFamily::DeepSeekV3).names;
+  const FamilyTensorNames& plain = family_traits(MoEFamily::Qwen3MoE).names;  // names only the common ones
+  if (has(mixtral.block)) return mixtral.file_kind;
+  if (has(qwen2.shared_block) || has(name_stem(qwen2.shared_gate))) return qwen2.file_kind;
+  if (has(deepseek.bias) || has(deepseek.shared_block)) return deepseek.file_kind;
+  if (has(std::string(plain.block) + "gate.weight")) return plain.file_kind;
   return "";
 }
 
 inline bool family_matches(MoEFamily f, const std::string& detected) {
   if (detected.empty()) return true;  // the strict load names what is missing
-  if (f == MoEFamily::Qwen3MoE || f == MoEFamily::OLMoE) return detected == "qwen3_moe or olmoe";
-  return detected == family_name(f);
+  return detected == family_traits(f).names.file_kind;
 }
 
 /// The name of a family's balancing-bias tensor under `prefix` (DeepSeek-V3's
 /// `mlp.gate.e_score_correction_bias`, shape [E]), or "" for a family whose
 /// checkpoints have none.
 inline std::string family_bias_name(MoEFamily f, const std::string& prefix) {
-  return f == MoEFamily::DeepSeekV3 ? prefix + "mlp.gate.e_score_correction_bias" : std::string();
+  const char* bias = family_traits(f).names.bias;
+  return bias ? prefix + bias : std::string();
 }
 
 /// FormatError naming the problem if the file's names under `prefix` are
@@ -116,7 +127,10 @@ inline void check_family_file(const std::string& where, const safetensors::Reade
   check_family(where.c_str(), f);
   const std::string detected = detect_family(file, prefix);
   const std::string bias_name = family_bias_name(f, prefix);
-  if (!bias_name.empty() && (detected == "deepseek_v3" || detected == "qwen3_moe or olmoe") &&
+  // A file of the family's own kind, or one with only the common names, must hold the bias.
+  const bool own_or_plain = detected == family_traits(f).names.file_kind ||
+                            detected == family_traits(MoEFamily::Qwen3MoE).names.file_kind;
+  if (!bias_name.empty() && own_or_plain &&
       !file.header().find(bias_name))
     throw FormatError(where + ": the sigmoid router of " + family_name(f) + " needs its correction bias '" + bias_name +
                       "', which the checkpoint lacks");
@@ -162,8 +176,8 @@ void save_family_checkpoint(const std::string& path, MoEFFN<T, Expert>& moe, MoE
                             const std::string& prefix = "", SaveOptions options = {}) {
   ParamList<T> params = family_param_values(moe, f, prefix);
   RowVector<T> bias = moe.balancer().bias();  // 1 × E
-  if (f == MoEFamily::DeepSeekV3) {
-    const std::string name = prefix + "mlp.gate.e_score_correction_bias";
+  const std::string name = detail::family_bias_name(f, prefix);
+  if (!name.empty()) {
     params.push_back(Param<T>{name, bias.data(), nullptr, 1, bias.cols()});
     options.shapes[name] = {std::uint64_t(bias.cols())};
   }

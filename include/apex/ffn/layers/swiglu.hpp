@@ -36,6 +36,7 @@
 #include "linear.hpp"
 #include "../core/memory_budget.hpp"
 #include "../core/param.hpp"
+#include "../core/state_names.hpp"
 #include "gated_products.hpp"
 #include "../core/types.hpp"
 #include "../core/workspace.hpp"
@@ -212,9 +213,9 @@ class SwiGLU {
   ParamList<T> param_list(bool grads) {
     T* gu = grads ? w_gate_up_grad_.data() : nullptr;
     ParamList<T> out;
-    out.push_back({"w_gate.weight", w_gate_up_.data(), gu, f_, d_});
-    out.push_back({"w_up.weight", w_gate_up_.data() + f_ * d_, detail::offset_or_null(gu, f_ * d_), f_, d_});
-    out.push_back(detail::make_param<T>("w_down.weight", w_down_, grads ? &w_down_grad_ : nullptr));
+    out.push_back({state_names::kGate, w_gate_up_.data(), gu, f_, d_});
+    out.push_back({state_names::kUp, w_gate_up_.data() + f_ * d_, detail::offset_or_null(gu, f_ * d_), f_, d_});
+    out.push_back(detail::make_param<T>(state_names::kDown, w_down_, grads ? &w_down_grad_ : nullptr));
     return out;
   }
   /// "a SwiGLU (d_model d, d_ffn f)", for the memory-fit messages.

@@ -45,6 +45,7 @@
 #include "config.hpp"
 #include "../core/parallel.hpp"
 #include "../core/param.hpp"
+#include "../core/state_names.hpp"
 #include "router.hpp"
 #include "shared_expert_gate.hpp"
 #include "../layers/swiglu.hpp"
@@ -204,26 +205,26 @@ class MoEFFN {
   ParamList<T> params() {
     allocate_gradients();
     ParamList<T> out;
-    detail::append_prefixed(out, "router.", router_.params());
+    detail::append_prefixed(out, state_names::kRouterPrefix, router_.params());
     for (std::size_t e = 0; e < experts_.size(); ++e)
-      detail::append_prefixed(out, "experts." + std::to_string(e) + ".", experts_[e].params());
+      detail::append_prefixed(out, state_names::routed_expert(e), experts_[e].params());
     for (std::size_t s = 0; s < shared_.size(); ++s)
-      detail::append_prefixed(out, "shared_experts." + std::to_string(s) + ".", shared_[s].params());
+      detail::append_prefixed(out, state_names::shared_expert(s), shared_[s].params());
     if (config_.shared_expert_gate)
-      out.push_back(detail::make_param<T>("shared_expert_gate.weight", shared_gate_, shared_gate_grad_));
+      out.push_back(detail::make_param<T>(state_names::kSharedGate, shared_gate_, shared_gate_grad_));
     return out;
   }
   /// The same tensors, values only: never allocates gradients (core/param.hpp),
   /// for checkpoints, packing and anything else that reads or writes values.
   ParamList<T> param_values() {
     ParamList<T> out;
-    detail::append_prefixed(out, "router.", router_.param_values());
+    detail::append_prefixed(out, state_names::kRouterPrefix, router_.param_values());
     for (std::size_t e = 0; e < experts_.size(); ++e)
-      detail::append_prefixed(out, "experts." + std::to_string(e) + ".", detail::param_values_of(experts_[e]));
+      detail::append_prefixed(out, state_names::routed_expert(e), detail::param_values_of(experts_[e]));
     for (std::size_t s = 0; s < shared_.size(); ++s)
-      detail::append_prefixed(out, "shared_experts." + std::to_string(s) + ".", shared_[s].param_values());
+      detail::append_prefixed(out, state_names::shared_expert(s), shared_[s].param_values());
     if (config_.shared_expert_gate)
-      out.push_back(detail::make_value_param<T>("shared_expert_gate.weight", shared_gate_));
+      out.push_back(detail::make_value_param<T>(state_names::kSharedGate, shared_gate_));
     return out;
   }
   /// Zeroes every gradient (allocating them, zeroed, if not yet).

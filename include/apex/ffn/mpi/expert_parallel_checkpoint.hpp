@@ -40,6 +40,7 @@
 
 #include "../io/checkpoint.hpp"
 #include "../core/errors.hpp"
+#include "../core/state_names.hpp"
 #include "../io/sharded_checkpoint.hpp"
 #include "checkpoint_folder.hpp"
 #include "communicator.hpp"
@@ -111,7 +112,7 @@ ShardReport write_shard(const std::string& path, ExpertParallelMoE<T, Expert>& l
   RowVector<T> bias = layer.balancer().bias();
   ParamList<T> state;
   for (const auto& prm : state_of(layer, bias))
-    if (first || prm.name.rfind("experts.", 0) == 0) state.push_back(prm);  // replicated tensors: rank 0 only
+    if (first || prm.name.rfind(state_names::kRoutedPrefix, 0) == 0) state.push_back(prm);  // replicated tensors: rank 0 only
   SaveOptions o = options;
   if (first) o.shapes["expert_bias"] = {std::uint64_t(bias.cols())};
   apex::save_checkpoint(path, state, o);
