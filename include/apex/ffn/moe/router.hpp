@@ -18,7 +18,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <string>
 #include <vector>
 
@@ -28,21 +27,10 @@
 #include "../layers/linear.hpp"
 #include "../core/param.hpp"
 #include "routing_config.hpp"
+#include "routing_rules.hpp"
 #include "../core/types.hpp"
 
 namespace apex {
-
-/// Row-major integer matrix (expert ids).
-using IndexMatrix = Eigen::Matrix<Index, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-
-/// One batch's routing decision.
-template <class T>
-struct Routing {
-  Matrix<T> logits;     ///< N × E: ℓ, unbiased
-  IndexMatrix experts;  ///< N × K: chosen experts, best first
-  Matrix<T> weights;    ///< N × K: g, each row sums to 1 (to routed_scale, or less without renormalisation)
-  Matrix<T> scores;     ///< N × E: s = softmax(ℓ) or σ(ℓ) for those scorings; 0 × 0 otherwise
-};
 
 template <class T>
 class Router {
@@ -207,7 +195,7 @@ class Router {
 
   /// d_logits(t, e_k) += g_k (∂L/∂g_k − Σ_j g_j ∂L/∂g_j); shapes checked by the caller.
   void add_softmax_backward(const Routing<T>& routing, const ConstMatrixRef<T>& d_weights, Matrix<T>& d_logits) const {
-    if (!routing_.is_default()) return add_general_backward(routing, d_weights, d_logits);
+    if (!routing_.is_default()) return detail::selected_weights_backward(routing_, routing, d_weights, d_logits);
     for (Index t = 0; t < routing.weights.rows(); ++t) {
       const auto g = routing.weights.row(t).array();
       const auto dg = d_weights.row(t).array();
@@ -217,117 +205,28 @@ class Router {
   }
 
   /// route for a non-default RoutingConfig (docs/routing.md); logits filled,
-  /// experts and weights sized by the caller.
+  /// experts and weights sized by the caller. Per token: the selection key
+  /// r = s + b (ℓ + b for SoftmaxSelected), optionally limited to the best
+  /// groups, its top K, then their weights (moe/routing_rules.hpp).
   void route_general(const RowVector<T>& bias, bool weights_from_unbiased, Routing<T>& out) const {
     const Index n = out.logits.rows(), e_count = n_experts();
-    const Scoring scoring = routing_.scoring;
-    const T scale = T(routing_.routed_scale);
-    if (scoring == Scoring::SoftmaxSelected) {
-      out.scores.resize(0, 0);
-    } else {
-      out.scores.resize(n, e_count);
-      for (Index t = 0; t < n; ++t) {
-        auto l = out.logits.row(t).array();
-        auto s = out.scores.row(t).array();
-        if (scoring == Scoring::Sigmoid) {
-          s = T(1) / (T(1) + (-l).exp());
-        } else {
-          s = (l - l.maxCoeff()).exp();
-          s /= s.sum();
-        }
-      }
-    }
-    const Index groups = routing_.n_groups, per_group = e_count / groups;
+    detail::routing_scores(routing_.scoring, out.logits, out.scores);
     std::vector<char> allowed(static_cast<std::size_t>(e_count), 1);
-    Eigen::Array<T, 1, Eigen::Dynamic> key(e_count), top(k_), group_key(groups);
-    std::vector<Index> group_order(static_cast<std::size_t>(groups));
+    Eigen::Array<T, 1, Eigen::Dynamic> key(e_count), top(k_), group_key(routing_.n_groups);
+    std::vector<Index> group_order(static_cast<std::size_t>(routing_.n_groups));
     for (Index t = 0; t < n; ++t) {
-      // r = s + b (ℓ + b for SoftmaxSelected): the selection key only.
-      if (scoring == Scoring::SoftmaxSelected)
+      if (routing_.scoring == Scoring::SoftmaxSelected)
         key = out.logits.row(t).array() + bias.array();
       else
         key = out.scores.row(t).array() + bias.array();
-      if (groups > 1) {
-        // Group score: sum of the two largest keys (or the largest) of each group.
-        for (Index g = 0; g < groups; ++g) {
-          T first = key(g * per_group), second = -std::numeric_limits<T>::infinity();
-          for (Index i = 1; i < per_group; ++i) {
-            const T v = key(g * per_group + i);
-            if (v > first) {
-              second = first;
-              first = v;
-            } else if (v > second) {
-              second = v;
-            }
-          }
-          group_key(g) = (routing_.group_score == GroupScore::Top2Sum && per_group >= 2) ? first + second : first;
-        }
-        // Keep the best topk_group groups; ties to the lower group index (stable sort).
-        for (Index g = 0; g < groups; ++g) group_order[std::size_t(g)] = g;
-        std::stable_sort(group_order.begin(), group_order.end(),
-                         [&](Index a, Index b) { return group_key(a) > group_key(b); });
-        std::fill(allowed.begin(), allowed.end(), char(0));
-        for (Index i = 0; i < routing_.topk_group; ++i) {
-          const Index g = group_order[std::size_t(i)];
-          std::fill(allowed.begin() + g * per_group, allowed.begin() + (g + 1) * per_group, char(1));
-        }
-      }
+      if (routing_.n_groups > 1) detail::allowed_by_group(routing_, key, group_key, group_order, allowed);
       // Top-K of the allowed keys by sorted insertion; ties keep the lower index.
       Index filled = 0;
       for (Index e = 0; e < e_count; ++e) {
         if (!allowed[std::size_t(e)]) continue;
         insert_top_k(key(e), e, top, out.experts.row(t), filled);
       }
-      auto w = out.weights.row(t).array();
-      if (scoring == Scoring::SoftmaxSelected) {
-        for (Index k = 0; k < k_; ++k) w(k) = weights_from_unbiased ? out.logits(t, out.experts(t, k)) : top(k);
-        w = (w - w.maxCoeff()).exp();
-        w /= w.sum();
-      } else {
-        for (Index k = 0; k < k_; ++k) w(k) = out.scores(t, out.experts(t, k));
-        if (routing_.renormalize) w /= routing_.renorm_denominator(w.sum());  // + ε for Sigmoid: never 0/0
-      }
-      w *= scale;
-    }
-  }
-
-  /// Backward of route_general's weights into d_logits (N × E), per token:
-  ///  SoftmaxSelected: g = c·p, p = softmax(z_sel): ∂z_k = p_k (c ∂g_k − Σ_j p_j c ∂g_j)
-  ///  renormalised: p_k = w_k / D: ∂w_j = (c ∂g_j − Σ_k p_k c ∂g_k) / D; else ∂w_j = c ∂g_j
-  ///               (D = Σ_k w_k, + ε for Sigmoid: RoutingConfig::renorm_denominator)
-  ///  sigmoid:     ∂ℓ_{e_j} += ∂w_j s_{e_j} (1 − s_{e_j})
-  ///  softmax all: ∂ℓ_e += s_e (∂w_e − Σ_j ∂w_j s_{e_j})   (∂w_e = 0 off the selection)
-  void add_general_backward(const Routing<T>& routing, const ConstMatrixRef<T>& d_weights, Matrix<T>& d_logits) const {
-    const Scoring scoring = routing_.scoring;
-    const T scale = T(routing_.routed_scale);
-    Eigen::Array<T, 1, Eigen::Dynamic> p(k_), dp(k_), dw(k_);
-    for (Index t = 0; t < routing.weights.rows(); ++t) {
-      p = routing.weights.row(t).array() / scale;
-      dp = d_weights.row(t).array() * scale;
-      if (scoring == Scoring::SoftmaxSelected) {
-        const T inner = (p * dp).sum();
-        for (Index k = 0; k < k_; ++k) d_logits(t, routing.experts(t, k)) += p(k) * (dp(k) - inner);
-        continue;
-      }
-      if (routing_.renormalize) {
-        T sum_w = 0;
-        for (Index k = 0; k < k_; ++k) sum_w += routing.scores(t, routing.experts(t, k));
-        dw = (dp - (p * dp).sum()) / routing_.renorm_denominator(sum_w);  // the forward's D
-      } else {
-        dw = dp;
-      }
-      if (scoring == Scoring::Sigmoid) {
-        for (Index k = 0; k < k_; ++k) {
-          const T s = routing.scores(t, routing.experts(t, k));
-          d_logits(t, routing.experts(t, k)) += dw(k) * s * (T(1) - s);
-        }
-      } else {
-        T inner = 0;
-        for (Index k = 0; k < k_; ++k) inner += dw(k) * routing.scores(t, routing.experts(t, k));
-        d_logits.row(t).array() -= routing.scores.row(t).array() * inner;
-        for (Index k = 0; k < k_; ++k)
-          d_logits(t, routing.experts(t, k)) += routing.scores(t, routing.experts(t, k)) * dw(k);
-      }
+      detail::selected_weights(routing_, weights_from_unbiased, t, top, out);
     }
   }
 
