@@ -1,7 +1,8 @@
 #pragma once
 /// \file io/name_maps.hpp
-/// Checkpoints of an MoEFFN under the Hugging Face tensor names of an open
-/// MoE family (docs/routing.md#checkpoints), on top of io/checkpoint.hpp: the
+/// Checkpoints of an MoEFFN (or any layer with its `config()`,
+/// `param_values()`, `params()` and `balancer()`) under the Hugging Face
+/// tensor names of an open MoE family (docs/routing.md#checkpoints), on top of io/checkpoint.hpp: the
 /// layer's `param_values()` renamed, plus the balancing bias where the family
 /// stores one (DeepSeek-V3's `e_score_correction_bias`, kept as stored).
 /// Strict by default, as load_checkpoint, and as it a rejected load leaves
@@ -28,7 +29,7 @@
 #include "../core/errors.hpp"
 #include "../moe/families.hpp"
 #include "../core/state_names.hpp"
-#include "../moe/moe_ffn.hpp"
+#include "../moe/config.hpp"
 
 namespace apex {
 
@@ -155,24 +156,24 @@ ParamList<T> renamed(ParamList<T> list, MoEFamily f, const std::string& prefix) 
 /// allocates them) under the family's names (prefix prepended). ConfigError
 /// if the layer's shared experts do not fit the family or an expert has a
 /// parameter the family lacks.
-template <class T, class Expert>
-ParamList<T> family_params(MoEFFN<T, Expert>& moe, MoEFamily f, const std::string& prefix = "") {
+template <class Layer, class T = typename Layer::Scalar>
+ParamList<T> family_params(Layer& moe, MoEFamily f, const std::string& prefix = "") {
   detail::check_family_fit("family_params", moe.config(), f);
   return detail::renamed(moe.params(), f, prefix);
 }
 
 /// As family_params, values only (MoEFFN::param_values): never allocates
 /// gradients. What the family checkpoints below read and write.
-template <class T, class Expert>
-ParamList<T> family_param_values(MoEFFN<T, Expert>& moe, MoEFamily f, const std::string& prefix = "") {
+template <class Layer, class T = typename Layer::Scalar>
+ParamList<T> family_param_values(Layer& moe, MoEFamily f, const std::string& prefix = "") {
   detail::check_family_fit("family_param_values", moe.config(), f);
   return detail::renamed(moe.param_values(), f, prefix);
 }
 
 /// Saves the layer under the family's names; DeepSeek-V3 adds the balancing
 /// bias as `mlp.gate.e_score_correction_bias` of shape [E].
-template <class T, class Expert>
-void save_family_checkpoint(const std::string& path, MoEFFN<T, Expert>& moe, MoEFamily f,
+template <class Layer, class T = typename Layer::Scalar>
+void save_family_checkpoint(const std::string& path, Layer& moe, MoEFamily f,
                             const std::string& prefix = "", SaveOptions options = {}) {
   ParamList<T> params = family_param_values(moe, f, prefix);
   RowVector<T> bias = moe.balancer().bias();  // 1 × E
@@ -212,8 +213,8 @@ bool read_family_bias(const std::string& where, const safetensors::Reader& file,
 /// a rejected load leaves the layer as it was. The bias is stored exactly as
 /// the file has it (LoadBalancer::set_bias: the balancer's [−1, 1] bounds its
 /// own update steps, not a loaded bias), as load_packed_moe reads it.
-template <class T, class Expert>
-LoadResult load_family_checkpoint(const safetensors::Reader& file, MoEFFN<T, Expert>& moe, MoEFamily f,
+template <class Layer, class T = typename Layer::Scalar>
+LoadResult load_family_checkpoint(const safetensors::Reader& file, Layer& moe, MoEFamily f,
                                   const std::string& prefix = "", const LoadOptions& options = {}) {
   const std::string where = "load_family_checkpoint(" + file.source().description() + ")";
   detail::check_family_file(where, file, f, prefix);
@@ -228,8 +229,8 @@ LoadResult load_family_checkpoint(const safetensors::Reader& file, MoEFFN<T, Exp
   return r;
 }
 
-template <class T, class Expert>
-LoadResult load_family_checkpoint(const std::string& path, MoEFFN<T, Expert>& moe, MoEFamily f,
+template <class Layer, class T = typename Layer::Scalar>
+LoadResult load_family_checkpoint(const std::string& path, Layer& moe, MoEFamily f,
                                   const std::string& prefix = "", const LoadOptions& options = {}) {
   const safetensors::Reader file(path, options.limits);
   return load_family_checkpoint(file, moe, f, prefix, options);
