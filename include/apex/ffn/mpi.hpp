@@ -11,8 +11,9 @@
 ///     exchange_plan.hpp       ExchangePlan: counts, expert-major reordering, exchange_rows
 ///     local_experts.hpp       a rank's expert compute (tasks as MoEFFN's)
 ///     global_capacity.hpp     global_capacity_drops: the capacity limit on all ranks' batch
+///     rank_memory.hpp         a rank's weight bytes, for the memory-fit checks
 ///     expert_parallel_moe.hpp ExpertParallelMoE<T, Expert>
-///     moe/kappa_experts.hpp           κ-SwiGLU's layer-wide regulariser across ranks
+///     kappa_regulariser.hpp   κ-SwiGLU's layer-wide regulariser across ranks
 ///
 /// Sharded checkpoints (mpi/expert_parallel_checkpoint.hpp) also need apex::checkpoint
 /// and are not included here.
@@ -27,3 +28,4 @@
 #include "mpi/global_capacity.hpp"
 #include "mpi/kappa_regulariser.hpp"
 #include "mpi/local_experts.hpp"
+#include "mpi/rank_memory.hpp"

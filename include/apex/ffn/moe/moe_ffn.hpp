@@ -41,6 +41,7 @@
 #include "expert_tasks.hpp"
 #include "../core/init.hpp"
 #include "load_balancer.hpp"
+#include "moe_gradients.hpp"
 #include "../core/memory_budget.hpp"
 #include "config.hpp"
 #include "../core/parallel.hpp"
@@ -230,10 +231,7 @@ class MoEFFN {
   /// Zeroes every gradient (allocating them, zeroed, if not yet).
   void zero_grad() {
     if (!has_gradients()) return allocate_gradients();
-    router_.zero_grad();
-    for (auto& e : experts_) e.zero_grad();
-    for (auto& s : shared_) s.zero_grad();
-    shared_gate_grad_.setZero();
+    detail::zero_moe_gradients(gradient_parts());
   }
   /// Whether the layer's gradients exist (allocate_gradients ran).
   bool has_gradients() const { return has_grads_; }
@@ -245,13 +243,8 @@ class MoEFFN {
   void allocate_gradients() {
     if (has_grads_) return;
     constexpr const char* where = "MoEFFN::allocate_gradients";
-    // Exact for any expert type: every parameter gets a gradient of its size.
     const std::uint64_t bytes = detail::scalar_bytes<T>(where, "gradient bytes", parameter_count(param_values()));
-    check_gradient_fit(where, description(config_), bytes, bytes);
-    router_.allocate_gradients();
-    for (auto& e : experts_) detail::allocate_gradients_of(e);
-    for (auto& s : shared_) s.allocate_gradients();
-    if (config_.shared_expert_gate) shared_gate_grad_ = Matrix<T>::Zero(1, d_model());
+    detail::allocate_moe_gradients(where, description(config_), bytes, gradient_parts());
     has_grads_ = true;
   }
 
@@ -413,6 +406,10 @@ class MoEFFN {
     dispatch::gather_backward(c.plan, dx_sorted, shared_dx, n_shared, dx, threads);
     if (gated) dx.noalias() += dz * shared_gate_;
     return dx;
+  }
+
+  detail::MoEGradientParts<T, Expert> gradient_parts() {
+    return {router_, experts_, shared_, shared_gate_grad_, config_.shared_expert_gate ? d_model() : 0};
   }
 
   Index work_cols() const { return experts_.empty() ? 0 : experts_.front().work_cols(); }

@@ -55,10 +55,14 @@
 #include "../moe/dispatch.hpp"
 #include "../core/errors.hpp"
 #include "../moe/expert_contract.hpp"
+#include "../core/checked_size.hpp"
 #include "../core/init.hpp"
+#include "../core/memory_budget.hpp"
 #include "../moe/load_balancer.hpp"
 #include "../moe/moe_ffn.hpp"
+#include "../moe/moe_gradients.hpp"
 #include "../core/parallel.hpp"
+#include "../core/state_names.hpp"
 #include "../moe/router.hpp"
 #include "../moe/shared_expert_gate.hpp"
 #include "../layers/swiglu.hpp"
@@ -70,6 +74,7 @@
 #include "fixed_order_sum.hpp"
 #include "global_capacity.hpp"
 #include "local_experts.hpp"
+#include "rank_memory.hpp"
 
 namespace apex::mpi {
 
@@ -122,10 +127,13 @@ class ExpertParallelMoE {
     agree_on_config(comm_, where, fingerprint<T, Expert>(where, config));
     comm_.step(where, [&] {
       shard_ = ExpertShard(config.n_experts, comm_.size());
+      const Index first = shard_.first(comm_.rank()), last = shard_.first(comm_.rank() + 1);
+      // Before anything is allocated: a rank that cannot hold its share is a ConfigError on every rank.
+      check_memory_fit(where, detail::rank_description<T>(config, last - first),
+                       detail::rank_weight_bytes<T, Expert>(config, last - first, where));
       router_.emplace(config.d_model, config.n_experts, config.n_active, rng);
       router_->set_routing(config.routing);
       balancer_.emplace(config.n_experts, config.n_active, config.balancer_alpha);
-      const Index first = shard_.first(comm_.rank()), last = shard_.first(comm_.rank() + 1);
       experts_.reserve(std::size_t(last - first));
       for (Index e = 0; e < config.n_experts; ++e) {
         if (e >= first && e < last) experts_.emplace_back(config.d_model, config.d_ffn, rng);
@@ -135,8 +143,8 @@ class ExpertParallelMoE {
       if (config.shared_expert_gate) {  // drawn last, as MoEFFN draws it
         shared_gate_.resize(1, config.d_model);
         init_linear(shared_gate_, rng);
-        shared_gate_grad_ = Matrix<T>::Zero(1, config.d_model);
       }
+      // No gradients yet: allocate_gradients().
     });
   }
   ExpertParallelMoE(const MoEConfig& config, Communicator comm, Rng&& rng)
@@ -244,12 +252,16 @@ class ExpertParallelMoE {
     Matrix<T> dy_shared, dz;  // N × d: σ ⊙ dy for the shared experts; N × 1: ∂L/∂(x·w_gate)
     Vector<T> dside_local, dside_recv, dside_sorted;
     std::vector<std::int64_t> peer_rows;
-    StepGradientSum<T> replicated(comm_, replicated_params(), grad_stash_);
     Clock clock;
 
     comm_.step(where, {exchange_limit_setting(limit_)}, [&] {  // combine → g·dy in plan order
       check_cache(where, c);
       apex::detail::check_shape(where, "dy", dy, n, d);
+      apex::detail::checked_product(where, "shared gradient rows n_shared*N", {n_shared, n});
+      // Every gradient exists before the expert tasks run: no task allocates
+      // (moe/expert_contract.hpp), and the experts step below cannot fail
+      // part-way with this rank's expert gradients half accumulated.
+      allocate_gradients();
       dy_sorted.resize(c.plan.rows(), d);
       dispatch::combine_backward(c.plan, combine_weights(c), dy, c.y_sorted, d_weights, dy_sorted, threads);
       // A dropped pair has no effect on y, so no gradient (MoEFFN::backward).
@@ -266,12 +278,13 @@ class ExpertParallelMoE {
     clock.lap(times_.combine);
     exchange(dy_sorted.data(), ex.send_rows, dy_recv.data(), ex.recv_rows, d);
     clock.lap(times_.exchange);
+    StepGradientSum<T> replicated(comm_, replicated_params(), grad_stash_);
     replicated.begin();
     try {
       comm_.step(where, [&] {  // experts, on expert-major blocks
         auto dy_local = apex::detail::thread_workspace<T, DyTag>(rows, d);
         auto dx_local = apex::detail::thread_workspace<T, DxTag>(rows, d);
-        auto shared_dx = apex::detail::thread_workspace<T, SharedDxTag>(n_shared * n, d);
+        auto shared_dx = apex::detail::thread_workspace<T, SharedDxTag>(n_shared * n, d);  // checked above
         dside_local = Vector<T>::Zero(rows * expert_side_cols<Expert>);
         ex.to_expert_major(dy_recv, dy_local);
         // shared gate: the shared experts see σ ⊙ dy; ∂L/∂z_t = (1 − σ_t) ⟨dy_t, Σ_s D_s[t]⟩
@@ -331,12 +344,13 @@ class ExpertParallelMoE {
 
   /// `router.weight`, `experts.{e}.…` for this rank's e (global ids),
   /// `shared_experts.{s}.…`, `shared_expert_gate.weight`: MoEFFN's names and
-  /// order, this rank's subset.
+  /// order, this rank's subset, with their gradients, which this allocates
+  /// (zeroed, all of this rank's) if not yet.
   ParamList<T> params() {
     ParamList<T> out = replicated_params();
     ParamList<T> routed;
     for (std::size_t j = 0; j < experts_.size(); ++j)
-      apex::detail::append_prefixed(routed, "experts." + std::to_string(first_expert() + Index(j)) + ".",
+      apex::detail::append_prefixed(routed, state_names::routed_expert(first_expert() + Index(j)),
                                     experts_[j].params());
     out.insert(out.begin() + 1, routed.begin(), routed.end());  // after router.weight, as MoEFFN orders them
     return out;
@@ -344,32 +358,48 @@ class ExpertParallelMoE {
   /// params() values only: never allocates gradients (core/param.hpp), for checkpoints.
   ParamList<T> param_values() {
     ParamList<T> out;
-    apex::detail::append_prefixed(out, "router.", router_->param_values());
+    apex::detail::append_prefixed(out, state_names::kRouterPrefix, router_->param_values());
     for (std::size_t j = 0; j < experts_.size(); ++j)
-      apex::detail::append_prefixed(out, "experts." + std::to_string(first_expert() + Index(j)) + ".",
+      apex::detail::append_prefixed(out, state_names::routed_expert(first_expert() + Index(j)),
                                     apex::detail::param_values_of(experts_[j]));
     for (std::size_t s = 0; s < shared_.size(); ++s)
-      apex::detail::append_prefixed(out, "shared_experts." + std::to_string(s) + ".", shared_[s].param_values());
+      apex::detail::append_prefixed(out, state_names::shared_expert(s), shared_[s].param_values());
     if (config_.shared_expert_gate)
-      out.push_back(apex::detail::make_value_param<T>("shared_expert_gate.weight", shared_gate_));
+      out.push_back(apex::detail::make_value_param<T>(state_names::kSharedGate, shared_gate_));
     return out;
   }
   /// The parameters every rank holds a replica of (router, shared experts,
-  /// shared gate).
+  /// shared gate), with their gradients (allocate_gradients if not yet).
   ParamList<T> replicated_params() {
+    allocate_gradients();
     ParamList<T> out;
-    apex::detail::append_prefixed(out, "router.", router_->params());
+    apex::detail::append_prefixed(out, state_names::kRouterPrefix, router_->params());
     for (std::size_t s = 0; s < shared_.size(); ++s)
-      apex::detail::append_prefixed(out, "shared_experts." + std::to_string(s) + ".", shared_[s].params());
+      apex::detail::append_prefixed(out, state_names::shared_expert(s), shared_[s].params());
     if (config_.shared_expert_gate)
-      out.push_back(apex::detail::make_param<T>("shared_expert_gate.weight", shared_gate_, shared_gate_grad_));
+      out.push_back(apex::detail::make_param<T>(state_names::kSharedGate, shared_gate_, shared_gate_grad_));
     return out;
   }
+  /// Zeroes this rank's gradients (allocating them, zeroed, if not yet). Local.
   void zero_grad() {
-    router_->zero_grad();
-    for (auto& e : experts_) e.zero_grad();
-    for (auto& s : shared_) s.zero_grad();
-    shared_gate_grad_.setZero();
+    if (!has_gradients()) return allocate_gradients();
+    apex::detail::zero_moe_gradients(gradient_parts());
+  }
+  /// Whether this rank's gradients exist (allocate_gradients ran).
+  bool has_gradients() const { return has_grads_; }
+  /// Allocates every gradient of this rank — router, its routed experts,
+  /// shared experts, shared gate — zeroed, unless done already. Local, not
+  /// collective; backward calls it before its parallel section. ConfigError
+  /// (core/memory_budget.hpp) naming the bytes if this rank's weights plus
+  /// gradients exceed physical memory; nothing is allocated then.
+  void allocate_gradients() {
+    if (has_grads_) return;
+    constexpr const char* where = "ExpertParallelMoE::allocate_gradients";
+    const std::uint64_t bytes =
+        apex::detail::scalar_bytes<T>(where, "gradient bytes", parameter_count(param_values()));
+    apex::detail::allocate_moe_gradients(where, detail::rank_description<T>(config_, Index(experts_.size())), bytes,
+                                         gradient_parts());
+    has_grads_ = true;
   }
 
  private:
@@ -387,6 +417,10 @@ class ExpertParallelMoE {
       last = now;
     }
   };
+
+  apex::detail::MoEGradientParts<T, Expert> gradient_parts() {
+    return {*router_, experts_, shared_, shared_gate_grad_, config_.shared_expert_gate ? d_model() : 0};
+  }
 
   bool capacity_on() const { return config_.routing.capacity_factor > 0; }
   /// The gate acts only if there are shared experts to gate (as in MoEFFN).
@@ -473,7 +507,8 @@ class ExpertParallelMoE {
   std::vector<Expert> experts_;
   std::vector<SharedType> shared_;
   Matrix<T> shared_gate_;       ///< 1 × d with shared_expert_gate (Qwen2-MoE), else 0 × 0
-  Matrix<T> shared_gate_grad_;  ///< 1 × d, or 0 × 0
+  Matrix<T> shared_gate_grad_;  ///< 1 × d with shared_expert_gate, once allocated; else 0 × 0
+  bool has_grads_ = false;      ///< allocate_gradients ran
   int threads_ = 0;
   Index limit_ = kMaxIntCount;
   std::vector<T> grad_stash_;  ///< the replicated gradients before a backward (StepGradientSum)
