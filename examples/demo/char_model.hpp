@@ -38,41 +38,12 @@
 #include <utility>
 #include <vector>
 
+#include "batch_loss.hpp"
+#include "char_model_config.hpp"
 #include "context_embedding.hpp"
 #include "text_data.hpp"
 
 namespace apex::demo {
-
-/// Shape and feature switches of CharModel.
-struct CharModelConfig {
-  Index vocab = 0;                            ///< V
-  Index context = 16;                         ///< c: characters the model sees
-  Index embed = 16;                           ///< k: embedding width per character
-  ModelPreset preset = ModelPreset::tiny();   ///< trunk widths, depth, experts
-  Index mtp_heads = 4;                        ///< extra heads (tokens t+2 … t+1+N)
-  double mtp_lambda = 0.1;                    ///< λ of L = L_main + λ·Σ_k L_k
-  bool skip_gates = true;                     ///< a skip gate on every sublayer
-  double skip_threshold = 0.15;               ///< τ
-  double skip_penalty = 0.0;                  ///< λ_skip of the compute penalty λ_skip·mean(g)
-  double balancer_alpha = 1e-3;               ///< bias step of every MoE layer's balancer
-  KappaOptions kappa;                         ///< κ-SwiGLU options (U is then set by the trainer's ramp)
-
-  void validate() const {
-    detail::require_config(vocab > 0, "CharModelConfig", "vocab must be positive, got " + std::to_string(vocab));
-    detail::require_config(context > 0, "CharModelConfig", "context must be positive");
-    detail::require_config(embed > 0, "CharModelConfig", "embed must be positive");
-    detail::require_config(preset.n_layers > 0, "CharModelConfig", "the preset needs at least one layer");
-    preset.moe().validate("CharModelConfig.preset");
-    kappa.validate("CharModelConfig.kappa");
-  }
-};
-
-/// Loss of a batch, summed over its sequences before averaging.
-struct BatchLoss {
-  double total = 0;                    ///< L = L_main + λ·Σ_k L_k (mean over chunks)
-  CrossEntropyStats main;              ///< main head: mean CE (nats) and accuracy
-  std::vector<CrossEntropyStats> heads;  ///< head i predicts token t+2+i
-};
 
 /// The trainable sublayers: dense SwiGLU and a κ-SwiGLU MoE, each in an
 /// FFNSublayer (norm, optional skip gate).
@@ -118,17 +89,10 @@ class CharModel {
     static_assert(Layers::kTrainable, "CharModel: only trainable layers are built from a seed; convert a trained "
                                       "model instead (packed_char_model.hpp)");
     const ModelPreset& p = cfg.preset;
+    const SkipGateConfig gc = skip_gate_config(cfg);
     for (Index l = 0; l < p.n_layers; ++l) {
-      const bool moe = ModelPreset::is_moe_layer(l);
-      SkipGateConfig gc;
-      gc.d_model = p.d_model;
-      gc.hidden = p.skip_hidden;
-      gc.threshold = cfg.skip_threshold;
-      gc.penalty = cfg.skip_penalty;
-      if (moe) {
-        MoEConfig mc = p.moe();
-        mc.balancer_alpha = cfg.balancer_alpha;
-        MoE ffn(mc, rng_);
+      if (ModelPreset::is_moe_layer(l)) {
+        MoE ffn(moe_config(cfg), rng_);
         for (auto& e : ffn.experts()) e.set_options(cfg.kappa);
         order_.push_back({true, Index(sparse_.size())});
         if (cfg.skip_gates)
@@ -198,40 +162,10 @@ class CharModel {
     return out;
   }
 
-  /// The multi-token loss of `out` on `batch`: each chunk is one sequence
-  /// (its heads' targets run `lookahead` tokens past it), and the batch loss
-  /// is the mean over chunks. With `dlogits`/`dheads`, writes ∂L/∂logits.
+  /// The multi-token loss of `out` on `batch` (batch_loss.hpp); with
+  /// `dlogits`/`dheads`, writes ∂L/∂logits.
   BatchLoss loss(const Output& out, const Batch& batch, Matrix<T>* dlogits = nullptr, Matrix<T>* dheads = nullptr) const {
-    const Index L = batch.chunk_len, chunks = batch.chunks();
-    BatchLoss r;
-    r.heads.resize(std::size_t(mtp_.num_heads()));
-    if (dlogits) dlogits->resize(out.logits.rows(), out.logits.cols());
-    if (dheads) dheads->resize(out.head_logits.rows(), out.head_logits.cols());
-    Matrix<T> dm, dh;
-    double main_sum = 0;
-    std::vector<double> head_sum(r.heads.size(), 0.0);
-    for (Index b = 0; b < chunks; ++b) {
-      const MultiTokenLoss l = mtp_.loss(out.logits.middleRows(b * L, L), out.head_logits.middleRows(b * L, L),
-                                         batch.labels[std::size_t(b)], dlogits ? &dm : nullptr, dheads ? &dh : nullptr);
-      // multi_token_loss averages within one sequence; the batch averages the
-      // sequences, so each chunk's gradient is scaled by 1/chunks.
-      const T s = T(1.0 / double(chunks));
-      if (dlogits) dlogits->middleRows(b * L, L) = s * dm;
-      if (dheads) dheads->middleRows(b * L, L) = s * dh;
-      r.total += l.total / double(chunks);
-      main_sum += l.main.loss * double(l.main.count);
-      r.main.count += l.main.count;
-      r.main.correct += l.main.correct;
-      for (std::size_t i = 0; i < r.heads.size(); ++i) {
-        head_sum[i] += l.heads[i].loss * double(l.heads[i].count);
-        r.heads[i].count += l.heads[i].count;
-        r.heads[i].correct += l.heads[i].correct;
-      }
-    }
-    r.main.loss = r.main.count > 0 ? main_sum / double(r.main.count) : 0.0;
-    for (std::size_t i = 0; i < r.heads.size(); ++i)
-      r.heads[i].loss = r.heads[i].count > 0 ? head_sum[i] / double(r.heads[i].count) : 0.0;
-    return r;
+    return batch_loss(mtp_, out.logits, out.head_logits, batch, dlogits, dheads);
   }
 
   /// Backward from ∂L/∂logits and ∂L/∂head_logits; adds into every gradient.
@@ -347,13 +281,6 @@ class CharModel {
  private:
   template <class, class>
   friend class CharModel;  // the converting constructor reads its source's parts
-
-  static MultiTokenOptions mtp_options(const CharModelConfig& cfg) {
-    MultiTokenOptions o;
-    o.num_heads = cfg.mtp_heads;
-    o.lambda = cfg.mtp_lambda;
-    return o;
-  }
 
   CharModelConfig cfg_;
   Rng rng_;  ///< draws the initial weights, in construction order

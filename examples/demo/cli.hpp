@@ -63,11 +63,55 @@ inline bool parse_long(const std::string& s, long lo, long hi, long& out) {
   return true;
 }
 
+/// Whether `arg` is one of the options that take a value.
+inline bool takes_value(const std::string& arg) {
+  return arg == "--steps" || arg == "--contrast-steps" || arg == "--seed" || arg == "--threads" || arg == "--out" ||
+         arg == "--checkpoint" || arg == "--packed" || arg == "--data";
+}
+
+/// Parses `value` of option `arg` as an integer in [lo, hi] into `n`;
+/// returns the error message, empty when it parsed.
+inline std::string number(const std::string& arg, const std::string& value, long lo, long hi, long& n) {
+  if (parse_long(value, lo, hi, n)) return {};
+  return "option '" + arg + "' expects an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+         "], got '" + value + "'";
+}
+
+/// Stores `value` of the option `arg` (one that takes_value) in `o`; returns
+/// what was wrong with it, empty when nothing was (and only then is `o` changed).
+inline std::string set_option(DemoOptions& o, const std::string& arg, const std::string& value) {
+  long n = 0;
+  std::string e;
+  if (arg == "--steps") {
+    if ((e = number(arg, value, 1, 10'000'000, n)).empty()) o.steps = n;
+  } else if (arg == "--contrast-steps") {
+    if ((e = number(arg, value, 0, 10'000'000, n)).empty()) o.contrast_steps = n;
+  } else if (arg == "--seed") {
+    if ((e = number(arg, value, 0, 2'000'000'000'000'000'000L, n)).empty()) o.seed = std::uint64_t(n);
+  } else if (arg == "--threads") {
+    if ((e = number(arg, value, 1, 256, n)).empty()) o.threads = int(n);
+  } else if (value.empty()) {
+    e = "option '" + arg + "' needs a non-empty value";
+  } else if (arg == "--out") {
+    o.out = value;
+  } else if (arg == "--checkpoint") {
+    o.checkpoint = value;
+  } else if (arg == "--packed") {
+    if (value != "bf16" && value != "float" && value != "none")
+      e = "option '--packed' expects bf16, float or none, got '" + value + "'";
+    else
+      o.packed = value;
+  } else {
+    o.data = value;
+  }
+  return e;
+}
+
 }  // namespace cli_detail
 
+/// Reads `--name value` / `--name=value` pairs; stops at the first error.
 inline ParsedArgs parse_args(int argc, const char* const* argv) {
   ParsedArgs r;
-  DemoOptions& o = r.options;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i], value;
     bool has_value = false;
@@ -80,9 +124,7 @@ inline ParsedArgs parse_args(int argc, const char* const* argv) {
       r.help = true;
       continue;
     }
-    const bool known = arg == "--steps" || arg == "--contrast-steps" || arg == "--seed" || arg == "--threads" ||
-                       arg == "--out" || arg == "--checkpoint" || arg == "--packed" || arg == "--data";
-    if (!known) {
+    if (!cli_detail::takes_value(arg)) {
       r.error = "unknown option '" + arg + "'";
       return r;
     }
@@ -93,41 +135,8 @@ inline ParsedArgs parse_args(int argc, const char* const* argv) {
       }
       value = argv[++i];
     }
-    long n = 0;
-    auto number = [&](long lo, long hi) {
-      if (cli_detail::parse_long(value, lo, hi, n)) return true;
-      r.error = "option '" + arg + "' expects an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
-                "], got '" + value + "'";
-      return false;
-    };
-    if (arg == "--steps") {
-      if (!number(1, 10'000'000)) return r;
-      o.steps = n;
-    } else if (arg == "--contrast-steps") {
-      if (!number(0, 10'000'000)) return r;
-      o.contrast_steps = n;
-    } else if (arg == "--seed") {
-      if (!number(0, 2'000'000'000'000'000'000L)) return r;
-      o.seed = std::uint64_t(n);
-    } else if (arg == "--threads") {
-      if (!number(1, 256)) return r;
-      o.threads = int(n);
-    } else if (value.empty()) {
-      r.error = "option '" + arg + "' needs a non-empty value";
-      return r;
-    } else if (arg == "--out") {
-      o.out = value;
-    } else if (arg == "--checkpoint") {
-      o.checkpoint = value;
-    } else if (arg == "--packed") {
-      if (value != "bf16" && value != "float" && value != "none") {
-        r.error = "option '--packed' expects bf16, float or none, got '" + value + "'";
-        return r;
-      }
-      o.packed = value;
-    } else {
-      o.data = value;
-    }
+    r.error = cli_detail::set_option(r.options, arg, value);
+    if (!r.error.empty()) return r;
   }
   return r;
 }

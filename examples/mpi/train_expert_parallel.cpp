@@ -47,6 +47,116 @@ void sgd(Layer& layer, T lr) {
   for (const auto& p : layer.params()) p.value() -= lr * p.grad();
 }
 
+/// A small layer: 8 experts (or one per rank beyond 8), 2 active, 1 shared.
+MoEConfig layer_config(int ranks) {
+  MoEConfig cfg;
+  cfg.d_model = 32;
+  cfg.d_ffn = 64;
+  cfg.n_experts = std::max(8, ranks);
+  cfg.n_active = 2;
+  cfg.n_shared = 1;
+  cfg.balancer_alpha = 1e-2;
+  return cfg;
+}
+
+SkipGateConfig gate_config(const MoEConfig& cfg) {
+  SkipGateConfig gate;
+  gate.d_model = cfg.d_model;
+  gate.hidden = 8;
+  gate.threshold = 0.9;  // about half the tokens skip the FFN at initialisation
+  return gate;
+}
+
+/// Rank r brings 24 + 8r tokens, rows [begin, begin + mine) of the whole
+/// batch of `total`; every rank can rebuild the whole batch.
+struct TokenSlice {
+  Index total = 0, begin = 0, mine = 0;
+};
+
+TokenSlice token_slice(int rank, int ranks) {
+  TokenSlice s;
+  for (int r = 0; r < ranks; ++r) {
+    if (r == rank) s.begin = s.total;
+    s.total += 24 + 8 * r;
+  }
+  s.mine = 24 + 8 * rank;
+  return s;
+}
+
+/// One SGD step of `layer` on rows `x` → `target` of a batch of `total`
+/// tokens; returns the loss of the whole batch. With `comm`, the rows are
+/// this rank's: its share of ∂L/∂y is (y − target) / total, and the loss and
+/// the `data_parallel` replicas' gradients are summed over the ranks.
+template <class Layer>
+double train_step(Layer& layer, const Matrix<T>& x, const Matrix<T>& target, Index total, T lr,
+                  const mpi::Communicator* comm, ParamList<T>* data_parallel, typename Layer::Cache& cache) {
+  layer.zero_grad();
+  const Matrix<T> y = layer.forward(x, &cache);
+  double loss = 0.5 * (y - target).squaredNorm() / double(total);
+  if (comm) MPI_Allreduce(MPI_IN_PLACE, &loss, 1, MPI_DOUBLE, MPI_SUM, comm->get());
+  layer.backward((y - target) / T(total), cache);
+  if (comm) mpi::sum_gradients(*comm, *data_parallel);
+  layer.observe(cache);
+  sgd(layer, lr);
+  layer.ffn().balancer().update();
+  return loss;
+}
+
+/// The largest relative difference, over every rank, of a parameter this
+/// rank holds from the reference's of the same name.
+template <class Layer, class Reference>
+double max_relative_difference(Layer& layer, Reference& reference, const mpi::Communicator& comm) {
+  std::map<std::string, Param<T>> ref;
+  for (const auto& p : reference.params()) ref.emplace(p.name, p);
+  double diff = 0;
+  for (const auto& p : layer.params()) {
+    const auto r = ref.at(p.name).value();
+    diff = std::max(diff, double((p.value() - r).cwiseAbs().maxCoeff() / std::max<T>(r.cwiseAbs().maxCoeff(), 1e-300)));
+  }
+  MPI_Allreduce(MPI_IN_PLACE, &diff, 1, MPI_DOUBLE, MPI_MAX, comm.get());
+  return diff;
+}
+
+/// Five steps expert-parallel against one process; the worst relative
+/// parameter difference (1 if a loss or a balancer bias differs).
+double compare_training(const mpi::Communicator& comm) {
+  const int rank = comm.rank();
+  const MoEConfig cfg = layer_config(comm.size());
+  const SkipGateConfig gate = gate_config(cfg);
+  const TokenSlice slice = token_slice(rank, comm.size());
+  const Index total = slice.total;
+
+  FFNSublayer<T, EP> layer(cfg.d_model, EP(cfg, comm, 1), SkipGate<T>(gate, 2));
+  FFNSublayer<T, MoEFFN<T>> reference(cfg.d_model, MoEFFN<T>(cfg, 1), SkipGate<T>(gate, 2));
+  ParamList<T> data_parallel;  // the sublayer's own replicas: norm and gate
+  for (const auto& p : layer.params())
+    if (p.name.rfind("ffn.", 0) != 0) data_parallel.push_back(p);
+
+  const T lr = 0.05;
+  double worst = 0;
+  for (int step = 0; step < 5; ++step) {
+    const Matrix<T> x_all = global_batch(total, cfg.d_model, 100 + std::uint64_t(step));
+    const Matrix<T> target_all = global_batch(total, cfg.d_model, 200 + std::uint64_t(step));
+    const Matrix<T> x = x_all.middleRows(slice.begin, slice.mine);
+    const Matrix<T> target = target_all.middleRows(slice.begin, slice.mine);
+
+    typename FFNSublayer<T, EP>::Cache cache;  // expert parallel: this rank's tokens
+    const double loss = train_step(layer, x, target, total, lr, &comm, &data_parallel, cache);
+    typename FFNSublayer<T, MoEFFN<T>>::Cache rc;  // one process: the concatenated batch
+    const double loss_ref = train_step(reference, x_all, target_all, total, lr, nullptr, nullptr, rc);
+
+    const double diff = max_relative_difference(layer, reference, comm);
+    const bool same_bias = layer.ffn().balancer().bias() == reference.ffn().balancer().bias();
+    worst = std::max(worst, diff);
+    if (rank == 0)
+      std::printf("step %d  loss %.9f (one process %.9f)  skipped %.0f%% on rank 0  max relative parameter "
+                  "difference %.2e  bias %s\n",
+                  step, loss, loss_ref, 100.0 * cache.skip_rate(), diff, same_bias ? "identical" : "DIFFERS");
+    if (!same_bias || std::abs(loss - loss_ref) > 1e-12 * std::abs(loss_ref)) worst = 1;
+  }
+  return worst;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -55,82 +165,9 @@ int main(int argc, char** argv) {
   int status = 0;
   try {
     mpi::Communicator comm;
-    const int rank = comm.rank(), ranks = comm.size();
-
-    MoEConfig cfg;  // a small layer: 8 experts (or one per rank beyond 8), 2 active, 1 shared
-    cfg.d_model = 32;
-    cfg.d_ffn = 64;
-    cfg.n_experts = std::max(8, ranks);
-    cfg.n_active = 2;
-    cfg.n_shared = 1;
-    cfg.balancer_alpha = 1e-2;
-    SkipGateConfig gate;
-    gate.d_model = cfg.d_model;
-    gate.hidden = 8;
-    gate.threshold = 0.9;  // about half the tokens skip the FFN at initialisation
-
-    // Rank r brings 24 + 8r tokens; every rank can rebuild the whole batch.
-    Index total = 0, begin = 0;
-    for (int r = 0; r < ranks; ++r) {
-      if (r == rank) begin = total;
-      total += 24 + 8 * r;
-    }
-    const Index mine = 24 + 8 * rank;
-
-    FFNSublayer<T, EP> layer(cfg.d_model, EP(cfg, comm, 1), SkipGate<T>(gate, 2));
-    FFNSublayer<T, MoEFFN<T>> reference(cfg.d_model, MoEFFN<T>(cfg, 1), SkipGate<T>(gate, 2));
-    ParamList<T> data_parallel;  // the sublayer's own replicas: norm and gate
-    for (const auto& p : layer.params())
-      if (p.name.rfind("ffn.", 0) != 0) data_parallel.push_back(p);
-
-    const T lr = 0.05;
-    double worst = 0;
-    for (int step = 0; step < 5; ++step) {
-      const Matrix<T> x_all = global_batch(total, cfg.d_model, 100 + std::uint64_t(step));
-      const Matrix<T> target_all = global_batch(total, cfg.d_model, 200 + std::uint64_t(step));
-      const Matrix<T> x = x_all.middleRows(begin, mine), target = target_all.middleRows(begin, mine);
-
-      // Expert parallel: this rank's tokens.
-      layer.zero_grad();
-      typename FFNSublayer<T, EP>::Cache cache;
-      const Matrix<T> y = layer.forward(x, &cache);
-      double loss = 0.5 * (y - target).squaredNorm() / double(total);
-      MPI_Allreduce(MPI_IN_PLACE, &loss, 1, MPI_DOUBLE, MPI_SUM, comm.get());
-      layer.backward((y - target) / T(total), cache);
-      mpi::sum_gradients(comm, data_parallel);
-      layer.observe(cache);
-      sgd(layer, lr);
-      layer.ffn().balancer().update();
-
-      // One process: the concatenated batch.
-      reference.zero_grad();
-      typename FFNSublayer<T, MoEFFN<T>>::Cache rc;
-      const Matrix<T> y_ref = reference.forward(x_all, &rc);
-      const double loss_ref = 0.5 * (y_ref - target_all).squaredNorm() / double(total);
-      reference.backward((y_ref - target_all) / T(total), rc);
-      reference.observe(rc);
-      sgd(reference, lr);
-      reference.ffn().balancer().update();
-
-      // Every parameter this rank holds against the reference's.
-      std::map<std::string, Param<T>> ref;
-      for (const auto& p : reference.params()) ref.emplace(p.name, p);
-      double diff = 0;
-      for (const auto& p : layer.params()) {
-        const auto r = ref.at(p.name).value();
-        diff = std::max(diff, double((p.value() - r).cwiseAbs().maxCoeff() / std::max<T>(r.cwiseAbs().maxCoeff(), 1e-300)));
-      }
-      MPI_Allreduce(MPI_IN_PLACE, &diff, 1, MPI_DOUBLE, MPI_MAX, comm.get());
-      const bool same_bias = layer.ffn().balancer().bias() == reference.ffn().balancer().bias();
-      worst = std::max(worst, diff);
-      if (rank == 0)
-        std::printf("step %d  loss %.9f (one process %.9f)  skipped %.0f%% on rank 0  max relative parameter "
-                    "difference %.2e  bias %s\n",
-                    step, loss, loss_ref, 100.0 * cache.skip_rate(), diff, same_bias ? "identical" : "DIFFERS");
-      if (!same_bias || std::abs(loss - loss_ref) > 1e-12 * std::abs(loss_ref)) worst = 1;
-    }
-    if (rank == 0)
-      std::printf("%d ranks: %s\n", ranks, worst <= 1e-10 ? "matches the single-process layer" : "MISMATCH");
+    const double worst = compare_training(comm);
+    if (comm.rank() == 0)
+      std::printf("%d ranks: %s\n", comm.size(), worst <= 1e-10 ? "matches the single-process layer" : "MISMATCH");
     status = worst <= 1e-10 ? 0 : 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_expert_parallel: %s\n", e.what());
