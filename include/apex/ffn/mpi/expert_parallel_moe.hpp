@@ -242,79 +242,29 @@ class ExpertParallelMoE {
   }
 
   /// dy: N × d → dx: N × d; adds into this rank's expert gradients and, summed
-  /// over ranks in rank order, into the router's and shared experts'.
+  /// over ranks in rank order, into the router's and shared experts'. The
+  /// mirror of forward: combine, rows to the experts' owners, experts, rows
+  /// back, route and gather.
   Matrix<T> backward(const ConstMatrixRef<T>& dy, const Cache& c) {
     constexpr const char* where = "ExpertParallelMoE::backward";
-    const int threads = resolve_threads(threads_);
-    const Index d = d_model(), n = c.x.rows(), rows = c.exchange.received(), n_shared = Index(shared_.size());
+    const Index d = d_model();
     const ExchangePlan& ex = c.exchange;
-    Matrix<T> d_weights, dy_sorted, dy_recv, dx_recv, dx_sorted, d_pair, dx;
-    Matrix<T> dy_shared, dz;  // N × d: σ ⊙ dy for the shared experts; N × 1: ∂L/∂(x·w_gate)
-    Vector<T> dside_local, dside_recv, dside_sorted;
-    std::vector<std::int64_t> peer_rows;
+    BackwardState s;
     Clock clock;
-
-    comm_.step(where, {exchange_limit_setting(limit_)}, [&] {  // combine → g·dy in plan order
-      check_cache(where, c);
-      apex::detail::check_shape(where, "dy", dy, n, d);
-      apex::detail::checked_product(where, "shared gradient rows n_shared*N", {n_shared, n});
-      // Every gradient exists before the expert tasks run: no task allocates
-      // (moe/expert_contract.hpp), and the experts step below cannot fail
-      // part-way with this rank's expert gradients half accumulated.
-      allocate_gradients();
-      dy_sorted.resize(c.plan.rows(), d);
-      dispatch::combine_backward(c.plan, combine_weights(c), dy, c.y_sorted, d_weights, dy_sorted, threads);
-      // A dropped pair has no effect on y, so no gradient (MoEFFN::backward).
-      for (Index pr : c.dropped) d_weights(pr / config_.n_active, pr % config_.n_active) = T(0);
-      dy_recv.resize(rows, d);
-    });
-    // The caches of one forward agree on who sends what; a cache from
-    // another step would not (and the exchange would fail or block).
-    alltoall_counts(comm_, std::vector<std::int64_t>(ex.send_rows.begin(), ex.send_rows.end()), 1, peer_rows);
-    comm_.step(where, [&] {
-      if (!std::equal(ex.recv_rows.begin(), ex.recv_rows.end(), peer_rows.begin()))
-        throw ValueError(std::string(where) + ": argument 'cache' does not come from the same forward on every rank");
-    });
+    backward_combine(where, dy, c, s);
     clock.lap(times_.combine);
-    exchange(dy_sorted.data(), ex.send_rows, dy_recv.data(), ex.recv_rows, d);
+    exchange(s.dy_sorted.data(), ex.send_rows, s.dy_recv.data(), ex.recv_rows, d);
     clock.lap(times_.exchange);
     StepGradientSum<T> replicated(comm_, replicated_params(), grad_stash_);
     replicated.begin();
     try {
-      comm_.step(where, [&] {  // experts, on expert-major blocks
-        auto dy_local = apex::detail::thread_workspace<T, DyTag>(rows, d);
-        auto dx_local = apex::detail::thread_workspace<T, DxTag>(rows, d);
-        auto shared_dx = apex::detail::thread_workspace<T, SharedDxTag>(n_shared * n, d);  // checked above
-        dside_local = Vector<T>::Zero(rows * expert_side_cols<Expert>);
-        ex.to_expert_major(dy_recv, dy_local);
-        // shared gate: the shared experts see σ ⊙ dy; ∂L/∂z_t = (1 − σ_t) ⟨dy_t, Σ_s D_s[t]⟩
-        // (D_s gated), z = x·w_gate: ∂L/∂w_gate += ∂zᵀ·X (this rank's part of
-        // a replicated gradient, summed below), ∂L/∂x += ∂z·w_gate (after the gather).
-        if (gated())
-          apex::detail::shared_gate_backward<T>(c.x, dy, c.shared_gate, c.shared_y, shared_gate_grad_, dy_shared, dz);
-        const ConstMatrixRef<T> dy_for_shared = gated() ? ConstMatrixRef<T>(dy_shared) : dy;
-        detail::local_backward(experts_, shared_, c.x, dy_for_shared, c.x_local, c.side_local, ex.local_offset,
-                               c.work, c.shared_work, dy_local, dx_local, dside_local, shared_dx, threads);
-        dx_recv.resize(rows, d);
-        dside_recv.resize(dside_local.size());
-        ex.to_received(dx_local, dx_recv);
-        if constexpr (expert_side_cols<Expert> == 1) ex.to_received(dside_local, dside_recv);
-        dx_sorted.resize(c.plan.rows(), d);
-        dside_sorted.resize(c.plan.rows() * expert_side_cols<Expert>);
-      });
+      backward_experts(where, dy, c, s);
       clock.lap(times_.experts);
-      exchange(dx_recv.data(), ex.recv_rows, dx_sorted.data(), ex.send_rows, d);
+      exchange(s.dx_recv.data(), ex.recv_rows, s.dx_sorted.data(), ex.send_rows, d);
       if constexpr (expert_side_cols<Expert> == 1)
-        exchange(dside_recv.data(), ex.recv_rows, dside_sorted.data(), ex.send_rows, 1);
+        exchange(s.dside_recv.data(), ex.recv_rows, s.dside_sorted.data(), ex.send_rows, 1);
       clock.lap(times_.exchange);
-      comm_.step(where, [&] {  // route and gather backward
-        dispatch::scatter_side_grad(Side{}, c.plan, dside_sorted, d_pair);
-        apex::detail::serial([&] { dx = router_->backward(c.x, c.routing, d_weights, d_pair); });
-        // The same per-thread buffer local_backward wrote (same tag, same size: not reallocated).
-        auto shared_dx = apex::detail::thread_workspace<T, SharedDxTag>(n_shared * n, d);
-        dispatch::gather_backward(c.plan, dx_sorted, shared_dx, n_shared, dx, threads);
-        if (gated()) dx.noalias() += dz * shared_gate_;
-      });
+      backward_route(where, c, s);
       clock.lap(times_.route);
       replicated.finish();
       clock.lap(times_.reduce);
@@ -322,7 +272,7 @@ class ExpertParallelMoE {
       replicated.restore();
       throw;
     }
-    return dx;
+    return std::move(s.dx);
   }
 
   /// Adds the routing of `cache`, summed over ranks (exact integer sums), to
@@ -417,6 +367,94 @@ class ExpertParallelMoE {
       last = now;
     }
   };
+
+  /// What one backward carries from phase to phase.
+  struct BackwardState {
+    Matrix<T> d_weights;             ///< N × K: ∂L/∂g
+    Matrix<T> dy_sorted, dx_sorted;  ///< NK × d: g·dy out, ∂L/∂x back, plan order
+    Matrix<T> dy_recv, dx_recv;      ///< R × d: as received / to return, rank blocks
+    Matrix<T> d_pair;                ///< N × K (or 0 × 0): ∂L/∂ℓ of the selected pairs from the side input
+    Matrix<T> dy_shared, dz;         ///< N × d: σ ⊙ dy for the shared experts; N × 1: ∂L/∂(x·w_gate)
+    Vector<T> dside_local, dside_recv, dside_sorted;  ///< R, R, NK (or 0): side-input gradients
+    Matrix<T> dx;                    ///< N × d: the result
+  };
+
+  /// Checks, allocates every gradient and computes g·dy in plan order and
+  /// ∂L/∂g (combine_backward); then checks that every rank's cache comes from
+  /// the same forward.
+  void backward_combine(const char* where, const ConstMatrixRef<T>& dy, const Cache& c, BackwardState& s) {
+    const int threads = resolve_threads(threads_);
+    const Index d = d_model(), n = c.x.rows(), n_shared = Index(shared_.size());
+    const ExchangePlan& ex = c.exchange;
+    comm_.step(where, {exchange_limit_setting(limit_)}, [&] {
+      check_cache(where, c);
+      apex::detail::check_shape(where, "dy", dy, n, d);
+      apex::detail::checked_product(where, "shared gradient rows n_shared*N", {n_shared, n});
+      // Every gradient exists before the expert tasks run: no task allocates
+      // (moe/expert_contract.hpp), and the experts step cannot fail part-way
+      // with this rank's expert gradients half accumulated.
+      allocate_gradients();
+      s.dy_sorted.resize(c.plan.rows(), d);
+      dispatch::combine_backward(c.plan, combine_weights(c), dy, c.y_sorted, s.d_weights, s.dy_sorted, threads);
+      // A dropped pair has no effect on y, so no gradient (MoEFFN::backward).
+      for (Index pr : c.dropped) s.d_weights(pr / config_.n_active, pr % config_.n_active) = T(0);
+      s.dy_recv.resize(ex.received(), d);
+    });
+    // The caches of one forward agree on who sends what; a cache from
+    // another step would not (and the exchange would fail or block).
+    std::vector<std::int64_t> peer_rows;
+    alltoall_counts(comm_, std::vector<std::int64_t>(ex.send_rows.begin(), ex.send_rows.end()), 1, peer_rows);
+    comm_.step(where, [&] {
+      if (!std::equal(ex.recv_rows.begin(), ex.recv_rows.end(), peer_rows.begin()))
+        throw ValueError(std::string(where) + ": argument 'cache' does not come from the same forward on every rank");
+    });
+  }
+
+  /// The experts' backward on expert-major blocks and the shared experts'
+  /// (behind their gate) on this rank's tokens; stages ∂L/∂x (and the side
+  /// input's gradient) to return to the tokens' ranks.
+  void backward_experts(const char* where, const ConstMatrixRef<T>& dy, const Cache& c, BackwardState& s) {
+    const int threads = resolve_threads(threads_);
+    const Index d = d_model(), n = c.x.rows(), rows = c.exchange.received(), n_shared = Index(shared_.size());
+    const ExchangePlan& ex = c.exchange;
+    comm_.step(where, [&] {
+      auto dy_local = apex::detail::thread_workspace<T, DyTag>(rows, d);
+      auto dx_local = apex::detail::thread_workspace<T, DxTag>(rows, d);
+      auto shared_dx = apex::detail::thread_workspace<T, SharedDxTag>(n_shared * n, d);  // checked in combine
+      s.dside_local = Vector<T>::Zero(rows * expert_side_cols<Expert>);
+      ex.to_expert_major(s.dy_recv, dy_local);
+      // shared gate: the shared experts see σ ⊙ dy; ∂L/∂z_t = (1 − σ_t) ⟨dy_t, Σ_s D_s[t]⟩
+      // (D_s gated), z = x·w_gate: ∂L/∂w_gate += ∂zᵀ·X (this rank's part of
+      // a replicated gradient, summed later), ∂L/∂x += ∂z·w_gate (after the gather).
+      if (gated())
+        apex::detail::shared_gate_backward<T>(c.x, dy, c.shared_gate, c.shared_y, shared_gate_grad_, s.dy_shared,
+                                              s.dz);
+      const ConstMatrixRef<T> dy_for_shared = gated() ? ConstMatrixRef<T>(s.dy_shared) : dy;
+      detail::local_backward(experts_, shared_, c.x, dy_for_shared, c.x_local, c.side_local, ex.local_offset, c.work,
+                             c.shared_work, dy_local, dx_local, s.dside_local, shared_dx, threads);
+      s.dx_recv.resize(rows, d);
+      s.dside_recv.resize(s.dside_local.size());
+      ex.to_received(dx_local, s.dx_recv);
+      if constexpr (expert_side_cols<Expert> == 1) ex.to_received(s.dside_local, s.dside_recv);
+      s.dx_sorted.resize(c.plan.rows(), d);
+      s.dside_sorted.resize(c.plan.rows() * expert_side_cols<Expert>);
+    });
+  }
+
+  /// The router's backward (∂L/∂g and the side input's ∂L/∂ℓ) and the
+  /// gather's: ∂L/∂x per token in fixed order, plus the shared gate's part.
+  void backward_route(const char* where, const Cache& c, BackwardState& s) {
+    const int threads = resolve_threads(threads_);
+    const Index d = d_model(), n = c.x.rows(), n_shared = Index(shared_.size());
+    comm_.step(where, [&] {
+      dispatch::scatter_side_grad(Side{}, c.plan, s.dside_sorted, s.d_pair);
+      apex::detail::serial([&] { s.dx = router_->backward(c.x, c.routing, s.d_weights, s.d_pair); });
+      // The same per-thread buffer local_backward wrote (same tag, same size: not reallocated).
+      auto shared_dx = apex::detail::thread_workspace<T, SharedDxTag>(n_shared * n, d);
+      dispatch::gather_backward(c.plan, s.dx_sorted, shared_dx, n_shared, s.dx, threads);
+      if (gated()) s.dx.noalias() += s.dz * shared_gate_;
+    });
+  }
 
   apex::detail::MoEGradientParts<T, Expert> gradient_parts() {
     return {*router_, experts_, shared_, shared_gate_grad_, config_.shared_expert_gate ? d_model() : 0};

@@ -40,6 +40,48 @@
 
 namespace apex::mpi {
 
+namespace detail {
+
+/// This rank's routing as the capacity exchange sends it: ids (int32) and
+/// weights of the N·K pairs, row-major (pair t·K + k).
+template <class T>
+void flatten_routing(const Routing<T>& routing, std::vector<int>& ids, std::vector<T>& weights) {
+  const Index n = routing.experts.rows(), k_count = routing.experts.cols();
+  ids.resize(std::size_t(n * k_count));
+  weights.resize(std::size_t(n * k_count));
+  for (Index t = 0; t < n; ++t)
+    for (Index k = 0; k < k_count; ++k) {
+      ids[std::size_t(t * k_count + k)] = int(routing.experts(t, k));
+      weights[std::size_t(t * k_count + k)] = routing.weights(t, k);
+    }
+}
+
+/// The single-process capacity decision (moe/capacity.hpp) on every rank's
+/// pairs (all_ids, all_weights: ΣN·K, row-major, in rank order), restricted
+/// to this rank's tokens [begin, begin + n): their pairs t·K + k, local t.
+template <class T>
+std::vector<Index> rank_drops(const std::vector<int>& all_ids, const std::vector<T>& all_weights, Index k_count,
+                              Index n_experts, double factor, Index begin, Index n) {
+  const Index total = Index(all_ids.size()) / k_count;
+  IndexMatrix experts(total, k_count);  // ΣN × K
+  Matrix<T> w(total, k_count);          // ΣN × K
+  for (Index t = 0; t < total; ++t)
+    for (Index k = 0; k < k_count; ++k) {
+      experts(t, k) = all_ids[std::size_t(t * k_count + k)];
+      w(t, k) = all_weights[std::size_t(t * k_count + k)];
+    }
+  DispatchPlan plan;
+  plan.build(experts, n_experts);
+  const Index cap = dispatch::expert_capacity(factor, plan.rows(), n_experts);
+  const Index first = begin * k_count, last = (begin + n) * k_count;
+  std::vector<Index> dropped;
+  for (Index pair : dispatch::capacity_drops(plan, w, cap))
+    if (pair >= first && pair < last) dropped.push_back(pair - first);
+  return dropped;
+}
+
+}  // namespace detail
+
 /// The pairs t·K + k of this rank's tokens (local t, ascending) that the
 /// capacity limit with factor `factor` drops from the concatenation of every
 /// rank's `routing` (experts and weights N_r × K, ids in [0, n_experts)).
@@ -78,13 +120,7 @@ std::vector<Index> global_capacity_drops(const Communicator& comm, const char* w
           apex::detail::checked_product(where, "pairs of a rank N*K", {Index(tokens[std::size_t(r)]), k_count});
     }
     const Index all = apex::detail::checked_product(where, "pairs of all ranks N*K", {total, k_count});
-    ids.resize(std::size_t(n * k_count));
-    weights.resize(std::size_t(n * k_count));
-    for (Index t = 0; t < n; ++t)
-      for (Index k = 0; k < k_count; ++k) {
-        ids[std::size_t(t * k_count + k)] = int(routing.experts(t, k));
-        weights[std::size_t(t * k_count + k)] = routing.weights(t, k);
-      }
+    detail::flatten_routing(routing, ids, weights);
     all_ids.resize(std::size_t(all));
     all_weights.resize(std::size_t(all));
   });
@@ -96,19 +132,7 @@ std::vector<Index> global_capacity_drops(const Communicator& comm, const char* w
   // 3. the single-process decision on the whole batch, restricted to this rank's tokens
   std::vector<Index> dropped;
   comm.step(where, [&] {
-    IndexMatrix experts(total, k_count);  // ΣN × K
-    Matrix<T> w(total, k_count);          // ΣN × K
-    for (Index t = 0; t < total; ++t)
-      for (Index k = 0; k < k_count; ++k) {
-        experts(t, k) = all_ids[std::size_t(t * k_count + k)];
-        w(t, k) = all_weights[std::size_t(t * k_count + k)];
-      }
-    DispatchPlan plan;
-    plan.build(experts, n_experts);
-    const Index cap = dispatch::expert_capacity(factor, plan.rows(), n_experts);
-    const Index first = begin * k_count, last = (begin + n) * k_count;
-    for (Index pair : dispatch::capacity_drops(plan, w, cap))
-      if (pair >= first && pair < last) dropped.push_back(pair - first);
+    dropped = detail::rank_drops(all_ids, all_weights, k_count, n_experts, factor, begin, n);
   });
   return dropped;
 }
