@@ -22,6 +22,7 @@
 
 #include <type_traits>
 
+#include "../core/types.hpp"
 #include "vec_math.hpp"
 
 namespace apex::packed {

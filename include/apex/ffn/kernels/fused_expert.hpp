@@ -178,7 +178,7 @@ inline void rows_to_bf16(const float* src, Index lds, Index rows, Index n, bf16*
 /// As forward_block with `vdpbf16ps` products (bf16 weights, avx512_bf16).
 template <class Act>
 void forward_block_paired(const PackedExpert& e, const float* x, Index ldx, Index rows, float* a, Index lda,
-                                 Scratch& s, float* y, Index ldy) {
+                          Scratch& s, float* y, Index ldy) {
   const Index d = e.d_model(), f = e.d_ffn();
   constexpr Index H = PackedExpert::kHiddenPerPanel, O = PackedExpert::kOutPerPanel;
   const Index ldxb = d + (d & 1), ldab = f + (f & 1);
@@ -202,7 +202,7 @@ void forward_block_paired(const PackedExpert& e, const float* x, Index ldx, Inde
 /// where it cannot run; ShapeError for a row stride below d.
 template <class Act = SiluGate>
 void forward(const PackedExpert& e, const float* x, Index ldx, Index m, float* y, Index ldy,
-                    const ForwardOptions& opt = {}) {
+             const ForwardOptions& opt = {}) {
   constexpr const char* where = "packed::forward";
   const Index d = e.d_model(), f = e.d_ffn();
   apex::detail::require_config(m >= 0, where, "row count m = " + std::to_string(m) + " is negative");

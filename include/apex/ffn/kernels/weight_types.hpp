@@ -33,6 +33,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../core/checked_size.hpp"
 #include "../core/errors.hpp"
 #include "../core/types.hpp"
 #include "bf16_vectors.hpp"
