@@ -9,6 +9,9 @@
 # since the folder move keeps. Exit status 0 only if both wrote the same set
 # of files and every pair is byte-identical. Builds are cached per commit in
 # WORK_DIR (default /tmp/apex_refactor_check).
+#
+# MPI=1 also builds dump_mpi.cpp with mpicxx and runs it at P = 2 and 3
+# (ExpertParallelMoE), adding its files to the comparison.
 set -euo pipefail
 [ $# -ge 2 ] || { echo "usage: $0 REV_A REV_B [WORK_DIR]" >&2; exit 2; }
 here=$(cd "$(dirname "$0")" && pwd)
@@ -29,7 +32,20 @@ build() {  # rev → path of the dump binary built against its headers
     echo "building dump against $1 ($sha)" >&2
     $CXX $CXXFLAGS -I"$dir/src/include" -I"$EIGEN" "$dir/dump.cpp" -o "$dir/dump"
   fi
+  if [ "${MPI:-0}" = 1 ] && { [ ! -x "$dir/dump_mpi" ] || ! cmp -s "$here/dump_mpi.cpp" "$dir/dump_mpi.cpp"; }; then
+    cp "$here/dump_mpi.cpp" "$dir/dump_mpi.cpp"
+    echo "building dump_mpi against $1 ($sha)" >&2
+    mpicxx $CXXFLAGS -I"$dir/src/include" -I"$EIGEN" "$dir/dump_mpi.cpp" -o "$dir/dump_mpi"
+  fi
   echo "$dir/dump"
+}
+
+run_mpi() {  # binary dir, out dir
+  [ "${MPI:-0}" = 1 ] || return 0
+  for p in 2 3; do
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+      mpirun --oversubscribe -np "$p" "$1/dump_mpi" "$2" >/dev/null
+  done
 }
 
 a=$(build "$1")
@@ -38,6 +54,8 @@ out_a="$work/out-a" out_b="$work/out-b"
 rm -rf "$out_a" "$out_b" && mkdir -p "$out_a" "$out_b"
 "$a" "$out_a" >/dev/null
 "$b" "$out_b" >/dev/null
+run_mpi "$(dirname "$a")" "$out_a"
+run_mpi "$(dirname "$b")" "$out_b"
 
 status=0
 if ! diff <(cd "$out_a" && ls) <(cd "$out_b" && ls) >/dev/null; then
