@@ -48,8 +48,8 @@ TEST_CASE("weight-type table entries: names and bytes per weight", "[weight_type
 TEST_CASE("a dtype outside the table is a ConfigError at run time", "[weight_types][errors]") {
   CHECK_THROWS_WITH(dtype_name(Dtype(7)), Catch::Contains("dtype 7 is not in the weight-type table"));
   CHECK_THROWS_AS(PanelMatrix(Dtype(7), 4, 1), ConfigError);
-  CHECK_THROWS_AS(PackedExpert(Matrix<float>::Ones(2, 3), Matrix<float>::Ones(2, 3), Matrix<float>::Ones(3, 2), Dtype(9)),
-                  ConfigError);
+  const Matrix<float> w = Matrix<float>::Ones(2, 3), wd = Matrix<float>::Ones(3, 2);  // f × d, d × f
+  CHECK_THROWS_AS(PackedExpert(w, w, wd, Dtype(9)), ConfigError);
 }
 
 TEST_CASE("expert bytes come from the table and equal the packed panels", "[weight_types]") {
