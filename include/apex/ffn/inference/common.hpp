@@ -1,8 +1,8 @@
 #pragma once
 /// \file inference/common.hpp
-/// What the inference layers share: the storage type → packed dtype map, the
-/// row tiles their threads take, and the fingerprint that tells a packed copy
-/// from a stale one.
+/// What the inference layers share: the storage type → packed dtype map and
+/// the expert bytes (both from the weight-type table), the row tiles their
+/// threads take, and the fingerprint that tells a packed copy from a stale one.
 ///
 /// Staleness. A packed layer is a snapshot: an optimiser step on the float
 /// layer it came from does not reach it. At packing time the layer records
@@ -29,12 +29,12 @@
 
 namespace apex {
 
-/// Storage types of the packed layers: `float` or `apex::packed::bf16`.
+/// The packed dtype of a storage type (`float`, `apex::packed::bf16`: the
+/// `Storage` of an entry of kernels/weight_types.hpp); a compile error for
+/// any other type.
 template <class Storage>
 constexpr packed::Dtype packed_dtype() {
-  static_assert(std::is_same_v<Storage, float> || std::is_same_v<Storage, packed::bf16>,
-                "packed inference layers: Storage must be float or apex::packed::bf16");
-  return std::is_same_v<Storage, float> ? packed::Dtype::f32 : packed::Dtype::bf16;
+  return packed::dtype_of<Storage>();
 }
 
 namespace detail::inference {
@@ -46,18 +46,11 @@ namespace detail::inference {
 /// task amortises streaming its expert's weights.
 inline constexpr Index kMaxTileRows = 256;
 
-/// Bytes of one packed d × f SwiGLU expert of `dtype` (packed_weights.hpp:
-/// gate/up panels of 16 hidden units × 32 lanes over d, down panels of 32
-/// outputs over f; bf16 pads d and f to even), computed without allocating.
-/// ConfigError naming `where` if the count overflows.
+/// Bytes of one packed d × f SwiGLU expert of `dtype` (the panel sizes of
+/// kernels/weight_types.hpp), computed without allocating. ConfigError
+/// naming `where` if the count overflows.
 inline Index packed_expert_bytes(const char* where, packed::Dtype dtype, Index d, Index f) {
-  const Index b = packed::dtype_bytes(dtype);
-  // Padding and panel counts without forming d + 31 or f + 1, which overflow
-  // at the index limit (ceil(n/k) = n/k + [n mod k ≠ 0]).
-  const auto padded = [&](Index n) { return dtype == packed::Dtype::bf16 ? checked_sum(where, "padded width", n, n & 1) : n; };
-  const auto panels = [](Index n, Index k) { return n / k + (n % k != 0); };
-  return checked_sum(where, "expert bytes", checked_product(where, "gate_up bytes", {panels(f, 16), padded(d), 32, b}),
-                     checked_product(where, "down bytes", {panels(d, 32), padded(f), 32, b}));
+  return packed::PackedExpert::bytes_for(where, dtype, d, f);
 }
 
 /// `weights + staging` bytes, or ConfigError `where: bytes = a + b does not

@@ -8,9 +8,10 @@
 /// The packed kernels fuse SiLU into the gate/up pass (kernels/fused_expert.hpp);
 /// κ needs each row's router logit, so here the gate/up panels are run with
 /// the plain epilogue (G in lanes 0–15, U in lanes 16–31 of each panel), A is
-/// formed from them with the float layer's own expressions for κ and
-/// SiLU_κ, and the down panels run on A as in the SwiGLU forward. α, b and
-/// the options stay float: κ is the float layer's κ exactly. With U_max = 1
+/// formed from them with κ from the function the float layer calls
+/// (layers/kappa_row.hpp) and the float layer's SiLU_κ expression, and the
+/// down panels run on A as in the SwiGLU forward. α, b and the options stay
+/// float: κ is the float layer's κ bit for bit. With U_max = 1
 /// (κ ≡ 1) the fused SwiGLU kernel runs instead.
 ///
 /// Per row, the result depends only on that row (as for the SwiGLU kernels),
@@ -24,6 +25,7 @@
 #include "../core/checked_size.hpp"
 #include "../core/errors.hpp"
 #include "../layers/kappa_options.hpp"
+#include "../layers/kappa_row.hpp"
 #include "../kernels/fused_expert.hpp"
 #include "../core/types.hpp"
 
@@ -38,13 +40,6 @@ struct KappaGate {
 
 namespace detail::inference {
 
-/// s = c·ℓ saturated to ±FLT_MAX, as KappaSwiGLU::scaled_logit.
-inline float kappa_scaled_logit(const KappaOptions& o, float logit) {
-  constexpr float max = std::numeric_limits<float>::max();
-  const float s = float(o.c) * logit;
-  return s > max ? max : (s < -max ? -max : s);
-}
-
 struct KappaScratch {
   packed::detail::AlignedArray<float> gu;  // rows × 32·panels: [G | U] per panel
   packed::detail::AlignedArray<float> a;   // rows × lda: A
@@ -54,32 +49,29 @@ inline KappaScratch& kappa_scratch() {
   return s;
 }
 
-template <class W>
+template <packed::Dtype T>
 void kappa_block(packed::Isa isa, const packed::PackedExpert& e, const KappaGate& k, const float* x, Index ldx,
                  const float* logit, Index rows, float* gu, Index ldgu, float* a, Index lda, float* y, Index ldy) {
-  using packed::detail::panel_data;
+  using packed::PlainEpilogue;
   using packed::detail::run_panel;
   const Index d = e.d_model(), f = e.d_ffn();
   constexpr Index H = packed::PackedExpert::kHiddenPerPanel, O = packed::PackedExpert::kOutPerPanel;
   // [G | U] of 16 hidden units per panel, plain epilogue (all 32 lanes)
   for (Index p = 0; p < e.gate_up().panels(); ++p)
-    run_panel(isa, panel_data<W>(e.gate_up(), p), d, x, ldx, rows, gu + p * 2 * H, ldgu, 2 * H, false);
-  // A = G·σ(κG) ⊙ U, a row at a time, κ as KappaSwiGLU::kappa_row computes it
-  const float ln_u = float(std::log(k.options.U));
-  array::Row<float> g(f), u(f), kap(f);  // 1 × f each
+    run_panel<T, PlainEpilogue>(isa, e.gate_up(), p, x, ldx, rows, gu + p * 2 * H, ldgu, 2 * H);
+  // A = G·σ(κG) ⊙ U, a row at a time, κ by the float layer's own function
+  array::Row<float> g(f), u(f), tau(f), kap(f);  // 1 × f each
   for (Index t = 0; t < rows; ++t) {
     const float* r = gu + t * ldgu;
     for (Index j = 0; j < f; ++j) {
       g(j) = r[(j / H) * 2 * H + j % H];
       u(j) = r[(j / H) * 2 * H + H + j % H];
     }
-    const float s = kappa_scaled_logit(k.options, logit[t]);
-    kap = (ln_u * array::tanh(k.bias.array() + s * k.alpha.array())).exp();
-    kap = kap.min(float(k.options.U)).max(float(1.0 / k.options.U));
+    kappa_row(k.options, k.alpha, k.bias, logit[t], tau, kap);
     Eigen::Map<array::Row<float>>(a + t * lda, f) = g * array::sigmoid(kap * g) * u;
   }
   for (Index q = 0; q < e.down().panels(); ++q)
-    run_panel(isa, panel_data<W>(e.down(), q), f, a, lda, rows, y + q * O, ldy, std::min(O, d - q * O), false);
+    run_panel<T, PlainEpilogue>(isa, e.down(), q, a, lda, rows, y + q * O, ldy, std::min(O, d - q * O));
 }
 
 }  // namespace detail::inference
@@ -107,12 +99,10 @@ inline void kappa_forward(const packed::PackedExpert& e, const KappaGate& k, con
   float* a = packed::detail::grow(s.a, detail::checked_product(where, "scratch rows x d_ffn", {block, lda}));
   for (Index r0 = 0; r0 < m; r0 += block) {
     const Index rows = std::min(block, m - r0);
-    if (e.dtype() == packed::Dtype::bf16)
-      detail::inference::kappa_block<packed::bf16>(opt.isa, e, k, x + r0 * ldx, ldx, logit + r0, rows, gu, ldgu, a, lda,
-                                           y + r0 * ldy, ldy);
-    else
-      detail::inference::kappa_block<float>(opt.isa, e, k, x + r0 * ldx, ldx, logit + r0, rows, gu, ldgu, a, lda,
-                                    y + r0 * ldy, ldy);
+    packed::visit_dtype(e.dtype(), [&](auto tag) {
+      detail::inference::kappa_block<decltype(tag)::value>(opt.isa, e, k, x + r0 * ldx, ldx, logit + r0, rows, gu,
+                                                           ldgu, a, lda, y + r0 * ldy, ldy);
+    });
   }
 }
 

@@ -47,6 +47,30 @@ struct PackedLoadOptions {
 
 namespace detail::inference {
 
+/// The file dtypes a packed layer loads: those the reader widens to float
+/// (F32, F64, BF16: packing goes through float) and the file spelling of
+/// every weight-type table entry (kernels/weight_types.hpp), in that order.
+inline std::vector<safetensors::DType> packed_file_dtypes() {
+  std::vector<safetensors::DType> out{safetensors::DType::F32, safetensors::DType::F64, safetensors::DType::BF16};
+  for (const char* name : packed::file_dtypes()) {
+    safetensors::DType t{};
+    if (safetensors::parse_dtype(name, t) && std::find(out.begin(), out.end(), t) == out.end()) out.push_back(t);
+  }
+  return out;
+}
+inline bool packed_file_dtype(safetensors::DType t) {
+  const auto all = packed_file_dtypes();
+  return std::find(all.begin(), all.end(), t) != all.end();
+}
+/// "F32, F64 and BF16": the list above for error messages.
+inline std::string packed_file_dtype_names() {
+  const auto all = packed_file_dtypes();
+  std::string s;
+  for (std::size_t i = 0; i < all.size(); ++i)
+    s += std::string(i == 0 ? "" : (i + 1 == all.size() ? " and " : ", ")) + safetensors::dtype_name(all[i]);
+  return s;
+}
+
 struct Expected {
   std::string name;
   Index rows, cols;
@@ -65,7 +89,7 @@ inline void check_tensors(const std::string& where, const safetensors::Reader& f
       missing.push_back(w.name);
       continue;
     }
-    if (!safetensors::is_float_convertible(t->dtype))
+    if (!packed_file_dtype(t->dtype))
       bad_dtype.push_back(w.name + " (" + safetensors::dtype_name(t->dtype) + ")");
     const std::vector<std::uint64_t> s{std::uint64_t(w.rows), std::uint64_t(w.cols)};
     if (apex::detail::drop_leading_ones(t->shape) != apex::detail::drop_leading_ones(s))
@@ -83,7 +107,7 @@ inline void check_tensors(const std::string& where, const safetensors::Reader& f
     throw FormatError(msg);
   }
   if (!bad_dtype.empty())
-    throw FormatError(where + ": only F32, F64 and BF16 tensors load into packed layers: " +
+    throw FormatError(where + ": only " + packed_file_dtype_names() + " tensors load into packed layers: " +
                       apex::detail::name_list(bad_dtype));
   if (!bad_shape.empty()) {
     std::string msg = where + ": shape mismatch:";

@@ -1,6 +1,6 @@
 #pragma once
 /// \file inference/packed_swiglu.hpp
-/// `PackedSwiGLU<Storage>`: the inference-only dense SwiGLU FFN on packed
+/// `PackedSwiGLU<Storage, Activation>`: the inference-only dense SwiGLU FFN on packed
 /// float or bf16 weights — the forward of `SwiGLU<float>` with no gradient
 /// buffers and no float copy of the weights (docs/inference.md):
 ///
@@ -27,11 +27,15 @@
 
 namespace apex {
 
-template <class Storage>
+/// Activation: the gated activation of the gate/up pass, an epilogue policy
+/// of kernels/epilogue.hpp (SwiGLU's SiLU by default; a user-defined one
+/// runs the same weights as another gated FFN, e.g. GEGLU).
+template <class Storage, class Activation = packed::SiluGate>
 class PackedSwiGLU {
  public:
   using Scalar = float;
   using StorageType = Storage;
+  using ActivationType = Activation;
   static constexpr packed::Dtype kDtype = packed_dtype<Storage>();
 
   /// Inference keeps nothing; the type exists so the layer fits FFNSublayer.
@@ -129,7 +133,7 @@ class PackedSwiGLU {
     const auto tiles = detail::forward_tasks({0}, 1, n, detail::inference::kMaxTileRows);
     detail::parallel_for(Index(tiles.size()), resolve_threads(threads_), [&](Index i) {
       const Index b = tiles[std::size_t(i)].begin, m = tiles[std::size_t(i)].rows;
-      packed::forward(w_, x.data() + b * x.outerStride(), x.outerStride(), m, y + b * d, d, kernel_);
+      packed::forward<Activation>(w_, x.data() + b * x.outerStride(), x.outerStride(), m, y + b * d, d, kernel_);
     });
   }
 

@@ -2,11 +2,14 @@
 /// \file kernels/fused_expert.hpp
 /// The fused expert forward on packed weights,
 ///
-///     Y (m × d) = (SiLU(X·W_gateᵀ) ⊙ X·W_upᵀ)·W_downᵀ,     X: m × d, row-major fp32,
+///     Y (m × d) = act(X·W_gateᵀ, X·W_upᵀ)·W_downᵀ,     X: m × d, row-major fp32,
 ///
-/// in two passes over a block of rows: the gate/up panels produce
-/// A = SiLU(G) ⊙ U (m × f) with SiLU applied in registers, then the down
-/// panels produce Y from A. Accumulation is fp32 always.
+/// act = SiLU(G) ⊙ U by default (SwiGLU), or any gated activation of
+/// kernels/epilogue.hpp. Two passes over a block of rows: the gate/up panels
+/// produce A = act(G, U) (m × f) in the tile's epilogue, in registers, then
+/// the down panels produce Y from A. Accumulation is fp32 always. Each
+/// panel runs the tiles the weight-type table (kernels/weight_types.hpp)
+/// gives its (type, path).
 ///
 /// Regimes. One micro-kernel shape serves both (kernels/arch/avx512.hpp): a tile of
 /// up to 12 rows against one 32-lane panel.
@@ -73,7 +76,9 @@
 #include "arch/avx2.hpp"
 #include "arch/avx512.hpp"
 #include "arch/scalar.hpp"
+#include "epilogue.hpp"
 #include "packed_weights.hpp"
+#include "weight_types.hpp"
 
 namespace apex::packed {
 
@@ -127,33 +132,37 @@ T* grow(AlignedArray<T>& buf, Index n) {
   return buf.data();
 }
 
-template <class W>
-const W* panel_data(const PanelMatrix& pm, Index p) {
-  if constexpr (std::is_same_v<W, float>) return pm.f32_panel(p);
-  else return pm.bf16_panel(p);
-}
-
-/// One panel on path `isa`, float or widened bf16 weights.
-template <class W>
-void run_panel(Isa isa, const W* w, Index K, const float* x, Index ldx, Index rows, float* out, Index ldo,
-               Index ncols, bool silu) {
+/// One panel (codes w, scales) on path `isa`: the tiles the table has for
+/// (T, isa), the portable kernel on the scalar path. avx512_bf16 runs the
+/// avx512 tiles (it differs only for paired bf16 products).
+template <Dtype T, class Epi>
+void run_panel(Isa isa, const typename WeightType<T>::Element* w, const std::byte* scales, Index K, const float* x,
+               Index ldx, Index rows, float* out, Index ldo, Index ncols) {
 #if APEX_PACKED_X86
-  if (isa == Isa::avx512 || isa == Isa::avx512_bf16) return panel_avx512(w, K, x, ldx, rows, out, ldo, ncols, silu);
-  if (isa == Isa::avx2) return panel_avx2(w, K, x, ldx, rows, out, ldo, ncols, silu);
+  if (isa == Isa::avx512 || isa == Isa::avx512_bf16)
+    return panel_avx512<T, Epi>(w, scales, K, x, ldx, rows, out, ldo, ncols);
+  if (isa == Isa::avx2) return panel_avx2<T, Epi>(w, scales, K, x, ldx, rows, out, ldo, ncols);
 #endif
-  panel_scalar(w, K, x, ldx, rows, out, ldo, ncols, silu);
+  panel_scalar<T, Epi>(w, scales, K, x, ldx, rows, out, ldo, ncols);
 }
 
-/// y (rows × d) for one block; a: rows × lda scratch.
-template <class W>
+/// Panel p of pm (of type T) on path `isa`.
+template <Dtype T, class Epi>
+void run_panel(Isa isa, const PanelMatrix& pm, Index p, const float* x, Index ldx, Index rows, float* out, Index ldo,
+               Index ncols) {
+  run_panel<T, Epi>(isa, pm.panel<T>(p), pm.scales(p), pm.k(), x, ldx, rows, out, ldo, ncols);
+}
+
+/// y (rows × d) for one block of weights of type T; a: rows × lda scratch.
+template <Dtype T, class Act>
 void forward_block(Isa isa, const PackedExpert& e, const float* x, Index ldx, Index rows, float* a, Index lda,
                    float* y, Index ldy) {
   const Index d = e.d_model(), f = e.d_ffn();
   constexpr Index H = PackedExpert::kHiddenPerPanel, O = PackedExpert::kOutPerPanel;
   for (Index p = 0; p < e.gate_up().panels(); ++p)
-    run_panel(isa, panel_data<W>(e.gate_up(), p), d, x, ldx, rows, a + p * H, lda, std::min(H, f - p * H), true);
+    run_panel<T, GatedEpilogue<Act>>(isa, e.gate_up(), p, x, ldx, rows, a + p * H, lda, std::min(H, f - p * H));
   for (Index q = 0; q < e.down().panels(); ++q)
-    run_panel(isa, panel_data<W>(e.down(), q), f, a, lda, rows, y + q * O, ldy, std::min(O, d - q * O), false);
+    run_panel<T, PlainEpilogue>(isa, e.down(), q, a, lda, rows, y + q * O, ldy, std::min(O, d - q * O));
 }
 
 #if APEX_PACKED_X86
@@ -167,8 +176,9 @@ inline void rows_to_bf16(const float* src, Index lds, Index rows, Index n, bf16*
 }
 
 /// As forward_block with `vdpbf16ps` products (bf16 weights, avx512_bf16).
-inline void forward_block_paired(const PackedExpert& e, const float* x, Index ldx, Index rows, float* a, Index lda,
-                                 Scratch& s, float* y, Index ldy) {
+template <class Act>
+void forward_block_paired(const PackedExpert& e, const float* x, Index ldx, Index rows, float* a, Index lda,
+                          Scratch& s, float* y, Index ldy) {
   const Index d = e.d_model(), f = e.d_ffn();
   constexpr Index H = PackedExpert::kHiddenPerPanel, O = PackedExpert::kOutPerPanel;
   const Index ldxb = d + (d & 1), ldab = f + (f & 1);
@@ -176,20 +186,23 @@ inline void forward_block_paired(const PackedExpert& e, const float* x, Index ld
   bf16* ab = grow(s.ab, rows * ldab);  // rows × ldab
   rows_to_bf16(x, ldx, rows, d, xb, ldxb);
   for (Index p = 0; p < e.gate_up().panels(); ++p)
-    panel_dot_avx512(e.gate_up().bf16_panel(p), d, xb, ldxb, rows, a + p * H, lda, std::min(H, f - p * H), true);
+    panel_dot_avx512<GatedEpilogue<Act>>(e.gate_up().bf16_panel(p), d, xb, ldxb, rows, a + p * H, lda,
+                                         std::min(H, f - p * H));
   rows_to_bf16(a, lda, rows, f, ab, ldab);
   for (Index q = 0; q < e.down().panels(); ++q)
-    panel_dot_avx512(e.down().bf16_panel(q), f, ab, ldab, rows, y + q * O, ldy, std::min(O, d - q * O), false);
+    panel_dot_avx512<PlainEpilogue>(e.down().bf16_panel(q), f, ab, ldab, rows, y + q * O, ldy, std::min(O, d - q * O));
 }
 #endif
 
 }  // namespace detail
 
-/// y (m × d, row stride ldy) = expert(x (m × d, row stride ldx)). x and y must
-/// not overlap. ConfigError for m < 0, an unsupported path or `paired` where it
-/// cannot run; ShapeError for a row stride below d.
-inline void forward(const PackedExpert& e, const float* x, Index ldx, Index m, float* y, Index ldy,
-                    const ForwardOptions& opt = {}) {
+/// y (m × d, row stride ldy) = expert(x (m × d, row stride ldx)), with the
+/// gated activation Act (kernels/epilogue.hpp; SwiGLU's by default). x and y
+/// must not overlap. ConfigError for m < 0, an unsupported path or `paired`
+/// where it cannot run; ShapeError for a row stride below d.
+template <class Act = SiluGate>
+void forward(const PackedExpert& e, const float* x, Index ldx, Index m, float* y, Index ldy,
+             const ForwardOptions& opt = {}) {
   constexpr const char* where = "packed::forward";
   const Index d = e.d_model(), f = e.d_ffn();
   apex::detail::require_config(m >= 0, where, "row count m = " + std::to_string(m) + " is negative");
@@ -215,21 +228,23 @@ inline void forward(const PackedExpert& e, const float* x, Index ldx, Index m, f
     float* yr = y + r0 * ldy;
 #if APEX_PACKED_X86
     if (paired) {
-      detail::forward_block_paired(e, xr, ldx, rows, a, lda, s, yr, ldy);
+      detail::forward_block_paired<Act>(e, xr, ldx, rows, a, lda, s, yr, ldy);
       continue;
     }
 #endif
     (void)paired;
-    if (is_bf16) detail::forward_block<bf16>(opt.isa, e, xr, ldx, rows, a, lda, yr, ldy);
-    else detail::forward_block<float>(opt.isa, e, xr, ldx, rows, a, lda, yr, ldy);
+    visit_dtype(e.dtype(), [&](auto tag) {
+      detail::forward_block<decltype(tag)::value, Act>(opt.isa, e, xr, ldx, rows, a, lda, yr, ldy);
+    });
   }
 }
 
 /// Y = expert(X) for X: N × d (ShapeError otherwise) → N × d.
-inline Matrix<float> forward(const PackedExpert& e, const ConstMatrixRef<float>& x, const ForwardOptions& opt = {}) {
+template <class Act = SiluGate>
+Matrix<float> forward(const PackedExpert& e, const ConstMatrixRef<float>& x, const ForwardOptions& opt = {}) {
   apex::detail::check_shape("packed::forward", "x", x, apex::detail::kAny, e.d_model());
   Matrix<float> y(x.rows(), e.d_model());  // N × d
-  forward(e, x.data(), x.outerStride(), x.rows(), y.data(), e.d_model(), opt);
+  forward<Act>(e, x.data(), x.outerStride(), x.rows(), y.data(), e.d_model(), opt);
   return y;
 }
 

@@ -202,8 +202,8 @@ void packed_product(Isa isa, Index K, Index out, const float* x, Index ldx, Inde
     for (Index r0 = 0; r0 < n; r0 += block) {
       const Index rows = std::min(block, n - r0);
       for (Index p = p0; p < p1; ++p)
-        run_panel(isa, buf + (p - p0) * K * L, K, x + r0 * ldx, ldx, rows, y + r0 * ldy + p * L, ldy,
-                  std::min(L, out - p * L), false);
+        run_panel<Dtype::f32, PlainEpilogue>(isa, buf + (p - p0) * K * L, nullptr, K, x + r0 * ldx, ldx, rows,
+                                             y + r0 * ldy + p * L, ldy, std::min(L, out - p * L));
     }
   };
   for (Index c = 0; c < chunks; ++c) run_chunk(c);

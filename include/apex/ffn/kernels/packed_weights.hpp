@@ -1,7 +1,7 @@
 #pragma once
 /// \file kernels/packed_weights.hpp
 /// One SwiGLU expert's weights packed once for the kernels of kernels/fused_expert.hpp,
-/// in float or bf16.
+/// in any type of the weight-type table (kernels/weight_types.hpp: f32, bf16).
 ///
 /// The kernels compute 32 output lanes at a time (two 16-float AVX-512
 /// vectors, four AVX2 vectors) over a reduction of length K, reading for each
@@ -25,7 +25,10 @@
 /// of an odd bf16 K are zero, so they contribute exact zeros.
 ///
 /// Sizes: gate_up is ⌈f/16⌉ panels of K = d, down ⌈d/32⌉ panels of K = f;
-/// padding costs at most 15 hidden units and 31 output features.
+/// padding costs at most 15 hidden units and 31 output features. The layouts
+/// above are the f32 and bf16 entries of kernels/weight_types.hpp; a panel
+/// holds a code array in its type's layout and a per-block scale array
+/// (empty for f32 and bf16), both sized from the table.
 
 #include <cstddef>
 #include <cstring>
@@ -41,14 +44,9 @@
 #include "../core/errors.hpp"
 #include "../core/types.hpp"
 #include "bf16_vectors.hpp"
+#include "weight_types.hpp"
 
 namespace apex::packed {
-
-/// Storage type of packed weights. Accumulation is fp32 for both.
-enum class Dtype { f32, bf16 };
-
-inline const char* dtype_name(Dtype t) { return t == Dtype::f32 ? "f32" : "bf16"; }
-inline Index dtype_bytes(Dtype t) { return t == Dtype::f32 ? 4 : 2; }
 
 namespace detail {
 
@@ -101,55 +99,89 @@ class AlignedArray {
 
 }  // namespace detail
 
-/// A K × (32·panels) weight block in the panel order described in the file
-/// comment. Lane `l` of panel `p` is logical output `32p + l`; what that
+/// A K × (32·panels) weight block in the panel order of its type's table
+/// entry. Lane `l` of panel `p` is logical output `32p + l`; what that
 /// output is (a gate row, an up row, a down row) is the owner's business.
 class PanelMatrix {
  public:
-  static constexpr Index kLanes = 32;
+  static constexpr Index kLanes = kPanelLanes;
+
+  /// Bytes of a matrix of `panels` panels of reduction length k, codes and
+  /// scales, computed without allocating; ConfigError naming `where` and
+  /// `what` past the index range.
+  static Index bytes_for(const char* where, const char* what, Dtype dtype, Index k, Index panels) {
+    return visit_dtype(dtype, [&](auto tag) {
+      using W = WeightType<decltype(tag)::value>;
+      const Index blocks = detail::padded_k<decltype(tag)::value>(where, k) / W::kBlockWeights;
+      return apex::detail::checked_product(where, what, {panels, blocks, kLanes, W::kBlockBytes});
+    });
+  }
 
   PanelMatrix() = default;
-  PanelMatrix(Dtype dtype, Index k, Index panels)
-      : dtype_(dtype), k_(k), kpad_(dtype == Dtype::bf16 ? k + (k & 1) : k), panels_(panels) {
-    const Index n = apex::detail::checked_product("PanelMatrix", "packed weights (panels x K x 32 lanes x bytes)",
-                                                  {panels_, kpad_, kLanes, dtype_bytes(dtype)}) /
-                    dtype_bytes(dtype);
-    if (dtype == Dtype::f32) f32_ = detail::AlignedArray<float>(n);
-    else b16_ = detail::AlignedArray<bf16>(n);
+  PanelMatrix(Dtype dtype, Index k, Index panels) : dtype_(dtype), k_(k), panels_(panels) {
+    constexpr const char* where = "PanelMatrix";
+    bytes_for(where, "packed weights (panels x K x 32 lanes x bytes)", dtype, k, panels);  // fits, checked
+    visit_dtype(dtype, [&](auto tag) {
+      using W = WeightType<decltype(tag)::value>;
+      kpad_ = detail::padded_k<decltype(tag)::value>(where, k);
+      const Index blocks = kpad_ / W::kBlockWeights;  // per lane
+      panel_bytes_ = blocks * kLanes * (W::kBlockBytes - W::kScaleBytes);
+      scale_bytes_ = blocks * kLanes * W::kScaleBytes;
+    });
+    codes_ = detail::AlignedArray<std::byte>(panels_ * panel_bytes_);
+    scales_ = detail::AlignedArray<std::byte>(panels_ * scale_bytes_);
   }
 
   Dtype dtype() const { return dtype_; }
   Index k() const { return k_; }           ///< reduction length
-  Index k_padded() const { return kpad_; } ///< k rounded up to a pair for bf16
+  Index k_padded() const { return kpad_; } ///< k rounded up to whole groups and blocks of the type
   Index panels() const { return panels_; }
-  Index panel_size() const { return kpad_ * kLanes; }  ///< elements per panel
-  std::size_t bytes() const { return std::size_t(panels_ * panel_size() * dtype_bytes(dtype_)); }
+  Index panel_size() const { return kpad_ * kLanes; }  ///< weights per panel, padding included
+  /// Bytes of codes and scales (what a pass over the matrix reads).
+  std::size_t bytes() const { return std::size_t(panels_ * (panel_bytes_ + scale_bytes_)); }
 
-  /// Panel p: panel_size() elements, 64-byte aligned. Only the accessor of
-  /// the matrix's dtype is valid.
-  const float* f32_panel(Index p) const { return f32_.data() + p * panel_size(); }
-  const bf16* bf16_panel(Index p) const { return b16_.data() + p * panel_size(); }
+  /// Panel p's codes in type T's layout, 64-byte aligned; T must be the
+  /// matrix's dtype (checked by eigen_assert).
+  template <Dtype T>
+  const typename WeightType<T>::Element* panel(Index p) const {
+    eigen_assert(T == dtype_);
+    return reinterpret_cast<const typename WeightType<T>::Element*>(codes_.data() + p * panel_bytes_);
+  }
+  /// Panel p's per-block scales (nullptr-sized for unscaled types).
+  const std::byte* scales(Index p) const { return scales_.data() + p * scale_bytes_; }
+  /// The f32 and bf16 panels under their earlier names.
+  const float* f32_panel(Index p) const { return panel<Dtype::f32>(p); }
+  const bf16* bf16_panel(Index p) const { return panel<Dtype::bf16>(p); }
 
   /// Element offset of (k, lane) inside a panel.
   Index offset(Index k, Index lane) const {
-    return dtype_ == Dtype::f32 ? k * kLanes + lane : (k >> 1) * 2 * kLanes + lane * 2 + (k & 1);
+    return visit_dtype(dtype_, [&](auto tag) { return WeightType<decltype(tag)::value>::offset(k, lane); });
   }
-  /// Stores w (rounded to bf16 when the dtype is bf16).
-  void set(Index p, Index k, Index lane, float w) {
-    const Index i = p * panel_size() + offset(k, lane);
-    if (dtype_ == Dtype::f32) f32_.data()[i] = w;
-    else b16_.data()[i] = to_bf16(w);
+  /// Packs lane `lane` of panel p from w[0..k) (the type's rounding).
+  void pack_row(Index p, Index lane, const float* w) {
+    visit_dtype(dtype_, [&](auto tag) {
+      using W = WeightType<decltype(tag)::value>;
+      W::pack_row(w, k_, lane, codes(p, tag), scales_.data() + p * scale_bytes_);
+    });
   }
+  /// The stored weight (k, lane) of panel p, as float.
   float get(Index p, Index k, Index lane) const {
-    const Index i = p * panel_size() + offset(k, lane);
-    return dtype_ == Dtype::f32 ? f32_.data()[i] : to_float(b16_.data()[i]);
+    return visit_dtype(dtype_, [&](auto tag) {
+      return WeightType<decltype(tag)::value>::weight(panel<decltype(tag)::value>(p), scales(p), k, lane);
+    });
   }
 
  private:
+  template <class Tag>
+  typename WeightType<Tag::value>::Element* codes(Index p, Tag) {
+    return reinterpret_cast<typename WeightType<Tag::value>::Element*>(codes_.data() + p * panel_bytes_);
+  }
+
   Dtype dtype_ = Dtype::f32;
   Index k_ = 0, kpad_ = 0, panels_ = 0;
-  detail::AlignedArray<float> f32_;
-  detail::AlignedArray<bf16> b16_;
+  Index panel_bytes_ = 0, scale_bytes_ = 0;  // per panel
+  detail::AlignedArray<std::byte> codes_;    // panels × panel_bytes_
+  detail::AlignedArray<std::byte> scales_;   // panels × scale_bytes_
 };
 
 /// One SwiGLU expert, y = (SiLU(x·W_gateᵀ) ⊙ x·W_upᵀ)·W_downᵀ, packed.
@@ -175,15 +207,23 @@ class PackedExpert {
     apex::detail::check_shape(where, "w_down", w_down, d_, f_);
     gate_up_ = PanelMatrix(dtype, d_, (f_ + kHiddenPerPanel - 1) / kHiddenPerPanel);
     down_ = PanelMatrix(dtype, f_, (d_ + kOutPerPanel - 1) / kOutPerPanel);
+    // One lane is one weight row (row-major `[out, in]`: contiguous).
     for (Index j = 0; j < f_; ++j) {
       const Index p = j / kHiddenPerPanel, l = j % kHiddenPerPanel;
-      for (Index k = 0; k < d_; ++k) {
-        gate_up_.set(p, k, l, w_gate(j, k));
-        gate_up_.set(p, k, kHiddenPerPanel + l, w_up(j, k));
-      }
+      gate_up_.pack_row(p, l, w_gate.row(j).data());
+      gate_up_.pack_row(p, kHiddenPerPanel + l, w_up.row(j).data());
     }
-    for (Index i = 0; i < d_; ++i)
-      for (Index j = 0; j < f_; ++j) down_.set(i / kOutPerPanel, j, i % kOutPerPanel, w_down(i, j));
+    for (Index i = 0; i < d_; ++i) down_.pack_row(i / kOutPerPanel, i % kOutPerPanel, w_down.row(i).data());
+  }
+
+  /// Bytes of a packed d × f expert of `dtype`, from the table, without
+  /// allocating; ConfigError naming `where` if the count overflows.
+  static Index bytes_for(const char* where, Dtype dtype, Index d, Index f) {
+    // Panel counts without forming f + 15 or d + 31 (ceil(n/k) = n/k + [n mod k ≠ 0]).
+    const auto panels = [](Index n, Index k) { return n / k + (n % k != 0); };
+    return apex::detail::checked_sum(
+        where, "expert bytes", PanelMatrix::bytes_for(where, "gate_up bytes", dtype, d, panels(f, kHiddenPerPanel)),
+        PanelMatrix::bytes_for(where, "down bytes", dtype, f, panels(d, kOutPerPanel)));
   }
 
   Index d_model() const { return d_; }

@@ -37,6 +37,7 @@
 #include "../moe/expert_contract.hpp"
 #include "../core/init.hpp"
 #include "kappa_options.hpp"
+#include "kappa_row.hpp"
 #include "../core/param.hpp"
 #include "swiglu.hpp"
 #include "../core/types.hpp"
@@ -306,26 +307,13 @@ class KappaSwiGLU {
   const RowVector<T>& kappa_bias_grad() const { return bias_grad_; }
 
  private:
-  /// s = c·ℓ, saturated to ±max of T. A product that overflows to ±∞ would
-  /// make u = b + α·s NaN where α = 0 (0·∞), and κ must be 1 there; with s
-  /// finite, α·s is 0 for α = 0 and at worst ±∞ otherwise, whose tanh is the
-  /// limit ±1. Every finite product is returned unchanged.
-  T scaled_logit(T logit) const {
-    constexpr T max = std::numeric_limits<T>::max();
-    const T s = T(opt_.c) * logit;
-    return s > max ? max : (s < -max ? -max : s);
-  }
-  /// Whether s = scaled_logit(ℓ) sits at the saturation bound (∂s/∂ℓ = 0 there).
-  static bool saturated(T s) { return std::abs(s) == std::numeric_limits<T>::max(); }
-
-  /// One row's τ = tanh(u), u = b + α·s, s = c·ℓ, and κ = exp(ln U·τ)
-  /// (1 × f each) for U > 1. |τ| ≤ 1; the clamp absorbs exp's last-bit
-  /// rounding so κ ∈ [1/U, U] exactly.
+  /// s = c·ℓ saturated (layers/kappa_row.hpp).
+  T scaled_logit(T logit) const { return detail::kappa_scaled_logit(opt_, logit); }
+  static bool saturated(T s) { return detail::kappa_saturated(s); }
+  /// One row's τ and κ (1 × f each): layers/kappa_row.hpp, shared with the packed layer.
   template <class Tau, class K>
   void kappa_row(T logit, Tau&& tau, K&& k) const {
-    const T ln_u = T(std::log(opt_.U)), s = scaled_logit(logit);
-    tau = array::tanh(bias_.array() + s * alpha_.array());
-    k = (ln_u * tau).exp().min(T(opt_.U)).max(T(1.0 / opt_.U));
+    detail::kappa_row(opt_, alpha_, bias_, logit, tau, k);
   }
 
   /// One row's κ (into k) and ∂κ/∂u (into dk), both 1 × f, for logit ℓ.

@@ -57,9 +57,6 @@ struct SwiGLUWorkTag;      ///< workspace of a cacheless forward: [G | U | A]
 struct SwiGLUGateGradTag;  ///< workspace of the gated backward (also κ-SwiGLU's): [dG | dU]
 }  // namespace detail
 
-template <class T>
-class KappaSwiGLU;
-
 /// Dense SwiGLU FFN. Also the default routed and shared expert of MoEFFN.
 template <class T>
 class SwiGLU {
@@ -201,6 +198,44 @@ class SwiGLU {
   /// 2f × d: gate rows then up rows.
   const Matrix<T>& w_gate_up() const { return w_gate_up_; }
 
+  /// \name The gated skeleton: extension point for other gated activations
+  /// A gated FFN with another activation (κ-SwiGLU, GEGLU, a clamped SwiGLU…)
+  /// owns a SwiGLU for its weights and runs these two with its own
+  /// activation and gate derivative, so it adds into this layer's gradients
+  /// and shares its products, workspaces and state_dict names without editing
+  /// this header (docs/expert_contract.md, "A new gated activation").
+  ///@{
+
+  /// The gated-FFN forward every SwiGLU variant shares (docs/math.md#swiglu):
+  ///     [G | U] = x·W_guᵀ (n × 2f),  activation(G, U, A) fills A (n × f),  y = A·W_downᵀ (n × d)
+  /// G, U and A are the three column blocks of work (n × 3f), passed as arrays.
+  template <class Work, class Y, class Act>
+  void gated_forward(const ConstMatrixRef<T>& x, const Eigen::MatrixBase<Work>& work_, const Eigen::MatrixBase<Y>& y,
+                     Act&& activation) const {
+    auto& work = const_cast<Eigen::MatrixBase<Work>&>(work_);
+    detail::train_linear_nt(x, w_gate_up_, work.leftCols(2 * f_));
+    activation(work.leftCols(f_).array(), work.middleCols(f_, f_).array(), work.rightCols(f_).array());
+    detail::train_linear_nt(work.rightCols(f_), w_down_, y);
+  }
+
+  /// The gated-FFN backward every SwiGLU variant shares: the two linear
+  /// backwards around `gate_grad(dh)`, which must turn dh (n × 2f workspace
+  /// whose right half holds ∂L/∂A) into [∂L/∂G | ∂L/∂U] row by row. x: n × d
+  /// and work: n × 3f as the forward left them, dy: n × d, dx: n × d
+  /// (written); adds into the weight gradients (allocated first if not yet).
+  template <class DX, class GateGrad>
+  void gated_backward(const ConstMatrixRef<T>& x, const ConstMatrixRef<T>& work, const ConstMatrixRef<T>& dy,
+                      const Eigen::MatrixBase<DX>& dx, GateGrad&& gate_grad) {
+    allocate_gradients();  // a no-op once they exist (every caller in this library allocates first)
+    auto dh = detail::thread_workspace<T, detail::SwiGLUGateGradTag>(x.rows(), 2 * f_);  // n × 2f: [dG | dU]
+    // ∂L/∂W_down += dYᵀ·A (d × f);  ∂L/∂A = dY·W_down (n × f), held in the dU half until dU replaces it
+    detail::train_linear_nt_backward(dy, work.rightCols(f_), w_down_, w_down_grad_, dh.rightCols(f_));
+    gate_grad(dh);
+    // ∂L/∂W_gu += dHᵀ·X (2f × d);  ∂L/∂X = dH·W_gu (n × d)
+    detail::train_linear_nt_backward(dh, x, w_gate_up_, w_gate_up_grad_, dx);
+  }
+  ///@}
+
  private:
   /// ShapeError unless `cache` holds a forward of this layer: x is N × d and
   /// work N × 3f (a default-constructed cache has neither).
@@ -221,36 +256,6 @@ class SwiGLU {
   /// "a SwiGLU (d_model d, d_ffn f)", for the memory-fit messages.
   std::string description() const {
     return "a SwiGLU (d_model " + std::to_string(d_) + ", d_ffn " + std::to_string(f_) + ")";
-  }
-
-  // κ-SwiGLU is this network with another gate activation: it runs the
-  // skeleton below with its own kernels (and so adds into these gradients).
-  friend class KappaSwiGLU<T>;
-
-  /// The gated-FFN forward every SwiGLU variant shares (docs/math.md#swiglu):
-  ///     [G | U] = x·W_guᵀ (n × 2f),  activation(G, U, A) fills A (n × f),  y = A·W_downᵀ (n × d)
-  /// G, U and A are the three column blocks of work (n × 3f), passed as arrays.
-  template <class Work, class Y, class Act>
-  void gated_forward(const ConstMatrixRef<T>& x, const Eigen::MatrixBase<Work>& work_, const Eigen::MatrixBase<Y>& y,
-                     Act&& activation) const {
-    auto& work = const_cast<Eigen::MatrixBase<Work>&>(work_);
-    detail::train_linear_nt(x, w_gate_up_, work.leftCols(2 * f_));
-    activation(work.leftCols(f_).array(), work.middleCols(f_, f_).array(), work.rightCols(f_).array());
-    detail::train_linear_nt(work.rightCols(f_), w_down_, y);
-  }
-
-  /// The gated-FFN backward every SwiGLU variant shares: the two linear
-  /// backwards around `gate_grad(dh)`, which must turn dh (n × 2f workspace
-  /// whose right half holds ∂L/∂A) into [∂L/∂G | ∂L/∂U] row by row.
-  template <class DX, class GateGrad>
-  void gated_backward(const ConstMatrixRef<T>& x, const ConstMatrixRef<T>& work, const ConstMatrixRef<T>& dy,
-                      const Eigen::MatrixBase<DX>& dx, GateGrad&& gate_grad) {
-    auto dh = detail::thread_workspace<T, detail::SwiGLUGateGradTag>(x.rows(), 2 * f_);  // n × 2f: [dG | dU]
-    // ∂L/∂W_down += dYᵀ·A (d × f);  ∂L/∂A = dY·W_down (n × f), held in the dU half until dU replaces it
-    detail::train_linear_nt_backward(dy, work.rightCols(f_), w_down_, w_down_grad_, dh.rightCols(f_));
-    gate_grad(dh);
-    // ∂L/∂W_gu += dHᵀ·X (2f × d);  ∂L/∂X = dH·W_gu (n × d)
-    detail::train_linear_nt_backward(dh, x, w_gate_up_, w_gate_up_grad_, dx);
   }
 
   Index d_, f_;

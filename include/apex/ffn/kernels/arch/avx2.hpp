@@ -4,13 +4,16 @@
 /// R = 3 rows keeps 12 accumulators and the 4 weight vectors in the 16 ymm
 /// registers. bf16 weights are widened by a shift (even k) or a mask (odd k)
 /// and multiplied with fp32 activations, so activations stay exact.
+/// The tiles are the `Tiles<T, Isa::avx2>` entries of the weight-type table
+/// (kernels/weight_types.hpp); `panel_avx2` runs any type that has them.
 /// Conventions as in kernels/arch/scalar.hpp.
 
+#include <cstddef>
 #include <cstring>
-#include <type_traits>
 
 #include "../bf16_vectors.hpp"
-#include "../vec_math.hpp"
+#include "../epilogue.hpp"
+#include "../weight_types.hpp"
 
 // GCC 12 reports its own `_mm512_undefined_*` placeholders (`__Y = __Y`) as
 // maybe-uninitialized once they are inlined (GCC PR 105593, fixed in 13).
@@ -22,10 +25,13 @@
 #if APEX_PACKED_X86
 namespace apex::packed::detail {
 
-APEX_TARGET_AVX2 inline void store_row_avx2(const __m256* acc, float* out, Index ncols, bool silu) {
+/// One row's 32 accumulators (four vectors) through the epilogue.
+template <class Epi>
+APEX_TARGET_AVX2 inline void store_row_avx2(const __m256* acc, float* out, Index ncols) {
   alignas(32) float tmp[32];
-  if (silu) {
-    const __m256 a0 = silu_mul_avx2(acc[0], acc[2]), a1 = silu_mul_avx2(acc[1], acc[3]);
+  if constexpr (Epi::kGated && vectorised_v<typename Epi::Activation>) {
+    using Act = typename Epi::Activation;
+    const __m256 a0 = Act::apply_avx2(acc[0], acc[2]), a1 = Act::apply_avx2(acc[1], acc[3]);
     if (ncols == 16) {
       _mm256_storeu_ps(out, a0);
       _mm256_storeu_ps(out + 8, a1);
@@ -33,6 +39,9 @@ APEX_TARGET_AVX2 inline void store_row_avx2(const __m256* acc, float* out, Index
     }
     _mm256_store_ps(tmp, a0);
     _mm256_store_ps(tmp + 8, a1);
+  } else if constexpr (Epi::kGated) {  // an activation without SIMD forms: per element
+    for (int v = 0; v < 4; ++v) _mm256_store_ps(tmp + 8 * v, acc[v]);
+    return store_row_lanes<Epi>(tmp, out, ncols);
   } else {
     if (ncols == 32) {
       for (int v = 0; v < 4; ++v) _mm256_storeu_ps(out + 8 * v, acc[v]);
@@ -43,75 +52,75 @@ APEX_TARGET_AVX2 inline void store_row_avx2(const __m256* acc, float* out, Index
   std::memcpy(out, tmp, std::size_t(ncols) * sizeof(float));
 }
 
-template <int R>
-APEX_TARGET_AVX2 void tile_f32_avx2(const float* w, Index K, const float* x, Index ldx, float* out, Index ldo,
-                                    Index ncols, bool silu) {
-  __m256 acc[R][4];
+/// float weights: acc ← fma(x_k, w_k, acc), k ascending.
+template <>
+struct Tiles<Dtype::f32, Isa::avx2> {
+  template <int R, class Epi>
+  APEX_TARGET_AVX2 static void tile(const float* w, const std::byte*, Index K, const float* x, Index ldx, float* out,
+                                    Index ldo, Index ncols) {
+    __m256 acc[R][4];
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
-  for (Index k = 0; k < K; ++k) {
-    prefetch_slab(w + 32 * k);
-    __m256 wv[4];
-    for (int v = 0; v < 4; ++v) wv[v] = _mm256_load_ps(w + 32 * k + 8 * v);
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
+    for (Index k = 0; k < K; ++k) {
+      prefetch_slab(w + 32 * k);
+      __m256 wv[4];
+      for (int v = 0; v < 4; ++v) wv[v] = _mm256_load_ps(w + 32 * k + 8 * v);
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_set1_ps(x[r * ldx + k]);
-      for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_fmadd_ps(xv, wv[v], acc[r][v]);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_set1_ps(x[r * ldx + k]);
+        for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_fmadd_ps(xv, wv[v], acc[r][v]);
+      }
     }
+    for (int r = 0; r < R; ++r) store_row_avx2<Epi>(acc[r], out + r * ldo, ncols);
   }
-  for (int r = 0; r < R; ++r) store_row_avx2(acc[r], out + r * ldo, ncols, silu);
-}
+};
 
-template <int R>
-APEX_TARGET_AVX2 void tile_w16_avx2(const bf16* w, Index K, const float* x, Index ldx, float* out, Index ldo,
-                                    Index ncols, bool silu) {
-  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  __m256 acc[R][4];
+/// bf16 weights widened: even k by `<< 16`, odd k by masking the low half.
+template <>
+struct Tiles<Dtype::bf16, Isa::avx2> {
+  template <int R, class Epi>
+  APEX_TARGET_AVX2 static void tile(const bf16* w, const std::byte*, Index K, const float* x, Index ldx, float* out,
+                                    Index ldo, Index ncols) {
+    const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    __m256 acc[R][4];
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
-  const Index pairs = (K + 1) / 2;
-  for (Index kk = 0; kk < pairs; ++kk) {
-    prefetch_slab(w + 64 * kk);
-    __m256i raw[4];  // lanes 8v…8v+7, each lane (k even | k odd << 16)
-    for (int v = 0; v < 4; ++v) raw[v] = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + 64 * kk + 16 * v));
-    __m256 wv[4];
-    for (int v = 0; v < 4; ++v) wv[v] = _mm256_castsi256_ps(_mm256_slli_epi32(raw[v], 16));
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
+    const Index pairs = (K + 1) / 2;
+    for (Index kk = 0; kk < pairs; ++kk) {
+      prefetch_slab(w + 64 * kk);
+      __m256i raw[4];  // lanes 8v…8v+7, each lane (k even | k odd << 16)
+      for (int v = 0; v < 4; ++v) raw[v] = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + 64 * kk + 16 * v));
+      __m256 wv[4];
+      for (int v = 0; v < 4; ++v) wv[v] = _mm256_castsi256_ps(_mm256_slli_epi32(raw[v], 16));
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_set1_ps(x[r * ldx + 2 * kk]);
-      for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_fmadd_ps(xv, wv[v], acc[r][v]);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_set1_ps(x[r * ldx + 2 * kk]);
+        for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_fmadd_ps(xv, wv[v], acc[r][v]);
+      }
+      if (2 * kk + 1 == K) break;  // odd K: the last pair has no odd half
+      for (int v = 0; v < 4; ++v) wv[v] = _mm256_castsi256_ps(_mm256_and_si256(raw[v], hi));
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_set1_ps(x[r * ldx + 2 * kk + 1]);
+        for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_fmadd_ps(xv, wv[v], acc[r][v]);
+      }
     }
-    if (2 * kk + 1 == K) break;  // odd K: the last pair has no odd half
-    for (int v = 0; v < 4; ++v) wv[v] = _mm256_castsi256_ps(_mm256_and_si256(raw[v], hi));
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_set1_ps(x[r * ldx + 2 * kk + 1]);
-      for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_fmadd_ps(xv, wv[v], acc[r][v]);
-    }
+    for (int r = 0; r < R; ++r) store_row_avx2<Epi>(acc[r], out + r * ldo, ncols);
   }
-  for (int r = 0; r < R; ++r) store_row_avx2(acc[r], out + r * ldo, ncols, silu);
-}
+};
 
 /// out (rows × ncols) = epilogue(x (rows × K) · panel), tiles of 3 rows.
-template <class W>
-APEX_TARGET_AVX2 void panel_avx2(const W* w, Index K, const float* x, Index ldx, Index rows, float* out, Index ldo,
-                                 Index ncols, bool silu) {
-  constexpr bool f32 = std::is_same_v<W, float>;
+template <Dtype T, class Epi>
+APEX_TARGET_AVX2 void panel_avx2(const typename WeightType<T>::Element* w, const std::byte* scales, Index K,
+                                 const float* x, Index ldx, Index rows, float* out, Index ldo, Index ncols) {
+  using Tile = Tiles<T, Isa::avx2>;
   Index r = 0;
-  for (; r + 3 <= rows; r += 3) {
-    if constexpr (f32) tile_f32_avx2<3>(w, K, x + r * ldx, ldx, out + r * ldo, ldo, ncols, silu);
-    else tile_w16_avx2<3>(w, K, x + r * ldx, ldx, out + r * ldo, ldo, ncols, silu);
-  }
+  for (; r + 3 <= rows; r += 3) Tile::template tile<3, Epi>(w, scales, K, x + r * ldx, ldx, out + r * ldo, ldo, ncols);
   const Index rem = rows - r;
-  if (rem == 2) {
-    if constexpr (f32) tile_f32_avx2<2>(w, K, x + r * ldx, ldx, out + r * ldo, ldo, ncols, silu);
-    else tile_w16_avx2<2>(w, K, x + r * ldx, ldx, out + r * ldo, ldo, ncols, silu);
-  } else if (rem == 1) {
-    if constexpr (f32) tile_f32_avx2<1>(w, K, x + r * ldx, ldx, out + r * ldo, ldo, ncols, silu);
-    else tile_w16_avx2<1>(w, K, x + r * ldx, ldx, out + r * ldo, ldo, ncols, silu);
-  }
+  if (rem == 2) Tile::template tile<2, Epi>(w, scales, K, x + r * ldx, ldx, out + r * ldo, ldo, ncols);
+  else if (rem == 1) Tile::template tile<1, Epi>(w, scales, K, x + r * ldx, ldx, out + r * ldo, ldo, ncols);
 }
 
 }  // namespace apex::packed::detail

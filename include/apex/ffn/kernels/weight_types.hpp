@@ -1,0 +1,191 @@
+#pragma once
+/// \file kernels/weight_types.hpp
+/// The table of storage types of packed expert weights: one `WeightType<T>`
+/// entry per type, which every storage decision reads (panel layout and
+/// bytes, packing from float, widening back, the name in errors and files),
+/// and the per-(type, ISA) tile kernels `Tiles<T, Isa>`, specialised in
+/// kernels/arch/<isa>.hpp.
+///
+/// The same division as ggml's `type_traits_cpu[]` (one row per type: block
+/// size, `from_float`, the dot kernel) and Eigen's `packet_traits` (one
+/// capability table per ISA, one generic kernel written against it): the MoE
+/// and inference layers never name a type; they call `visit_dtype` and the
+/// entry does the rest.
+///
+/// Layout vocabulary. A panel is K reduction steps × 32 lanes
+/// (kernels/packed_weights.hpp). Along K, one lane's weights form *blocks* of
+/// `kBlockWeights` weights sharing one scale (1 and no scale for f32 and
+/// bf16; 32 or 256 with an fp16 or E8M0 scale for ggml's block formats).
+/// `kBlockBytes` counts a block's codes and its scale; the scales live in
+/// the panel's separate scale array (`kScaleBytes` of each block), so code
+/// slabs stay 64-byte aligned. `kGroup` consecutive k of one lane are stored
+/// side by side (bf16: the pair `vdpbf16ps` multiplies). K is padded to a
+/// multiple of both with zero weights.
+///
+/// Adding a type: one `X(name)` in APEX_PACKED_WEIGHT_TYPES, its
+/// `WeightType` entry and its `Tiles` per SIMD path. Every dispatch over
+/// types is generated from the list, so a type without an entry or without
+/// tiles is a compile error (the primary templates are left undefined), never
+/// a silent default.
+
+#include <cstddef>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "../core/checked_size.hpp"
+#include "../core/errors.hpp"
+#include "../core/types.hpp"
+#include "bf16_vectors.hpp"
+
+namespace apex::packed {
+
+/// Every storage type, in the order of the enum below.
+#define APEX_PACKED_WEIGHT_TYPES(X) X(f32) X(bf16)
+
+/// Storage type of packed weights. Accumulation is fp32 for every type.
+enum class Dtype {
+#define APEX_PACKED_ENUMERATOR(name) name,
+  APEX_PACKED_WEIGHT_TYPES(APEX_PACKED_ENUMERATOR)
+#undef APEX_PACKED_ENUMERATOR
+};
+
+/// Output lanes of every panel (two AVX-512 vectors, four AVX2 vectors).
+inline constexpr Index kPanelLanes = 32;
+
+/// The table entry of storage type T; undefined for a type without one.
+template <Dtype T>
+struct WeightType;
+
+namespace detail {
+/// The tile kernels of type T on SIMD path I (kernels/arch/<isa>.hpp);
+/// undefined for a pair without kernels. The scalar path needs none: it
+/// reads single weights through `WeightType<T>::weight`.
+template <Dtype T, Isa I>
+struct Tiles;
+}  // namespace detail
+
+/// float weights: panel[k·32 + lane].
+template <>
+struct WeightType<Dtype::f32> {
+  using Storage = float;  ///< the inference layers' `Storage` parameter
+  using Element = float;  ///< what a panel's code array holds
+  static constexpr const char* kName = "f32";
+  static constexpr const char* kFileDtype = "F32";  ///< safetensors spelling of a tensor of this type
+  static constexpr Index kGroup = 1;
+  static constexpr Index kBlockWeights = 1;
+  static constexpr Index kBlockBytes = 4;
+  static constexpr Index kScaleBytes = 0;
+
+  static Index offset(Index k, Index lane) { return k * kPanelLanes + lane; }
+  static float weight(const Element* panel, const std::byte*, Index k, Index lane) { return panel[offset(k, lane)]; }
+  /// One lane's K weights from float (the padding stays zero).
+  static void pack_row(const float* w, Index K, Index lane, Element* panel, std::byte*) {
+    for (Index k = 0; k < K; ++k) panel[offset(k, lane)] = w[k];
+  }
+};
+
+/// bf16 weights (round to nearest even, NaN kept): panel[(k/2)·64 +
+/// lane·2 + k mod 2], the two k of a pair in one 32-bit lane.
+template <>
+struct WeightType<Dtype::bf16> {
+  using Storage = bf16;
+  using Element = bf16;
+  static constexpr const char* kName = "bf16";
+  static constexpr const char* kFileDtype = "BF16";
+  static constexpr Index kGroup = 2;
+  static constexpr Index kBlockWeights = 1;
+  static constexpr Index kBlockBytes = 2;
+  static constexpr Index kScaleBytes = 0;
+
+  static Index offset(Index k, Index lane) { return (k >> 1) * 2 * kPanelLanes + lane * 2 + (k & 1); }
+  static float weight(const Element* panel, const std::byte*, Index k, Index lane) {
+    return to_float(panel[offset(k, lane)]);
+  }
+  static void pack_row(const float* w, Index K, Index lane, Element* panel, std::byte*) {
+    for (Index k = 0; k < K; ++k) panel[offset(k, lane)] = to_bf16(w[k]);
+  }
+};
+
+/// A type as a value, for generic lambdas: `visit_dtype(t, [](auto tag) {
+/// using W = WeightType<decltype(tag)::value>; … })`.
+template <Dtype T>
+using DtypeTag = std::integral_constant<Dtype, T>;
+
+/// f(DtypeTag<t>{}) for the runtime type t; instantiated for every type of
+/// the list. ConfigError for a value outside the enumerators (an integer
+/// cast), which would otherwise read as some type's bytes.
+template <class F>
+decltype(auto) visit_dtype(Dtype t, F&& f) {
+  switch (t) {
+#define APEX_PACKED_VISIT_CASE(name) \
+  case Dtype::name: return f(DtypeTag<Dtype::name>{});
+    APEX_PACKED_WEIGHT_TYPES(APEX_PACKED_VISIT_CASE)
+#undef APEX_PACKED_VISIT_CASE
+  }
+  throw ConfigError("packed weights: dtype " + std::to_string(int(t)) + " is not in the weight-type table");
+}
+
+/// The name a type has in errors and files ("f32", "bf16").
+inline const char* dtype_name(Dtype t) {
+  return visit_dtype(t, [](auto tag) { return WeightType<decltype(tag)::value>::kName; });
+}
+
+/// Bytes per weight, scales included (a block format's is fractional).
+inline double bytes_per_weight(Dtype t) {
+  return visit_dtype(t, [](auto tag) {
+    using W = WeightType<decltype(tag)::value>;
+    return double(W::kBlockBytes) / double(W::kBlockWeights);
+  });
+}
+
+/// Every weight type's name, ", "-separated (for error messages).
+inline std::string dtype_names() {
+  std::string s;
+#define APEX_PACKED_NAME(name) s += std::string(s.empty() ? "" : ", ") + WeightType<Dtype::name>::kName;
+  APEX_PACKED_WEIGHT_TYPES(APEX_PACKED_NAME)
+#undef APEX_PACKED_NAME
+  return s;
+}
+
+/// Every entry's kFileDtype, in table order.
+inline std::vector<const char*> file_dtypes() {
+  return {
+#define APEX_PACKED_FILE(name) WeightType<Dtype::name>::kFileDtype,
+      APEX_PACKED_WEIGHT_TYPES(APEX_PACKED_FILE)
+#undef APEX_PACKED_FILE
+  };
+}
+
+/// The Dtype whose entry stores `Storage` (float → f32, bf16 → bf16); a
+/// compile error for a type no entry stores.
+template <class Storage>
+constexpr Dtype dtype_of() {
+  constexpr int hits = 0
+#define APEX_PACKED_HIT(name) +int(std::is_same_v<Storage, typename WeightType<Dtype::name>::Storage>)
+      APEX_PACKED_WEIGHT_TYPES(APEX_PACKED_HIT)
+#undef APEX_PACKED_HIT
+      ;
+  static_assert(hits == 1, "packed layers: Storage must be the Storage of one entry of kernels/weight_types.hpp "
+                           "(float or apex::packed::bf16)");
+  Dtype t{};
+#define APEX_PACKED_PICK(name) \
+  if (std::is_same_v<Storage, typename WeightType<Dtype::name>::Storage>) t = Dtype::name;
+  APEX_PACKED_WEIGHT_TYPES(APEX_PACKED_PICK)
+#undef APEX_PACKED_PICK
+  return t;
+}
+
+namespace detail {
+/// K rounded up to whole groups and blocks of type T: K + (−K mod step),
+/// ConfigError naming `where` past the index range.
+template <Dtype T>
+Index padded_k(const char* where, Index k) {
+  using W = WeightType<T>;
+  constexpr Index step = W::kGroup > W::kBlockWeights ? W::kGroup : W::kBlockWeights;
+  static_assert(step % W::kGroup == 0 && step % W::kBlockWeights == 0, "group and block must nest");
+  return step == 1 ? k : apex::detail::checked_sum(where, "padded width", k, (step - k % step) % step);
+}
+}  // namespace detail
+
+}  // namespace apex::packed
