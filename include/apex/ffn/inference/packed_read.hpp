@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "../core/state_names.hpp"
 #include "../io/checkpoint.hpp"
 #include "../core/errors.hpp"
 #include "../moe/families.hpp"
@@ -128,7 +129,7 @@ void read_into(const std::string& where, const safetensors::Reader& file, const 
                      " contains NaN or Inf (the float layer rejects the router logits it would give)");
 }
 
-/// Reads the SwiGLU at `p` (name(p + "w_gate.weight"), …; `name` maps the
+/// Reads the SwiGLU at `p` (name(p + state_names::kGate), …; `name` maps the
 /// library's names to the file's) into the staging buffers (gu: 2f × d,
 /// gate rows first; down: d × f) and packs it.
 template <class Name>
@@ -136,18 +137,18 @@ packed::PackedExpert read_expert(const std::string& where, const safetensors::Re
                                  const std::string& p, Matrix<float>& gu, Matrix<float>& down, packed::Dtype dtype,
                                  std::uint64_t& fp) {
   const Index f = gu.rows() / 2, d = gu.cols();
-  file.read(file.at(name(p + "w_gate.weight")), gu.data());
-  file.read(file.at(name(p + "w_up.weight")), gu.data() + f * d);
-  read_into(where, file, name(p + "w_down.weight"), down, false);
+  file.read(file.at(name(p + state_names::kGate)), gu.data());
+  file.read(file.at(name(p + state_names::kUp)), gu.data() + f * d);
+  read_into(where, file, name(p + state_names::kDown), down, false);
   fingerprint_add(fp, gu.data(), gu.size());
   fingerprint_add(fp, down.data(), down.size());
   return packed::PackedExpert(gu.topRows(f), gu.bottomRows(f), down, dtype);
 }
 
 inline void add_swiglu_names(std::vector<Expected>& want, const std::string& p, Index d, Index f) {
-  want.push_back({p + "w_gate.weight", f, d});
-  want.push_back({p + "w_up.weight", f, d});
-  want.push_back({p + "w_down.weight", d, f});
+  want.push_back({p + state_names::kGate, f, d});
+  want.push_back({p + state_names::kUp, f, d});
+  want.push_back({p + state_names::kDown, d, f});
 }
 
 /// The file's name of a layer parameter `internal` (MoEFFN::param_values()):
@@ -171,19 +172,19 @@ struct MoEPlan {
 /// The tensors of a PackedMoE of `config` under `name` (kappa: α and b too).
 inline std::vector<Expected> moe_tensors(const MoEConfig& config, const FileNames& name, bool kappa) {
   const Index d = config.d_model;
-  std::vector<Expected> want{{name("router.weight"), config.n_experts, d}};
+  std::vector<Expected> want{{name(state_names::kRouter), config.n_experts, d}};
   const auto add = [&](const std::string& q, Index width) {  // width × d, width × d, d × width
-    for (const char* w : {"w_gate.weight", "w_up.weight"}) want.push_back({name(q + w), width, d});
-    want.push_back({name(q + "w_down.weight"), d, width});
+    for (const char* w : {state_names::kGate, state_names::kUp}) want.push_back({name(q + w), width, d});
+    want.push_back({name(q + state_names::kDown), d, width});
   };
   for (Index e = 0; e < config.n_experts; ++e) {
-    const std::string q = "experts." + std::to_string(e) + ".";
+    const std::string q = state_names::routed_expert(e);
     add(q, config.d_ffn);
     if (kappa)
-      for (const char* k : {"kappa_alpha", "kappa_bias"}) want.push_back({name(q + k), 1, config.d_ffn});
+      for (const char* k : {state_names::kKappaAlpha, state_names::kKappaBias}) want.push_back({name(q + k), 1, config.d_ffn});
   }
-  for (Index s = 0; s < config.n_shared; ++s) add("shared_experts." + std::to_string(s) + ".", config.shared_ffn());
-  if (config.shared_expert_gate) want.push_back({name("shared_expert_gate.weight"), 1, d});
+  for (Index s = 0; s < config.n_shared; ++s) add(state_names::shared_expert(s), config.shared_ffn());
+  if (config.shared_expert_gate) want.push_back({name(state_names::kSharedGate), 1, d});
   return want;
 }
 
@@ -229,12 +230,12 @@ Layer build_moe(const std::string& where, const safetensors::Reader& file, const
   std::vector<KappaGate> gates;
   experts.reserve(std::size_t(config.n_experts));
   for (Index e = 0; e < config.n_experts; ++e) {
-    const std::string q = "experts." + std::to_string(e) + ".";
+    const std::string q = state_names::routed_expert(e);
     experts.push_back(read_expert(where, file, plan.name, q, gu, down, Layer::kDtype, fp));
     if constexpr (Layer::kKappa) {
       KappaGate g{RowVector<float>(f), RowVector<float>(f), options.kappa};
-      read_into(where, file, plan.name(q + "kappa_alpha"), g.alpha, false);
-      read_into(where, file, plan.name(q + "kappa_bias"), g.bias, false);
+      read_into(where, file, plan.name(q + state_names::kKappaAlpha), g.alpha, false);
+      read_into(where, file, plan.name(q + state_names::kKappaBias), g.bias, false);
       fingerprint_add(fp, g.alpha.data(), f);
       fingerprint_add(fp, g.bias.data(), f);
       gates.push_back(std::move(g));
@@ -243,14 +244,14 @@ Layer build_moe(const std::string& where, const safetensors::Reader& file, const
   gu.resize(2 * fs, d);  // the shared experts' own width f_s
   down.resize(d, fs);
   for (Index s = 0; s < config.n_shared; ++s)
-    shared.push_back(read_expert(where, file, plan.name, "shared_experts." + std::to_string(s) + ".", gu, down,
+    shared.push_back(read_expert(where, file, plan.name, state_names::shared_expert(s), gu, down,
                                  Layer::kDtype, fp));
   Matrix<float> shared_gate;  // 1 × d, or empty without a shared gate
   if (config.shared_expert_gate) {
     // Not checked finite: the float layer propagates a NaN gate weight into
     // the shared experts' output, it does not reject it.
     shared_gate.resize(1, d);
-    read_into(where, file, plan.name("shared_expert_gate.weight"), shared_gate, false);
+    read_into(where, file, plan.name(state_names::kSharedGate), shared_gate, false);
     fingerprint_add(fp, shared_gate.data(), shared_gate.size());
   }
   Layer out(config, router, bias, std::move(experts), std::move(gates), std::move(shared), std::move(shared_gate));
@@ -266,7 +267,7 @@ template <class Layer>
 Layer load_moe(const std::string& where, const safetensors::Reader& file, const MoEConfig& config,
                const PackedLoadOptions& options, const MoEPlan& plan) {
   Matrix<float> router(config.n_experts, config.d_model);
-  read_into(where, file, plan.name("router.weight"), router, true);
+  read_into(where, file, plan.name(state_names::kRouter), router, true);
   RowVector<float> bias = RowVector<float>::Zero(config.n_experts);
   if (!plan.bias_name.empty()) read_into(where, file, plan.bias_name, bias, true);
   std::uint64_t fp = kFingerprintSeed;

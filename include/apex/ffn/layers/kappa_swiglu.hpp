@@ -25,7 +25,7 @@
 /// than the recomputation costs backward.
 ///
 /// Options, the U ramp (layers/kappa_options.hpp) and the MoE-wide helpers
-/// (moe/kappa_experts.hpp) live apart from the layer; this header includes both.
+/// (layers/kappa_experts.hpp) live apart from the layer; this header includes both.
 
 #include <cmath>
 #include <cstdint>
@@ -39,6 +39,7 @@
 #include "kappa_options.hpp"
 #include "kappa_row.hpp"
 #include "../core/param.hpp"
+#include "../core/state_names.hpp"
 #include "swiglu.hpp"
 #include "../core/types.hpp"
 #include "../core/workspace.hpp"
@@ -251,15 +252,15 @@ class KappaSwiGLU {
   ParamList<T> params() {
     allocate_gradients();
     ParamList<T> out = mlp_.params();
-    out.push_back(detail::make_param<T>("kappa_alpha", alpha_, alpha_grad_));
-    out.push_back(detail::make_param<T>("kappa_bias", bias_, bias_grad_));
+    out.push_back(detail::make_param<T>(state_names::kKappaAlpha, alpha_, alpha_grad_));
+    out.push_back(detail::make_param<T>(state_names::kKappaBias, bias_, bias_grad_));
     return out;
   }
   /// The same tensors, values only: never allocates gradients (core/param.hpp).
   ParamList<T> param_values() {
     ParamList<T> out = mlp_.param_values();
-    out.push_back(detail::make_value_param<T>("kappa_alpha", alpha_));
-    out.push_back(detail::make_value_param<T>("kappa_bias", bias_));
+    out.push_back(detail::make_value_param<T>(state_names::kKappaAlpha, alpha_));
+    out.push_back(detail::make_value_param<T>(state_names::kKappaBias, bias_));
     return out;
   }
   /// Zeroes every gradient (allocating them, zeroed, if not yet).
@@ -341,4 +342,4 @@ class KappaSwiGLU {
 }  // namespace apex
 
 // Helpers over a whole MoE layer of κ experts, for code that includes this header only.
-#include "../moe/kappa_experts.hpp"
+#include "kappa_experts.hpp"

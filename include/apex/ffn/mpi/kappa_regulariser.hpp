@@ -9,7 +9,7 @@
 /// local expert's gradient, and sums the local values across ranks in rank
 /// order, so every rank returns the single-process value. Collective.
 
-#include "../moe/kappa_experts.hpp"
+#include "../layers/kappa_experts.hpp"
 #include "expert_parallel_moe.hpp"
 #include "fixed_order_sum.hpp"
 

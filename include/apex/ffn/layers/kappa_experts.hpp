@@ -1,5 +1,5 @@
 #pragma once
-/// \file moe/kappa_experts.hpp
+/// \file layers/kappa_experts.hpp
 /// Helpers over every κ-SwiGLU expert of an MoE layer
 /// (`MoEFFN<T, KappaSwiGLU<T>>`, or any layer whose `experts()` are
 /// KappaSwiGLU): the U schedule and the layer-wide regulariser
