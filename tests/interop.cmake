@@ -7,12 +7,12 @@
 #   checkpoint.interop.torch_fixtures   tools/torch_reference.py fixtures: fresh PyTorch checkpoints
 #   checkpoint.interop.apex_loads_torch apex_ffn_tests "[import]" on them, ≤ 1e-10
 #
-# Registered only when test_checkpoint.cpp is part of the build and a Python
+# Registered only when test_checkpoint_interop.cpp is part of the build and a Python
 # interpreter can `import torch` at configure time (Debian: python3-torch).
 # APEX_FFN_TORCH_PYTHON names the interpreter; empty = search python3 on the
 # PATH, then /usr/bin/python3.
 
-if(NOT "${CMAKE_CURRENT_SOURCE_DIR}/test_checkpoint.cpp" IN_LIST APEX_FFN_TEST_SOURCES)
+if(NOT "${CMAKE_CURRENT_SOURCE_DIR}/test_checkpoint_interop.cpp" IN_LIST APEX_FFN_TEST_SOURCES)
   return()
 endif()
 

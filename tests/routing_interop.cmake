@@ -2,10 +2,10 @@
 # already cover every family without torch): tools/moe_families.py writes a
 # fresh set with other seeds, then apex_ffn_tests "[families][reference]"
 # matches them too (APEX_FFN_FAMILY_DIR). Registered only when
-# test_routing.cpp is part of the build and a Python interpreter can
+# test_families.cpp is part of the build and a Python interpreter can
 # `import torch` (the one interop.cmake found, or APEX_FFN_TORCH_PYTHON).
 
-if(NOT "${CMAKE_CURRENT_SOURCE_DIR}/test_routing.cpp" IN_LIST APEX_FFN_TEST_SOURCES)
+if(NOT "${CMAKE_CURRENT_SOURCE_DIR}/test_families.cpp" IN_LIST APEX_FFN_TEST_SOURCES)
   return()
 endif()
 set(_apex_family_python "${APEX_FFN_TORCH_PYTHON}")

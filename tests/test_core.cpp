@@ -371,7 +371,7 @@ TEST_CASE("checked_product names the product that does not fit", "[core][sizes]"
 TEST_CASE("skip-gate and multi-token constructors reject sizes whose products overflow an index",
           "[core][sizes][regression]") {
   // The MoE-side layers (SwiGLU, kappa-SwiGLU, Router, MoEFFN, LoadBalancer,
-  // default_ffn_width) have the same test in test_moe.cpp.
+  // default_ffn_width) have the same test in test_moe_pipeline.cpp.
   const Index big = Index(1) << 62;  // 2^62: any factor ≥ 2 beside it overflows
   const Index half = Index(1) << 32;
   struct Probe {

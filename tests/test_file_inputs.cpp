@@ -30,6 +30,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "checkpoint_bytes.hpp"
 #include "fuzz/fuzz_index.hpp"
 #include "fuzz/replay.hpp"
 #include "sweep.hpp"
@@ -96,17 +97,8 @@ void swiglu_shards(const TempDir& dir, SwiGLU<double>& ffn) {
   write_text(dir / kShardIndexName, std::string("{\"metadata\":{\"total_size\":144},\"weight_map\":") + kWeightMap + "}");
 }
 
-/// Copies of every parameter value, to prove a rejected load changed nothing.
-std::vector<Matrix<double>> snapshot(const ParamList<double>& ps) {
-  std::vector<Matrix<double>> out;
-  for (const auto& p : ps) out.push_back(p.value());
-  return out;
-}
-bool unchanged(const ParamList<double>& ps, const std::vector<Matrix<double>>& before) {
-  for (std::size_t i = 0; i < ps.size(); ++i)
-    if (!(ps[i].value().array() == before[i].array()).all()) return false;
-  return true;
-}
+using apex::test::snapshot;
+using apex::test::unchanged;
 
 /// Longest a rejected read may take before the test calls it blocked.
 constexpr double kPromptSeconds = 2.0;

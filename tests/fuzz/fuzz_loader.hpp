@@ -1,6 +1,6 @@
 #pragma once
 // What the fuzzer does with one input, shared by the libFuzzer target
-// (fuzz_safetensors.cpp) and the regression test (test_checkpoint.cpp), so a
+// (fuzz_safetensors.cpp) and the regression test (test_malformed_files.cpp), so a
 // crashing input committed under tests/fuzz/regressions/ replays the exact
 // code path.
 //

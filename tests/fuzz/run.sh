@@ -12,7 +12,7 @@
 # modified; new inputs go to $FUZZ_BUILD_DIR/corpus and corpus_index. A crash
 # leaves crash-* in $FUZZ_BUILD_DIR/artifacts (artifacts_index) and a
 # non-zero exit: copy that file into tests/fuzz/regressions/ (or
-# regressions_index/), where test_checkpoint.cpp (test_file_inputs.cpp)
+# regressions_index/), where test_malformed_files.cpp (test_file_inputs.cpp)
 # replays it on every test run, then fix the reader.
 set -euo pipefail
 seconds=${1:-60}

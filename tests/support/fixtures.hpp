@@ -35,6 +35,19 @@ inline MoEConfig moe_config(Index n_experts = 4, Index k = 2, Index n_shared = 1
   return c;
 }
 
+/// An MoE layer of E routed experts, K active per token and S shared experts
+/// (d = 6, f = 5) that routes as `routing` says.
+inline MoEConfig routed_config(Index e, Index k, Index shared, const RoutingConfig& routing) {
+  MoEConfig cfg;
+  cfg.d_model = 6;
+  cfg.d_ffn = 5;
+  cfg.n_experts = e;
+  cfg.n_active = k;
+  cfg.n_shared = shared;
+  cfg.routing = routing;
+  return cfg;
+}
+
 /// A skip gate over tokens of width d with `h` hidden units and threshold τ.
 inline SkipGateConfig gate_config(Index d, Index h, double tau = 0.15) {
   SkipGateConfig c;

@@ -157,9 +157,11 @@ template <class T, class Bwd>
 void add_grad_cases(std::vector<Case>& cases, const std::string& fn, const std::string& arg, Index n, Index cols,
                     Bwd bwd) {
   const std::pair<Index, Index> shapes[] = {{n - 1, cols}, {n + 1, cols}, {0, cols}, {n, cols - 1}, {n, cols + 1}, {n, 0}};
-  for (const auto& [r, c] : shapes)
+  for (const auto& rc : shapes) {
+    const Index r = rc.first, c = rc.second;  // named copies: C++17 lambdas cannot capture structured bindings
     cases.push_back({fn + " with " + arg + " " + shape(r, c) + " for a cache of " + std::to_string(n) + " rows",
                      [=] { bwd(Matrix<T>::Ones(r, c)); }, "ShapeError", {fn, "'" + arg + "'", shape(r, c)}});
+  }
 }
 
 /// Runs `f` on an n × d input with NaN in row 1 and +Inf in row 3: it must

@@ -1,15 +1,20 @@
-// Loading the open MoE families' checkpoints (io/name_maps.hpp, and
-// load_packed_moe under a family's names): a loaded checkpoint keeps its
-// values — DeepSeek-V3's correction bias outside the balancer's [−1, 1]
-// included, so the float and packed layers route alike — and a rejected load
-// leaves the layer as it was, whatever the reason (a missing, misshapen,
-// mistyped or unexpected tensor, a NaN bias, another family's file).
-#include <catch2/catch.hpp>
-
+// The Hugging Face name maps of the open MoE families (io/name_maps.hpp, and
+// load_packed_moe under a family's names): a family checkpoint saves and
+// loads under the family's names, another family's file and a missing
+// correction bias are rejected, a loaded checkpoint keeps its values —
+// DeepSeek-V3's correction bias outside the balancer's [−1, 1] included, so
+// the float and packed layers route alike — and a rejected load leaves the
+// layer as it was, whatever the reason (a missing, misshapen, mistyped or
+// unexpected tensor, a NaN bias, another family's file).
 #include <apex/ffn/inference.hpp>
 #include <apex/ffn/inference/packed_load.hpp>
-#include <apex/ffn/moe/moe_ffn.hpp>
 #include <apex/ffn/io/name_maps.hpp>
+#include <apex/ffn/layers/kappa_swiglu.hpp>
+#include <apex/ffn/moe/families.hpp>
+#include <apex/ffn/moe/moe_ffn.hpp>
+
+#include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
 
 #include <cstring>
 #include <filesystem>
@@ -17,13 +22,106 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 #include "families.hpp"
 #include "fixtures.hpp"
+#include "gradcheck.hpp"
 #include "sweep.hpp"
 #include "tensor_files.hpp"
 
 using namespace apex;
+using apex::test::random_matrix;
+using apex::test::routed_config;
+
+namespace {
+
 namespace fs = std::filesystem;
+namespace st = apex::safetensors;
+
+using apex::test::fixture_config;
+using apex::test::kFamilies;
+
+}  // namespace
+
+TEST_CASE("family checkpoints save and load under the family's names", "[routing][families][checkpoint]") {
+  const fs::path dir = fs::temp_directory_path() / ("apex_routing_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  for (MoEFamily f : kFamilies) {
+    INFO(family_name(f));
+    MoEConfig cfg = family_preset(f);
+    cfg.d_model = 4, cfg.d_ffn = 3, cfg.n_experts = 8, cfg.n_active = 2;
+    if (cfg.n_shared) cfg.d_shared_ffn = 5;
+    if (f == MoEFamily::DeepSeekV3) cfg.routing.n_groups = 4, cfg.routing.topk_group = 2;
+    MoEFFN<double> a(cfg, 1), b(cfg, 2);
+    a.balancer().set_bias(random_matrix(1, 8, 3, 0.1));
+    const std::string path = (dir / (std::string(family_name(f)) + ".safetensors")).string();
+    save_family_checkpoint(path, a, f, "model.layers.3.");
+    const st::Reader file(path);
+    const std::string block = f == MoEFamily::Mixtral ? "block_sparse_moe." : "mlp.";
+    CHECK(file.header().find("model.layers.3." + block + "gate.weight"));
+    CHECK(file.header().find("model.layers.3." + block + "experts.7." +
+                             (f == MoEFamily::Mixtral ? "w2.weight" : "down_proj.weight")));
+    CHECK(bool(file.header().find("model.layers.3.mlp.gate.e_score_correction_bias")) == (f == MoEFamily::DeepSeekV3));
+    if (f == MoEFamily::DeepSeekV3) {
+      CHECK(file.at("model.layers.3.mlp.gate.e_score_correction_bias").shape == std::vector<std::uint64_t>{8});
+      CHECK(file.header().find("model.layers.3.mlp.shared_experts.up_proj.weight"));
+    }
+    if (f == MoEFamily::Qwen2MoE) {
+      CHECK(file.header().find("model.layers.3.mlp.shared_expert.up_proj.weight"));
+      CHECK(file.header().find("model.layers.3.mlp.shared_expert_gate.weight"));
+    }
+    const LoadResult r = load_family_checkpoint(file, b, f, "model.layers.3.");  // strict
+    CHECK(r.loaded.size() == a.params().size() + (f == MoEFamily::DeepSeekV3 ? 1 : 0));
+    const auto pa = a.params(), pb = b.params();
+    for (std::size_t i = 0; i < pa.size(); ++i) CHECK(pa[i].value() == pb[i].value());
+    if (f == MoEFamily::DeepSeekV3) CHECK(a.balancer().bias() == b.balancer().bias());
+    else CHECK(b.balancer().bias().isZero());
+  }
+  fs::remove_all(dir);
+}
+
+TEST_CASE("family name maps reject another family's checkpoint and a missing correction bias",
+          "[routing][families][errors]") {
+  const fs::path data = fs::path(__FILE__).parent_path() / "data";
+  auto load_as = [&](const char* file_family, MoEFamily as) {
+    return [=] {
+      const st::Reader file((data / ("family_" + std::string(file_family) + ".safetensors")).string());
+      MoEFFN<double> moe(fixture_config(as, file), 1);
+      LoadOptions lo;
+      lo.allow_unexpected = true;
+      load_family_checkpoint(file, moe, as, "model.layers.1.", lo);
+    };
+  };
+  apex::test::run_sweep({
+      {"mixtral map on a qwen3 file", load_as("qwen3_moe", MoEFamily::Mixtral), "FormatError",
+       {"load_family_checkpoint", "mixtral name map", "another family", "qwen3_moe or olmoe"}},
+      {"qwen3 map on a mixtral file", load_as("mixtral", MoEFamily::Qwen3MoE), "FormatError",
+       {"qwen3_moe name map", "mixtral's"}},
+      {"olmoe map on a deepseek file", load_as("deepseek_v3", MoEFamily::OLMoE), "FormatError",
+       {"olmoe name map", "deepseek_v3's"}},
+      {"deepseek map on a qwen2 file", load_as("qwen2_moe", MoEFamily::DeepSeekV3), "FormatError",
+       {"deepseek_v3 name map", "qwen2_moe's"}},
+      {"qwen2 map on an olmoe file", load_as("olmoe", MoEFamily::Qwen2MoE), "FormatError",
+       {"qwen2_moe name map", "another family"}},
+      {"shared experts that do not fit", [] {
+         MoEConfig c = routed_config(8, 2, 2, RoutingConfig{});
+         MoEFFN<double> moe(c, 1);
+         family_params(moe, MoEFamily::Mixtral);
+       }, "ConfigError", {"family_params", "mixtral", "n_shared = 2"}},
+  });
+  // A DeepSeek-V3 (sigmoid router) file without its e_score_correction_bias.
+  const fs::path dir = fs::temp_directory_path() / ("apex_routing_bias_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  MoEConfig c = routed_config(8, 2, 1, family_routing(MoEFamily::DeepSeekV3));
+  c.routing.n_groups = 4, c.routing.topk_group = 2;
+  MoEFFN<double> moe(c, 1);
+  const std::string path = (dir / "no_bias.safetensors").string();
+  save_checkpoint(path, family_params(moe, MoEFamily::DeepSeekV3));
+  apex::test::expect(apex::test::outcome([&] { load_family_checkpoint(path, moe, MoEFamily::DeepSeekV3); }),
+                     "FormatError", {"sigmoid router", "correction bias", "'mlp.gate.e_score_correction_bias'"});
+  fs::remove_all(dir);
+}
 
 namespace {
 
