@@ -25,10 +25,11 @@ mkdir -p "$work"
 build() {  # rev → path of the dump binary built against its headers
   local sha; sha=$(git -C "$repo" rev-parse --verify "$1^{commit}")
   local dir="$work/$sha"
-  if [ ! -x "$dir/dump" ] || ! cmp -s "$here/dump.cpp" "$dir/dump.cpp"; then
+  if [ ! -x "$dir/dump" ] || ! cmp -s "$here/dump.cpp" "$dir/dump.cpp" ||
+     ! cmp -s "$here/dump_files.hpp" "$dir/dump_files.hpp"; then
     rm -rf "$dir" && mkdir -p "$dir/src"
     git -C "$repo" archive "$sha" include | tar -x -C "$dir/src"
-    cp "$here/dump.cpp" "$dir/dump.cpp"
+    cp "$here/dump.cpp" "$here/dump_files.hpp" "$dir/"
     echo "building dump against $1 ($sha)" >&2
     $CXX $CXXFLAGS -I"$dir/src/include" -I"$EIGEN" "$dir/dump.cpp" -o "$dir/dump"
   fi

@@ -17,32 +17,16 @@
 #include <string>
 #include <vector>
 
+#include "dump_files.hpp"
+
 namespace {
 
 using namespace apex;
 
-std::string g_dir;
-int g_files = 0;
-
-void put(const std::string& name, const void* p, std::size_t bytes) {
-  std::ofstream f(g_dir + "/" + name + ".bin", std::ios::binary);
-  f.write(static_cast<const char*>(p), std::streamsize(bytes));
-  ++g_files;
-}
-template <class M>
-void put_m(const std::string& name, const M& m) {
-  using S = typename M::Scalar;
-  const Matrix<S> c = m;  // row-major, contiguous
-  put(name, c.data(), std::size_t(c.size()) * sizeof(S));
-}
-
-template <class T>
-Matrix<T> rnd(Index r, Index c, std::uint64_t seed, double scale = 1.0) {
-  Rng rng(seed);
-  Matrix<double> m(r, c);
-  fill_uniform(m, rng, scale);
-  return m.cast<T>();
-}
+using dump::g_dir;
+using dump::g_files;
+using dump::put_m;
+using dump::rnd;
 
 /// Every gradient of `layer`'s params().
 template <class L>

@@ -12,27 +12,15 @@
 #include <fstream>
 #include <string>
 
+#include "dump_files.hpp"
+
 namespace {
 
 using namespace apex;
 
-std::string g_dir;
-
-template <class M>
-void put_m(const std::string& name, const M& m) {
-  using S = typename M::Scalar;
-  const Matrix<S> c = m;  // row-major, contiguous
-  std::ofstream f(g_dir + "/" + name + ".bin", std::ios::binary);
-  f.write(reinterpret_cast<const char*>(c.data()), std::streamsize(std::size_t(c.size()) * sizeof(S)));
-}
-
-template <class T>
-Matrix<T> rnd(Index r, Index c, std::uint64_t seed, double scale = 1.0) {
-  Rng rng(seed);
-  Matrix<double> m(r, c);
-  fill_uniform(m, rng, scale);
-  return m.cast<T>();
-}
+using dump::g_dir;
+using dump::put_m;
+using dump::rnd;
 
 template <class T>
 void perturb(SwiGLU<T>&, std::uint64_t) {}
