@@ -25,6 +25,7 @@
 #include "../moe/dispatch.hpp"
 #include "../moe/expert_contract.hpp"
 #include "../moe/expert_tasks.hpp"
+#include "../moe/local_runner.hpp"
 #include "../moe/moe_cache.hpp"
 #include "../moe/pipeline.hpp"
 #include "../moe/router.hpp"
@@ -33,29 +34,21 @@
 
 namespace apex::detail::inference {
 
+/// Phases and the capacity limit are MoEFFN's (InProcessSteps): the same
+/// routing gives the same drops.
 template <class Layer>
-struct PackedRunner {
+struct PackedRunner : InProcessSteps<PackedRunner<Layer>> {
   using ExpertType = typename Layer::ExpertType;
 
   const Layer& layer;
+
+  explicit PackedRunner(const Layer& l) : layer(l) {}
 
   const MoEConfig& config() const { return layer.config(); }
   int threads() const { return resolve_threads(layer.threads()); }
   const Router<float>& router() const { return layer.router_; }
   const RowVector<float>& bias() const { return layer.bias_; }
   const Matrix<float>& shared_gate() const { return layer.shared_.gate_weight(); }
-
-  template <class Fn>
-  void phase(const char*, MoEPhase, Fn&& fn) const {
-    std::forward<Fn>(fn)();
-  }
-
-  /// MoEFFN's capacity rule (moe/capacity.hpp) on the same routing, so the same drops.
-  void apply_capacity(const char*, MoECache<float>& c) const {
-    const MoEConfig& cfg = config();
-    dispatch::apply_capacity(cfg.routing.capacity_factor, cfg.n_experts, c.plan, c.routing.weights, c.dropped,
-                             c.kept_weights);
-  }
 
   /// Gathers x (and κ's router logit) into plan order and runs the packed
   /// experts, largest tasks first (moe/expert_tasks.hpp). A forward-only

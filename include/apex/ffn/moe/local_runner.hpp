@@ -6,7 +6,8 @@
 /// blocks of the plan-ordered rows (blocks at plan.offset) and the shared
 /// experts on the tokens, as (expert × row tile) tasks
 /// (moe/local_experts.hpp); backward runs the same tasks' mirror. Nothing is
-/// agreed with anyone: a phase is just its function.
+/// agreed with anyone: a phase is just its function (InProcessSteps, which
+/// the packed runner shares).
 ///
 /// `Layer` is the layer (const for forward); it keeps its trainable parts
 /// in `parts_` (moe/moe_parts.hpp) and befriends this runner.
@@ -27,31 +28,40 @@
 
 namespace apex::detail {
 
+/// What every runner whose experts are all in this process does alike
+/// (`Derived` has `config()`): a phase is just its function — there is no
+/// one to agree with — and the capacity limit is decided on this batch.
+template <class Derived>
+struct InProcessSteps {
+  template <class Fn>
+  void phase(const char*, MoEPhase, Fn&& fn) const {
+    std::forward<Fn>(fn)();
+  }
+
+  /// The capacity limit (moe/capacity.hpp): dropped pairs listed, their weights 0 in kept_weights.
+  template <class T>
+  void apply_capacity(const char*, MoECache<T>& c) const {
+    const MoEConfig& cfg = static_cast<const Derived&>(*this).config();
+    dispatch::apply_capacity(cfg.routing.capacity_factor, cfg.n_experts, c.plan, c.routing.weights, c.dropped,
+                             c.kept_weights);
+  }
+};
+
 template <class Layer>
-struct LocalRunner {
+struct LocalRunner : InProcessSteps<LocalRunner<Layer>> {
   using Plain = std::remove_const_t<Layer>;
   using T = typename Plain::Scalar;
   using ExpertType = typename Plain::ExpertType;
 
   Layer& layer;
 
+  explicit LocalRunner(Layer& l) : layer(l) {}
+
   const MoEConfig& config() const { return layer.config(); }
   int threads() const { return resolve_threads(layer.threads()); }
   const Router<T>& router() const { return layer.parts_.router; }
   const RowVector<T>& bias() const { return layer.parts_.balancer.bias(); }
   const Matrix<T>& shared_gate() const { return layer.parts_.shared_gate; }
-
-  template <class Fn>
-  void phase(const char*, MoEPhase, Fn&& fn) const {
-    std::forward<Fn>(fn)();
-  }
-
-  /// The capacity limit on this batch: dropped pairs listed, their weights 0 in kept_weights.
-  void apply_capacity(const char*, MoECache<T>& c) const {
-    const MoEConfig& cfg = config();
-    dispatch::apply_capacity(cfg.routing.capacity_factor, cfg.n_experts, c.plan, c.routing.weights, c.dropped,
-                             c.kept_weights);
-  }
 
   /// Gathers x (and the experts' side input) into plan order and runs every
   /// expert on its block and the shared experts on x.

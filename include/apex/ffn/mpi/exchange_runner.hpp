@@ -70,6 +70,8 @@ struct ExchangeRunner {
   Layer& layer;
   mutable double last = MPI_Wtime();  ///< the end of the previous lap
 
+  explicit ExchangeRunner(Layer& l) : layer(l) {}
+
   const MoEConfig& config() const { return layer.config(); }
   int threads() const { return resolve_threads(layer.threads_); }
   const Router<T>& router() const { return layer.parts_->router; }
