@@ -57,15 +57,22 @@ namespace apex {
 /// Inference MoE on packed `Storage` (float or packed::bf16) weights, the
 /// forward of `MoEFFN<float, Expert>`; Expert is SwiGLU<float> or
 /// KappaSwiGLU<float>. Shared experts are SwiGLU, of width config.shared_ffn().
-template <class Storage, class Expert = SwiGLU<float>>
+/// `Activation` is the routed experts' gated activation, a policy of the
+/// kernels' epilogue (kernels/epilogue.hpp): SiLU by default, or any
+/// user-defined one over the same gate, up and down weights (a GEGLU model's
+/// experts, say); κ experts have their own (inference/packed_kappa.hpp).
+template <class Storage, class Expert = SwiGLU<float>, class Activation = packed::SiluGate>
 class PackedMoE {
   static_assert(std::is_same_v<Expert, SwiGLU<float>> || std::is_same_v<Expert, KappaSwiGLU<float>>,
                 "PackedMoE<Storage, Expert>: Expert must be SwiGLU<float> or KappaSwiGLU<float>");
+  static_assert(std::is_same_v<Expert, SwiGLU<float>> || std::is_same_v<Activation, packed::SiluGate>,
+                "PackedMoE<Storage, KappaSwiGLU<float>, Activation>: kappa experts have their own activation");
 
  public:
   using Scalar = float;
   using StorageType = Storage;
   using ExpertType = Expert;
+  using ActivationType = Activation;
   using Source = MoEFFN<float, Expert>;
   static constexpr bool kKappa = std::is_same_v<Expert, KappaSwiGLU<float>>;
   static constexpr packed::Dtype kDtype = packed_dtype<Storage>();

@@ -80,7 +80,8 @@ struct PackedRunner : InProcessSteps<PackedRunner<Layer>> {
         kappa_forward(layer.experts_[std::size_t(id)], layer.gates_[std::size_t(id)], xs + b * d, d,
                       c.side_sorted.data() + b, m, ys + b * d, d, kernel);
       } else {
-        packed::forward(layer.experts_[std::size_t(id)], xs + b * d, d, m, ys + b * d, d, kernel);
+        packed::forward<typename Layer::ActivationType>(layer.experts_[std::size_t(id)], xs + b * d, d, m,
+                                                         ys + b * d, d, kernel);
       }
     });
   }
