@@ -1,6 +1,6 @@
 #pragma once
 /// \file inference/packed_moe.hpp
-/// `PackedMoE<Storage, Expert>`: the inference-only MoE layer on packed
+/// `PackedMoE<Storage, Expert, Activation>`: the inference-only MoE layer on packed
 /// weights (kernels/packed_weights.hpp) in float or bf16 — the forward of
 /// `MoEFFN<float, Expert>` without gradients, caches for backward, or a float
 /// copy of the expert weights (docs/inference.md):
@@ -8,17 +8,12 @@
 ///     MoE(X) = Σ_s γ ⊙ Shared_s(X) + Σ_k g_k · Expert_{e_k}(X)
 ///
 /// with γ = σ(X·w_gateᵀ) per token under `shared_expert_gate` (Qwen2-MoE,
-/// else 1) and shared experts of their own width `d_shared_ffn`
-/// (inference/packed_shared.hpp). Everything that decides selection stays
-/// float and is the float layer's own code: the router (`Router<float>::route`,
-/// its weights copied), the balancing bias, the capacity limit
-/// (moe/capacity.hpp), κ's α and b and the shared gate; so for the same input the
-/// top-K choice, the routing weights, the dropped assignments, κ and γ are
-/// bit for bit those of the float layer. The layer is the MoE pipeline
-/// (moe/pipeline.hpp) — route, plan, capacity drops, gather, experts, shared
-/// gate, fixed-order combine — over packed experts (inference/packed_runner.hpp):
-/// only the expert products run on packed weights, and results are bitwise
-/// identical for any thread count and tiling.
+/// else 1) and shared experts of width `d_shared_ffn` (inference/packed_shared.hpp).
+/// It is the MoE pipeline (moe/pipeline.hpp) over packed experts
+/// (inference/packed_runner.hpp): routing, bias, capacity, κ's α and b and
+/// the shared gate stay float and are the float layer's code, so the top-K
+/// choice, weights, drops, κ and γ are its bits; only the expert products run
+/// on packed weights, bitwise the same for any thread count and tiling.
 ///
 /// Build one with `PackedMoE<S, E>::from(trained_layer)` or
 /// `load_packed_moe<S, E>(file, config)` (inference/packed_load.hpp). A
