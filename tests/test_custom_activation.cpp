@@ -11,6 +11,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <type_traits>
 
 #include "gradcheck.hpp"
 
@@ -142,4 +143,41 @@ TEST_CASE("PackedSwiGLU takes a user-defined gated activation as a policy", "[cu
   const Matrix<float> x = random_matrix(41, d, 31).cast<float>();  // 41 × d
   CHECK(gelu_layer.forward(x) == packed::forward<GeluTanhGate>(gelu_layer.weights(), x));
   CHECK(silu_layer.forward(x) == packed::forward(silu_layer.weights(), x));
+}
+
+TEST_CASE("PackedMoE runs its routed experts with a user-defined gated activation",
+          "[custom_activation][packed][moe]") {
+  MoEConfig cfg;
+  cfg.d_model = 19;
+  cfg.d_ffn = 37;
+  cfg.n_experts = 5;
+  cfg.n_active = 2;
+  cfg.n_shared = 0;
+  const MoEFFN<float> src(cfg, 11);
+  const Matrix<float> x = random_matrix(23, cfg.d_model, 41).cast<float>();  // 23 × d
+  const auto check = [&](const auto& layer) {
+    using Layer = std::decay_t<decltype(layer)>;
+    typename Layer::Cache cache;
+    const Matrix<float> first = layer.forward(x, &cache);
+    // The reference: every token's chosen experts one by one, weighted, in slot order.
+    Matrix<float> want = Matrix<float>::Zero(x.rows(), cfg.d_model);
+    for (Index t = 0; t < x.rows(); ++t)
+      for (Index k = 0; k < cfg.n_active; ++k) {
+        const auto& e = layer.experts()[std::size_t(cache.routing.experts(t, k))];
+        want.row(t) += cache.routing.weights(t, k) * packed::forward<GeluTanhGate>(e, x.row(t), {packed::Isa::scalar});
+      }
+    CHECK((first - want).norm() <= 1e-6f * want.norm());
+    for (const packed::Isa isa : packed::kAllIsas) {
+      if (!packed::cpu_supports(isa)) continue;
+      INFO("path " << packed::isa_name(isa));
+      Layer on_path = layer;
+      on_path.set_kernel_options({isa});
+      CHECK(on_path.forward(x) == first);  // every path and tiling: the same bits
+    }
+    // and the activation is the policy, not SiLU in disguise
+    using Silu = PackedMoE<typename Layer::StorageType>;
+    CHECK((Silu::from(src).forward(x) - first).norm() > 1e-3f * first.norm());
+  };
+  check(PackedMoE<float, SwiGLU<float>, GeluTanhGate>::from(src));
+  check(PackedMoE<packed::bf16, SwiGLU<float>, GeluTanhGate>::from(src));
 }

@@ -101,7 +101,7 @@ using apex::test::snapshot;
 using apex::test::unchanged;
 
 /// Longest a rejected read may take before the test calls it blocked.
-constexpr double kPromptSeconds = 2.0;
+constexpr double kPromptReadSeconds = 2.0;
 
 /// The address-space cap of a probe's child: a reader that reads a device
 /// without end fails with bad_alloc there instead of taking the machine's
@@ -132,7 +132,7 @@ void expect_prompt_format_error(const std::function<void()>& call, const std::ve
   const std::string got = probe(call, seconds);
   INFO(got << " (" << seconds << " s)");
   test::expect(got, "FormatError", names);
-  CHECK(seconds < kPromptSeconds);
+  CHECK(seconds < kPromptReadSeconds);
 }
 
 }  // namespace

@@ -2,23 +2,32 @@
 // every forward_into takes a strided output (a block of a wider matrix) and
 // writes there the bits forward returns, touching nothing else; the size
 // checks add their byte counts with overflow checks; weight_bytes is what a
-// layer holds, which no longer includes gradient buffers.
+// layer holds, which no longer includes gradient buffers; packing and loading
+// allocate no gradients; and a layer larger than the machine's memory is a
+// ConfigError unless overcommit is allowed.
 #include <catch2/catch.hpp>
 
 #include <apex/ffn/inference.hpp>
+#include <apex/ffn/inference/packed_load.hpp>
 #include <apex/ffn/layers/kappa_swiglu.hpp>
 #include <apex/ffn/core/memory_budget.hpp>
 
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <string>
 
 #include "bits.hpp"
 #include "fixtures.hpp"
+#include "packed_layers.hpp"
 #include "sweep.hpp"
 
 using namespace apex;
 using apex::packed::bf16;
+using apex::test::full_config;  // the overload of four arguments; full_config() below
+using apex::test::odd_config;
+using apex::test::reader;
+using Catch::Matchers::Message;
 
 namespace {
 
@@ -133,4 +142,57 @@ TEST_CASE("PackedMoE::weight_bytes is what the layer holds: no router gradient b
   CHECK_FALSE(p.router().has_gradients());
   const Index d = cfg.d_model, e = cfg.n_experts;
   CHECK(PackedMoE<bf16>::weight_bytes(cfg) == p.expert_bytes() + 4 * std::uint64_t(e * d + e + d));  // router, bias, gate
+}
+
+TEST_CASE("packing and loading packed layers allocate no gradients", "[inference][lazy]") {
+  MoEFFN<float, KappaSwiGLU<float>> moe(odd_config(1), 3);
+  const auto p = PackedMoE<bf16, KappaSwiGLU<float>>::from(moe);
+  CHECK_NOTHROW(p.check_source(moe));
+  SwiGLU<float> mlp(8, 12, 1);
+  (void)PackedSwiGLU<float>::from(mlp);
+  CHECK_FALSE(moe.has_gradients());
+  CHECK_FALSE(moe.experts()[0].has_gradients());
+  CHECK_FALSE(mlp.has_gradients());
+  const MoEConfig cfg = odd_config(2);
+  FFNSublayer<float, MoEFFN<float>> sub(cfg.d_model, MoEFFN<float>(cfg, 4),
+                                        SkipGate<float>(test::gate_config(cfg.d_model, 8, 0.5), 5));
+  safetensors::VectorSink sink;
+  write_checkpoint(sink, sub.param_values());
+  const auto packed = load_packed_sublayer<float>(reader(sink.bytes), cfg, test::gate_config(cfg.d_model, 8, 0.5));
+  CHECK_FALSE(packed.norm().has_gradients());
+  CHECK_FALSE(sub.has_gradients());
+  CHECK_FALSE(sub.ffn().has_gradients());
+}
+
+TEST_CASE("memory-fit check: ConfigError with the bytes needed and available", "[inference][memory]") {
+  CHECK_THROWS_MATCHES(detail::require_memory_fit("X", "a layer", 3000000000, 2000000000), ConfigError,
+                       Message("X: a layer needs 3.00 GB (3000000000 bytes), the machine has 2.00 GB (2000000000 "
+                               "bytes) of physical memory; set APEX_FFN_ALLOW_OVERCOMMIT=1 to construct it anyway"));
+  CHECK_NOTHROW(detail::require_memory_fit("X", "a layer", 2000000000, 2000000000));
+  CHECK_NOTHROW(detail::require_memory_fit("X", "a layer", 5, 0));  // unknown size: passes
+  CHECK(physical_memory_bytes() > 0);
+  // The large preset's MoE layer: ≈ 406 GB in float, ≈ 203 GB in bf16.
+  const MoEConfig large = ModelPreset::large().moe();
+  CHECK(PackedMoE<bf16>::weight_bytes(large) > 200000000000ull);
+  if (PackedMoE<bf16>::weight_bytes(large) > physical_memory_bytes() && !overcommit_allowed()) {
+    CHECK_THROWS_CONTAINING(PackedMoE<bf16>::check_fits("PackedMoE::from", large, 0), ConfigError,
+                            "of physical memory; set APEX_FFN_ALLOW_OVERCOMMIT=1");
+    ::setenv(kAllowOvercommitEnv, "1", 1);
+    CHECK_NOTHROW(PackedMoE<bf16>::check_fits("PackedMoE::from", large, 0));
+    ::unsetenv(kAllowOvercommitEnv);
+  }
+  // weight_bytes is what the layer holds.
+  const MoEConfig cfg = odd_config(2);
+  MoEFFN<float> moe(cfg, 1);
+  const auto p = PackedMoE<bf16>::from(moe);
+  CHECK(PackedMoE<bf16>::weight_bytes(cfg) >= p.expert_bytes());
+  CHECK(PackedMoE<bf16>::weight_bytes(cfg) <= p.expert_bytes() + 2 * 4 * 5 * 37 + 4 * 5);
+  // Shared experts at their own width, and the float gate weight (d floats).
+  for (Index width : {Index(43), Index(200)}) {
+    const MoEConfig gc = full_config(2, width, Scoring::SoftmaxAll, 0.0);
+    const auto g = PackedMoE<bf16, KappaSwiGLU<float>>::from(MoEFFN<float, KappaSwiGLU<float>>(gc, 2));
+    INFO("d_shared_ffn " << width);
+    CHECK(PackedMoE<bf16, KappaSwiGLU<float>>::weight_bytes(gc) ==
+          g.expert_bytes() + 6 * 2 * 4 * 53 + 4 * 6 * 37 + 4 * 6 + 4 * 37);  // + κ α, b; router; bias; gate
+  }
 }

@@ -9,5 +9,6 @@
 #include "inference/common.hpp"
 #include "inference/packed_kappa.hpp"
 #include "inference/packed_moe.hpp"
+#include "inference/packed_runner.hpp"
 #include "inference/packed_sublayer.hpp"
 #include "inference/packed_swiglu.hpp"

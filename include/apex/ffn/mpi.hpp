@@ -8,8 +8,8 @@
 ///     fixed_order_sum.hpp     fixed_order_sum, sum_gradients, StepGradientSum (rank-order sums)
 ///     config_agreement.hpp    fingerprint, agree_on_config
 ///     expert_shard.hpp        ExpertShard: contiguous, near-equal expert shards
-///     exchange_plan.hpp       ExchangePlan: counts, expert-major reordering, exchange_rows
-///     local_experts.hpp       a rank's expert compute (tasks as MoEFFN's)
+///     exchange_plan.hpp       ExchangePlan (moe/row_exchange.hpp): counts_by_owner, exchange_rows
+///     exchange_runner.hpp     the MoE pipeline's runner: rows to the experts' owners and back
 ///     global_capacity.hpp     global_capacity_drops: the capacity limit on all ranks' batch
 ///     rank_memory.hpp         a rank's weight bytes, for the memory-fit checks
 ///     expert_parallel_moe.hpp ExpertParallelMoE<T, Expert>
@@ -22,10 +22,10 @@
 #include "mpi/communicator.hpp"
 #include "mpi/config_agreement.hpp"
 #include "mpi/exchange_plan.hpp"
+#include "mpi/exchange_runner.hpp"
 #include "mpi/expert_parallel_moe.hpp"
 #include "mpi/expert_shard.hpp"
 #include "mpi/fixed_order_sum.hpp"
 #include "mpi/global_capacity.hpp"
 #include "mpi/kappa_regulariser.hpp"
-#include "mpi/local_experts.hpp"
 #include "mpi/rank_memory.hpp"

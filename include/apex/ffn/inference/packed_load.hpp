@@ -55,21 +55,21 @@ namespace apex {
 /// fingerprint is that of the values read, so check_source(src) passes for
 /// the float layer that saved an F32 file (or loaded the same file) and has
 /// not changed since.
-template <class Storage, class Expert = SwiGLU<float>>
-PackedMoE<Storage, Expert> load_packed_moe(const safetensors::Reader& file, const MoEConfig& config,
-                                           const PackedLoadOptions& options = {}) {
-  using Layer = PackedMoE<Storage, Expert>;
+template <class Storage, class Expert = SwiGLU<float>, class Activation = packed::SiluGate>
+PackedMoE<Storage, Expert, Activation> load_packed_moe(const safetensors::Reader& file, const MoEConfig& config,
+                                                       const PackedLoadOptions& options = {}) {
+  using Layer = PackedMoE<Storage, Expert, Activation>;
   const std::string where = "load_packed_moe(" + file.source().description() + ")";
   const auto plan = detail::inference::plan_moe<Layer>(where, file, config, options);
   return detail::inference::load_moe<Layer>(where, file, config, options, plan);
 }
 
 /// Opens, validates and loads `path` (see the overload above).
-template <class Storage, class Expert = SwiGLU<float>>
-PackedMoE<Storage, Expert> load_packed_moe(const std::string& path, const MoEConfig& config,
-                                           const PackedLoadOptions& options = {}) {
+template <class Storage, class Expert = SwiGLU<float>, class Activation = packed::SiluGate>
+PackedMoE<Storage, Expert, Activation> load_packed_moe(const std::string& path, const MoEConfig& config,
+                                                       const PackedLoadOptions& options = {}) {
   const safetensors::Reader file(path, options.limits);
-  return load_packed_moe<Storage, Expert>(file, config, options);
+  return load_packed_moe<Storage, Expert, Activation>(file, config, options);
 }
 
 /// A PackedSwiGLU of d_model × d_ffn from `file` (names `w_gate.weight`,

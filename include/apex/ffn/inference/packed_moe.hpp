@@ -1,6 +1,6 @@
 #pragma once
 /// \file inference/packed_moe.hpp
-/// `PackedMoE<Storage, Expert>`: the inference-only MoE layer on packed
+/// `PackedMoE<Storage, Expert, Activation>`: the inference-only MoE layer on packed
 /// weights (kernels/packed_weights.hpp) in float or bf16 — the forward of
 /// `MoEFFN<float, Expert>` without gradients, caches for backward, or a float
 /// copy of the expert weights (docs/inference.md):
@@ -8,26 +8,12 @@
 ///     MoE(X) = Σ_s γ ⊙ Shared_s(X) + Σ_k g_k · Expert_{e_k}(X)
 ///
 /// with γ = σ(X·w_gateᵀ) per token under `shared_expert_gate` (Qwen2-MoE,
-/// else 1) and shared experts of their own width `d_shared_ffn`
-/// (inference/packed_shared.hpp). Everything that decides selection stays
-/// float and is the float layer's own code: the router (`Router<float>::route`,
-/// its weights copied), the balancing bias, the capacity limit
-/// (moe/capacity.hpp), κ's α and b and the shared gate; so for the same input the
-/// top-K choice, the routing weights, the dropped assignments, κ and γ are
-/// bit for bit those of the float layer. Only the expert products run on
-/// packed weights, through moe/dispatch.hpp's plan, gather and fixed-order
-/// combine, as in MoEFFN:
-///  1. route, plan (counting sort of the N·K pairs by expert), capacity
-///     drops (their weights zeroed for the combine), gather;
-///  2. tasks (routed expert × row tile) and (shared expert × row tile) over
-///     OpenMP threads; each task calls the packed kernels, which take a call
-///     of ≤ packed::kSmallRows rows (decode) as one weight-streaming block and
-///     larger ones in packed::kRowBlock-row blocks; then the shared gate;
-///  3. combine per token in fixed slot order.
-/// A dropped assignment's expert rows are still computed (and weighted by
-/// 0), as in MoEFFN, so a NaN there propagates the same way.
-/// The kernels give each row bits that depend on that row only, so results
-/// are bitwise identical for any thread count and tiling.
+/// else 1) and shared experts of width `d_shared_ffn` (inference/packed_shared.hpp).
+/// It is the MoE pipeline (moe/pipeline.hpp) over packed experts
+/// (inference/packed_runner.hpp): routing, bias, capacity, κ's α and b and
+/// the shared gate stay float and are the float layer's code, so the top-K
+/// choice, weights, drops, κ and γ are its bits; only the expert products run
+/// on packed weights, bitwise the same for any thread count and tiling.
 ///
 /// Build one with `PackedMoE<S, E>::from(trained_layer)` or
 /// `load_packed_moe<S, E>(file, config)` (inference/packed_load.hpp). A
@@ -45,21 +31,20 @@
 #include <utility>
 #include <vector>
 
-#include "../moe/capacity.hpp"
-#include "../moe/dispatch.hpp"
 #include "../core/errors.hpp"
-#include "../moe/expert_tasks.hpp"
-#include "../layers/kappa_swiglu.hpp"
 #include "../core/memory_budget.hpp"
-#include "../moe/moe_ffn.hpp"
-#include "../moe/config.hpp"
-#include "../kernels/fused_expert.hpp"
-#include "../core/parallel.hpp"
-#include "../moe/router.hpp"
-#include "../layers/swiglu.hpp"
 #include "../core/types.hpp"
+#include "../kernels/fused_expert.hpp"
+#include "../layers/kappa_swiglu.hpp"
+#include "../layers/swiglu.hpp"
+#include "../moe/config.hpp"
+#include "../moe/moe_cache.hpp"
+#include "../moe/moe_ffn.hpp"
+#include "../moe/pipeline.hpp"
+#include "../moe/router.hpp"
 #include "common.hpp"
 #include "packed_kappa.hpp"
+#include "packed_runner.hpp"
 #include "packed_shared.hpp"
 
 namespace apex {
@@ -67,31 +52,29 @@ namespace apex {
 /// Inference MoE on packed `Storage` (float or packed::bf16) weights, the
 /// forward of `MoEFFN<float, Expert>`; Expert is SwiGLU<float> or
 /// KappaSwiGLU<float>. Shared experts are SwiGLU, of width config.shared_ffn().
-template <class Storage, class Expert = SwiGLU<float>>
+/// `Activation` is the routed experts' gated activation, a policy of the
+/// kernels' epilogue (kernels/epilogue.hpp): SiLU by default, or any
+/// user-defined one over the same gate, up and down weights (a GEGLU model's
+/// experts, say); κ experts have their own (inference/packed_kappa.hpp).
+template <class Storage, class Expert = SwiGLU<float>, class Activation = packed::SiluGate>
 class PackedMoE {
   static_assert(std::is_same_v<Expert, SwiGLU<float>> || std::is_same_v<Expert, KappaSwiGLU<float>>,
                 "PackedMoE<Storage, Expert>: Expert must be SwiGLU<float> or KappaSwiGLU<float>");
+  static_assert(std::is_same_v<Expert, SwiGLU<float>> || std::is_same_v<Activation, packed::SiluGate>,
+                "PackedMoE<Storage, KappaSwiGLU<float>, Activation>: kappa experts have their own activation");
 
  public:
   using Scalar = float;
   using StorageType = Storage;
   using ExpertType = Expert;
+  using ActivationType = Activation;
   using Source = MoEFFN<float, Expert>;
   static constexpr bool kKappa = std::is_same_v<Expert, KappaSwiGLU<float>>;
   static constexpr packed::Dtype kDtype = packed_dtype<Storage>();
 
-  /// The buffers of one forward (routing and plan are the float layer's).
-  struct Cache {
-    Routing<float> routing;              ///< logits N × E, experts N × K, weights N × K
-    DispatchPlan plan;                   ///< sorted order of the N·K pairs
-    Matrix<float> x_sorted;              ///< NK × d
-    Vector<float> side_sorted;           ///< NK (κ experts) or 0: the router logit per sorted row
-    Matrix<float> y_sorted;              ///< NK × d: Expert_e(x) per sorted row
-    std::vector<Matrix<float>> shared_y; ///< per shared expert: N × d (gated, with a shared gate)
-    Vector<float> shared_gate;           ///< N: σ(x·w_gateᵀ) with shared_expert_gate, else empty
-    Matrix<float> kept_weights;          ///< N × K: g with dropped pairs 0 (capacity on), else empty
-    std::vector<Index> dropped;          ///< pairs t·K + k the capacity limit dropped, ascending (MoEFFN's)
-  };
+  /// The buffers of one forward (moe/moe_cache.hpp; routing and plan are the
+  /// float layer's). A forward-only cache: no input or workspaces are kept.
+  using Cache = MoECache<float>;
 
   /// Packs a trained float layer: router weights, bias, κ parameters and
   /// options and the shared gate weight copied, expert weights packed (bf16:
@@ -219,9 +202,8 @@ class PackedMoE {
   /// x: N × d → N × d. ShapeError on a wrong width, ValueError on non-finite
   /// router logits (as MoEFFN::forward).
   Matrix<float> forward(const ConstMatrixRef<float>& x, Cache* cache = nullptr) const {
-    detail::check_shape("PackedMoE::forward", "x", x, detail::kAny, d_model());
     Matrix<float> y(x.rows(), d_model());
-    compute(x, y, cache);
+    compute("PackedMoE::forward", x, y, cache);
     return y;
   }
 
@@ -232,7 +214,7 @@ class PackedMoE {
   void forward_into(const ConstMatrixRef<float>& x, MatrixRef<float> y, Cache* cache = nullptr) const {
     detail::check_shape("PackedMoE::forward_into", "x", x, detail::kAny, d_model());
     detail::check_shape("PackedMoE::forward_into", "y", y, x.rows(), d_model());
-    compute(x, y, cache);
+    compute("PackedMoE::forward_into", x, y, cache);
   }
 
   /// Throws unless this layer was packed from `src` as it is now: ShapeError
@@ -295,50 +277,17 @@ class PackedMoE {
     else return e;
   }
 
-  void compute(const ConstMatrixRef<float>& x, MatrixRef<float> y, Cache* cache) const {
-    Cache& c = cache ? *cache : thread_scratch();
-    const Index n = x.rows(), d = d_model();
-    const int threads = resolve_threads(threads_);
+  template <class>
+  friend struct detail::inference::PackedRunner;
+
+  /// forward's body (moe/pipeline.hpp over the packed experts); y checked by the caller.
+  void compute(const char* where, const ConstMatrixRef<float>& x, MatrixRef<float> y, Cache* cache) const {
     if constexpr (kKappa)
-      detail::require_config(kernel_.bf16_products != packed::Bf16Products::paired, "PackedMoE::forward",
+      detail::require_config(kernel_.bf16_products != packed::Bf16Products::paired, where,
                              "bf16_products = paired is not supported for kappa-SwiGLU experts");
-
-    // route → plan → gather: the float layer's code
-    detail::serial([&] { router_.route(x, bias_, config_.weights_from_unbiased, c.routing); });
-    c.plan.build(c.routing.experts, config_.n_experts);
-    // capacity limit: MoEFFN's rule (moe/capacity.hpp) on the same routing, so the same drops
-    const Matrix<float>& combine_weights = dispatch::apply_capacity(
-        config_.routing.capacity_factor, config_.n_experts, c.plan, c.routing.weights, c.dropped, c.kept_weights);
-    dispatch::gather_rows(c.plan, x, c.x_sorted, threads);
-    if constexpr (kKappa) dispatch::gather_side_input(RouterLogitInput{}, c.plan, c.routing, c.side_sorted);
-    else c.side_sorted.resize(0);
-
-    c.y_sorted.resize(c.plan.rows(), d);
-    c.shared_y.resize(std::size_t(shared_.size()));
-    for (auto& ys : c.shared_y) ys.resize(n, d);
-    // (expert × row tile) tasks as MoEFFN's (moe/expert_tasks.hpp), largest first
-    const auto tasks = detail::forward_tasks(c.plan.offset, shared_.size(), n, detail::inference::kMaxTileRows);
-    const float* xs = c.x_sorted.data();
-    float* ys = c.y_sorted.data();
-    detail::parallel_for(Index(tasks.size()), threads, [&](Index i) {
-      const Index id = tasks[std::size_t(i)].id, b = tasks[std::size_t(i)].begin, m = tasks[std::size_t(i)].rows;
-      if (tasks[std::size_t(i)].shared) {
-        shared_.forward(id, x, b, m, c.shared_y[std::size_t(id)], kernel_);
-      } else if constexpr (kKappa) {
-        kappa_forward(experts_[id], gates_[id], xs + b * d, d, c.side_sorted.data() + b, m, ys + b * d, d, kernel_);
-      } else {
-        packed::forward(experts_[id], xs + b * d, d, m, ys + b * d, d, kernel_);
-      }
-    });
-    // shared gate: D_s ← σ(x·w_gate) ⊙ D_s per token (Qwen2-MoE); the last read of x, y may alias it
-    shared_.apply_gate(x, c.shared_gate, c.shared_y);
-    // combine: shared experts, then slots 0..K−1, per token in fixed order
-    dispatch::combine(c.plan, combine_weights, c.y_sorted, c.shared_y, y, threads);
-  }
-
-  static Cache& thread_scratch() {
-    thread_local Cache scratch;
-    return scratch;
+    const detail::inference::PackedRunner<PackedMoE> runner{*this};
+    detail::MoEPipeline::forward<float>(where, runner, x, y, cache ? *cache : detail::MoEPipeline::scratch<float, PackedMoE>(),
+                                        false);
   }
 
   MoEConfig config_;

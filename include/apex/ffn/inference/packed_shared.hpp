@@ -19,7 +19,6 @@
 
 #include "../core/checked_size.hpp"
 #include "../core/errors.hpp"
-#include "../moe/shared_expert_gate.hpp"
 #include "../moe/config.hpp"
 #include "../kernels/fused_expert.hpp"
 #include "../core/types.hpp"
@@ -82,17 +81,6 @@ class PackedShared {
                const packed::ForwardOptions& kernel) const {
     packed::forward(experts_[std::size_t(s)], x.data() + b * x.outerStride(), x.outerStride(), m,
                     ys.data() + b * ys.cols(), ys.cols(), kernel);
-  }
-
-  /// With a gate: gate (N) = σ(x·w_gateᵀ) and every ys (N × d) scaled by it
-  /// row by row; without one: gate emptied. moe/shared_expert_gate.hpp, as MoEFFN,
-  /// so gate and scaled rows are the float layer's bits for the same D_s.
-  void apply_gate(const ConstMatrixRef<float>& x, Vector<float>& gate, std::vector<Matrix<float>>& ys) const {
-    if (!gated()) {
-      gate.resize(0);
-      return;
-    }
-    apex::detail::shared_gate_forward<float>(x, gate_, gate, ys);
   }
 
   /// Adds the experts' float source weights and the gate to a fingerprint,

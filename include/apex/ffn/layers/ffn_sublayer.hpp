@@ -25,6 +25,10 @@
 /// token kept is bitwise the ungated sublayer. Without a cache there is no
 /// backward, so both modes then compute as inference does.
 ///
+/// The keep decision lives in layers/skip_decision.hpp, the modes, the
+/// cache and the FFN traits in layers/sublayer_cache.hpp; this header
+/// includes both.
+///
 /// Load balancing: the FFN cache of the sublayer holds the kept tokens only,
 /// in both modes, so `observe(cache)` makes an MoE balancer count exactly the
 /// tokens that were routed through it.
@@ -38,6 +42,7 @@
 #include "../core/errors.hpp"
 #include "../core/param.hpp"
 #include "rms_norm.hpp"
+#include "skip_decision.hpp"
 #include "skip_gate.hpp"
 #include "sublayer_cache.hpp"
 #include "../core/types.hpp"
@@ -193,29 +198,9 @@ class FFNSublayer {
   const SkipGate<T>* skip_gate() const { return gate_ ? &*gate_ : nullptr; }
 
  private:
-  /// Which tokens the FFN sees: m_t = 1[g_t ≥ τ] (every token without a gate).
-  struct Decision {
-    std::vector<Index> kept;                ///< ascending tokens with m = 1
-    std::vector<Index> skipped;             ///< ascending tokens with m = 0
-    typename SkipGate<T>::Cache gate;       ///< g of every token (all fields in training)
-  };
-
-  Decision decide(const ConstMatrixRef<T>& x, bool train) const {
-    const Index n = x.rows();
-    Decision d;
-    if (!gate_) {
-      d.kept.resize(std::size_t(n));
-      for (Index t = 0; t < n; ++t) d.kept[std::size_t(t)] = t;
-      return d;
-    }
-    // Training keeps the gate's activations for the straight-through backward.
-    if (train)
-      gate_->forward(x, &d.gate);
-    else
-      d.gate.g = gate_->forward(x, nullptr);
-    for (Index t = 0; t < n; ++t) (gate_->keep(d.gate.g(t)) ? d.kept : d.skipped).push_back(t);
-    return d;
-  }
+  /// Which tokens the FFN sees (layers/skip_decision.hpp).
+  using Decision = detail::sublayer::Decision<T>;
+  Decision decide(const ConstMatrixRef<T>& x, bool train) const { return detail::sublayer::decide<T>(gate_, x, train); }
 
   /// y = x + m ⊙ FFN(RMSNorm(x)). The kept rows go through the FFN in one call
   /// in both modes (a product's result for a row can depend on how many rows

@@ -24,8 +24,10 @@
 /// stored n × f arrays, whose writes would cost the inference forward more
 /// than the recomputation costs backward.
 ///
-/// Options, the U ramp (layers/kappa_options.hpp) and the MoE-wide helpers
-/// (layers/kappa_experts.hpp) live apart from the layer; this header includes both.
+/// Options, the U ramp (layers/kappa_options.hpp), the gated activation
+/// SiLU_κ(G) ⊙ U with its derivatives (layers/kappa_activation.hpp) and the
+/// MoE-wide helpers (layers/kappa_experts.hpp) live apart from the layer;
+/// this header includes all three.
 
 #include <cmath>
 #include <cstdint>
@@ -36,6 +38,7 @@
 #include "../core/errors.hpp"
 #include "../moe/expert_contract.hpp"
 #include "../core/init.hpp"
+#include "kappa_activation.hpp"
 #include "kappa_options.hpp"
 #include "kappa_row.hpp"
 #include "../core/param.hpp"
@@ -154,7 +157,8 @@ class KappaSwiGLU {
   Matrix<T> kappa(const ConstVectorRef<T>& logit) const {
     Matrix<T> k(logit.size(), d_ffn());
     Eigen::Array<T, 1, Eigen::Dynamic> dk(d_ffn());
-    for (Index t = 0; t < logit.size(); ++t) fill_kappa(logit(t), k.row(t).array(), dk);
+    for (Index t = 0; t < logit.size(); ++t)
+      detail::kappa_with_derivative(opt_, alpha_, bias_, logit(t), k.row(t).array(), dk);
     return k;
   }
 
@@ -169,20 +173,7 @@ class KappaSwiGLU {
                      const Eigen::MatrixBase<Y>& y) const {
     eigen_assert(logit.size() == x.rows() && work.cols() == work_cols());
     mlp_.gated_forward(x, work, y, [&](auto&& gate, auto&& up, auto&& a) {  // n × f each
-      if (opt_.U == 1.0) {
-        a = gate * array::sigmoid(gate) * up;  // κ ≡ 1: SiLU
-        return;
-      }
-      // A = SiLU_κ(G) ⊙ U = G·σ(κG) ⊙ U, a row at a time (s_t is per row);
-      // κ lives in a row buffer that stays in L1. Three short passes (τ, κ,
-      // A) run faster than one fused expression, whose tanh, two exps and
-      // division in one loop body spill registers.
-      Eigen::Array<T, 1, Eigen::Dynamic> tau(d_ffn()), k(d_ffn());  // 1 × f each
-      for (Index t = 0; t < x.rows(); ++t) {
-        kappa_row(logit(t), tau, k);
-        const auto g = gate.row(t);
-        a.row(t) = g * array::sigmoid(k * g) * up.row(t);
-      }
+      detail::kappa_activation_forward(opt_, alpha_, bias_, logit, gate, up, a);  // layers/kappa_activation.hpp
     });
   }
 
@@ -196,33 +187,8 @@ class KappaSwiGLU {
     auto& dlogit = const_cast<Eigen::MatrixBase<DL>&>(dlogit_);
     allocate_gradients();
     mlp_.gated_backward(x, work, dy, dx, [&](auto& dh) {  // dh: n × 2f, [dG | dU], dA in the dU half
-      const Index f = d_ffn();
-      const T rho_c = T(opt_.rho * opt_.c);
-      const auto alpha = alpha_.array();
-      // One row each, reused: κ, ∂κ/∂u, σ(κG), σ(−κG), ∂L/∂u, scratch.
-      array::Row<T> k(f), dk(f), sk(f), smk(f), du(f), e(f);
-      for (Index t = 0; t < x.rows(); ++t) {
-        const auto row = work.row(t);
-        const auto g = row.segment(0, f).array();
-        const auto up = row.segment(f, f).array();
-        auto da = dh.row(t).segment(f, f).array();
-        fill_kappa(logit(t), k, dk);
-        du = k * g;  // κG, until ∂L/∂u replaces it
-        // σ(κG), σ(−κG) as SwiGLU computes σ(G), σ(−G): with κ ≡ 1 the two layers agree bitwise
-        array::sigmoid_pair(du, sk, smk, e);
-        // ∂SiLU_κ/∂κ = z²σ(κz)σ(−κz), as (zσ(κz))·(zσ(−κz)) so z² never forms;
-        // ∂L/∂u = dA ⊙ U ⊙ ∂SiLU_κ/∂κ ⊙ ∂κ/∂u
-        du = da * up * (g * sk) * (g * smk) * dk;
-        // dG = dA ⊙ U ⊙ ∂SiLU_κ/∂z,  ∂SiLU_κ/∂z = σ(κz)(1 + κz·σ(−κz))
-        dh.row(t).segment(0, f).array() = da * up * sk * (T(1) + (k * g) * smk);
-        // dU = dA ⊙ SiLU_κ(G)
-        da = da * g * sk;
-        // ∂u/∂b = 1, ∂u/∂α = s = c·ℓ, ∂u/∂ℓ = α·c (0 where s saturates)
-        const T s = scaled_logit(logit(t));
-        bias_grad_.array() += du;
-        alpha_grad_.array() += s * du;
-        dlogit(t) = rho_c == T(0) || saturated(s) ? T(0) : rho_c * (du * alpha).sum();
-      }
+      // layers/kappa_activation.hpp: dG, dU, and ∂L/∂α, ∂L/∂b, ρ·∂L/∂ℓ
+      detail::kappa_activation_backward(opt_, alpha_, bias_, logit, work, dh, alpha_grad_, bias_grad_, dlogit);
     });
   }
   ///@}
@@ -308,28 +274,6 @@ class KappaSwiGLU {
   const RowVector<T>& kappa_bias_grad() const { return bias_grad_; }
 
  private:
-  /// s = c·ℓ saturated (layers/kappa_row.hpp).
-  T scaled_logit(T logit) const { return detail::kappa_scaled_logit(opt_, logit); }
-  static bool saturated(T s) { return detail::kappa_saturated(s); }
-  /// One row's τ and κ (1 × f each): layers/kappa_row.hpp, shared with the packed layer.
-  template <class Tau, class K>
-  void kappa_row(T logit, Tau&& tau, K&& k) const {
-    detail::kappa_row(opt_, alpha_, bias_, logit, tau, k);
-  }
-
-  /// One row's κ (into k) and ∂κ/∂u (into dk), both 1 × f, for logit ℓ.
-  template <class K, class DK>
-  void fill_kappa(T logit, K&& k, DK&& dk) const {
-    if (opt_.U == 1.0) {  // ln U = 0: κ ≡ 1 whatever α, b
-      k.setOnes();
-      dk.setZero();
-      return;
-    }
-    kappa_row(logit, dk, k);  // dk holds τ until ∂κ/∂u replaces it
-    // ∂κ/∂u = κ·ln U·(1 − tanh²u)
-    dk = k * T(std::log(opt_.U)) * (T(1) - dk.square());
-  }
-
   SwiGLU<T> mlp_;
   KappaOptions opt_;
   RowVector<T> alpha_;       ///< 1 × f: α, init 0

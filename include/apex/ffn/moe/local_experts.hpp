@@ -1,15 +1,18 @@
 #pragma once
-/// \file mpi/local_experts.hpp
-/// A rank's share of the expert compute: its routed experts on their
-/// expert-major blocks (exchange_plan.hpp) and the shared experts on its own
-/// tokens, threaded over (expert × row tile) tasks as MoEFFN threads them.
+/// \file moe/local_experts.hpp
+/// The expert compute of the experts held by this process: routed experts
+/// on their blocks of rows (one block per expert, at `offset`) and the
+/// shared experts on the tokens, threaded over (expert × row tile) tasks —
+/// the runner of MoEFFN (blocks in plan order) and of a rank of
+/// ExpertParallelMoE (blocks expert-major, moe/row_exchange.hpp).
 ///
-/// The tasks are MoEFFN's (moe/expert_tasks.hpp): forward tiles each block of m
-/// rows into ⌈m / max_tile⌉ near-equal tiles (MoEFFN::kMaxTileRows), so a
-/// routed expert sees exactly the row blocks it would see in MoEFFN on the
-/// concatenated batch; backward runs one task per non-empty expert (its
-/// weight gradients are its own) and per shared expert. Tasks write disjoint
-/// rows, so results do not depend on threads.
+/// The tasks (moe/expert_tasks.hpp): forward tiles each block of m rows into
+/// ⌈m / max_tile⌉ near-equal tiles (MoEFFN::kMaxTileRows), so a routed
+/// expert sees the same row blocks on one rank of an expert-parallel layer
+/// as in MoEFFN on the concatenated batch; backward runs one task per
+/// non-empty expert (its weight gradients are its own) and per shared
+/// expert. Tasks write disjoint rows, so results do not depend on threads,
+/// and no task allocates (the caller allocated every gradient).
 
 #include <algorithm>
 #include <vector>
@@ -20,7 +23,7 @@
 #include "../core/types.hpp"
 #include "../core/workspace.hpp"
 
-namespace apex::mpi::detail {
+namespace apex::detail {
 
 /// Forward of the local experts: y_local (R × d) from x_local (expert-major)
 /// and its side input; the shared experts' outputs shared_y[s] (n × d) from
@@ -37,15 +40,15 @@ void local_forward(const std::vector<Expert>& experts, const std::vector<Shared>
   shared_y.resize(shared.size());
   for (auto& w : shared_work) w.resize(n, shared.empty() ? 0 : shared.front().work_cols());
   for (auto& ys : shared_y) ys.resize(n, d);
-  const auto tasks = apex::detail::forward_tasks(offset, Index(shared.size()), n, max_tile);
-  apex::detail::parallel_for(Index(tasks.size()), threads, [&](Index i) {
-    const apex::detail::ExpertTask& t = tasks[std::size_t(i)];
+  const auto tasks = forward_tasks(offset, Index(shared.size()), n, max_tile);
+  parallel_for(Index(tasks.size()), threads, [&](Index i) {
+    const ExpertTask& t = tasks[std::size_t(i)];
     const std::size_t id = std::size_t(t.id);
     if (t.shared)
       shared[id].forward_block(x.middleRows(t.begin, t.rows), shared_work[id].middleRows(t.begin, t.rows),
                                shared_y[id].middleRows(t.begin, t.rows));
     else
-      apex::detail::expert_forward(experts[id], x_local.middleRows(t.begin, t.rows), side_local, t.begin, t.rows,
+      expert_forward(experts[id], x_local.middleRows(t.begin, t.rows), side_local, t.begin, t.rows,
                                    work.middleRows(t.begin, t.rows), y_local.middleRows(t.begin, t.rows));
   });
 }
@@ -61,17 +64,17 @@ void local_backward(std::vector<Expert>& experts, std::vector<Shared>& shared, c
                     const DyLocal& dy_local, DxLocal& dx_local, Vector<T>& dside_local, SharedDx& shared_dx,
                     int threads) {
   const Index n = x.rows();
-  const auto tasks = apex::detail::backward_tasks(offset, Index(shared.size()), n);
-  apex::detail::parallel_for(Index(tasks.size()), threads, [&](Index i) {
-    const apex::detail::ExpertTask& t = tasks[std::size_t(i)];
+  const auto tasks = backward_tasks(offset, Index(shared.size()), n);
+  parallel_for(Index(tasks.size()), threads, [&](Index i) {
+    const ExpertTask& t = tasks[std::size_t(i)];
     const std::size_t id = std::size_t(t.id);
     if (t.shared)
       shared[id].backward_block(x, shared_work[id], dy, shared_dx.middleRows(t.id * n, n));
     else
-      apex::detail::expert_backward(experts[id], x_local.middleRows(t.begin, t.rows), side_local, t.begin, t.rows,
+      expert_backward(experts[id], x_local.middleRows(t.begin, t.rows), side_local, t.begin, t.rows,
                                     work.middleRows(t.begin, t.rows), dy_local.middleRows(t.begin, t.rows),
                                     dx_local.middleRows(t.begin, t.rows), dside_local);
   });
 }
 
-}  // namespace apex::mpi::detail
+}  // namespace apex::detail
