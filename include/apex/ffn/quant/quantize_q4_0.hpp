@@ -5,7 +5,7 @@
 /// so that element is exactly −8·d and the opposite side reaches only +7·d.
 /// Bit-identical to ggml's quantize_row_q4_0_ref / dequantize_row_q4_0:
 /// q = min(15, int(x/d + 8.5)) (truncation, so ties round up), 1/d from the
-/// float d.
+/// float d. An all-zero block stores d = 0/−8 = −0 (half 0x8000) and codes 8.
 
 #include <cmath>
 #include <cstdint>
