@@ -25,8 +25,8 @@ struct complete<T, std::void_t<decltype(sizeof(T))>> : std::true_type {};
 
 // A value outside the list has no entry and no tiles: using it is a compile
 // error, not a silent default (this is what the primary templates buy).
-static_assert(!complete<WeightType<Dtype(2)>>::value, "a type without an entry must stay incomplete");
-static_assert(!complete<apex::packed::detail::Tiles<Dtype(2), Isa::avx2>>::value, "no tiles without an entry");
+static_assert(!complete<WeightType<Dtype(100)>>::value, "a type without an entry must stay incomplete");
+static_assert(!complete<apex::packed::detail::Tiles<Dtype(100), Isa::avx2>>::value, "no tiles without an entry");
 static_assert(complete<WeightType<Dtype::f32>>::value && complete<WeightType<Dtype::bf16>>::value);
 #if APEX_PACKED_X86
 static_assert(complete<apex::packed::detail::Tiles<Dtype::f32, Isa::avx2>>::value &&
@@ -39,17 +39,17 @@ static_assert(std::is_same_v<WeightType<Dtype::bf16>::Element, bf16>);
 TEST_CASE("weight-type table entries: names and bytes per weight", "[weight_types]") {
   CHECK(std::string(dtype_name(Dtype::f32)) == "f32");
   CHECK(std::string(dtype_name(Dtype::bf16)) == "bf16");
-  CHECK(dtype_names() == "f32, bf16");
+  CHECK(dtype_names() == "f32, bf16, q8_0, q4_0, q4_k, q6_k, mxfp4");
   CHECK(bytes_per_weight(Dtype::f32) == 4.0);
   CHECK(bytes_per_weight(Dtype::bf16) == 2.0);
   CHECK(file_dtypes().size() == 2);
 }
 
 TEST_CASE("a dtype outside the table is a ConfigError at run time", "[weight_types][errors]") {
-  CHECK_THROWS_WITH(dtype_name(Dtype(7)), Catch::Contains("dtype 7 is not in the weight-type table"));
-  CHECK_THROWS_AS(PanelMatrix(Dtype(7), 4, 1), ConfigError);
+  CHECK_THROWS_WITH(dtype_name(Dtype(70)), Catch::Contains("dtype 70 is not in the weight-type table"));
+  CHECK_THROWS_AS(PanelMatrix(Dtype(70), 4, 1), ConfigError);
   const Matrix<float> w = Matrix<float>::Ones(2, 3), wd = Matrix<float>::Ones(3, 2);  // f × d, d × f
-  CHECK_THROWS_AS(PackedExpert(w, w, wd, Dtype(9)), ConfigError);
+  CHECK_THROWS_AS(PackedExpert(w, w, wd, Dtype(90)), ConfigError);
 }
 
 TEST_CASE("expert bytes come from the table and equal the packed panels", "[weight_types]") {

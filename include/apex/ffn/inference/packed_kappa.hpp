@@ -49,16 +49,14 @@ inline KappaScratch& kappa_scratch() {
   return s;
 }
 
-template <packed::Dtype T>
-void kappa_block(packed::Isa isa, const packed::PackedExpert& e, const KappaGate& k, const float* x, Index ldx,
+inline void kappa_block(packed::Isa isa, const packed::PackedExpert& e, const KappaGate& k, const float* x, Index ldx,
                  const float* logit, Index rows, float* gu, Index ldgu, float* a, Index lda, float* y, Index ldy) {
   using packed::PlainEpilogue;
-  using packed::detail::run_panel;
+  using packed::detail::run_matrix;
   const Index d = e.d_model(), f = e.d_ffn();
   constexpr Index H = packed::PackedExpert::kHiddenPerPanel, O = packed::PackedExpert::kOutPerPanel;
   // [G | U] of 16 hidden units per panel, plain epilogue (all 32 lanes)
-  for (Index p = 0; p < e.gate_up().panels(); ++p)
-    run_panel<T, PlainEpilogue>(isa, e.gate_up(), p, x, ldx, rows, gu + p * 2 * H, ldgu, 2 * H);
+  run_matrix<PlainEpilogue>(isa, e.gate_up(), x, ldx, rows, gu, ldgu, 2 * H, e.gate_up().panels() * 2 * H);
   // A = G·σ(κG) ⊙ U, a row at a time, κ by the float layer's own function
   array::Row<float> g(f), u(f), tau(f), kap(f);  // 1 × f each
   for (Index t = 0; t < rows; ++t) {
@@ -70,8 +68,7 @@ void kappa_block(packed::Isa isa, const packed::PackedExpert& e, const KappaGate
     kappa_row(k.options, k.alpha, k.bias, logit[t], tau, kap);
     Eigen::Map<array::Row<float>>(a + t * lda, f) = g * array::sigmoid(kap * g) * u;
   }
-  for (Index q = 0; q < e.down().panels(); ++q)
-    run_panel<T, PlainEpilogue>(isa, e.down(), q, a, lda, rows, y + q * O, ldy, std::min(O, d - q * O));
+  run_matrix<PlainEpilogue>(isa, e.down(), a, lda, rows, y, ldy, O, d);
 }
 
 }  // namespace detail::inference
@@ -99,10 +96,8 @@ inline void kappa_forward(const packed::PackedExpert& e, const KappaGate& k, con
   float* a = packed::detail::grow(s.a, detail::checked_product(where, "scratch rows x d_ffn", {block, lda}));
   for (Index r0 = 0; r0 < m; r0 += block) {
     const Index rows = std::min(block, m - r0);
-    packed::visit_dtype(e.dtype(), [&](auto tag) {
-      detail::inference::kappa_block<decltype(tag)::value>(opt.isa, e, k, x + r0 * ldx, ldx, logit + r0, rows, gu,
-                                                           ldgu, a, lda, y + r0 * ldy, ldy);
-    });
+    detail::inference::kappa_block(opt.isa, e, k, x + r0 * ldx, ldx, logit + r0, rows, gu, ldgu, a, lda,
+                                   y + r0 * ldy, ldy);
   }
 }
 

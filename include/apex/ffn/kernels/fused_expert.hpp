@@ -74,10 +74,12 @@
 #include "../core/errors.hpp"
 #include "isa.hpp"
 #include "arch/avx2.hpp"
+#include "arch/avx2_quant.hpp"
 #include "arch/avx512.hpp"
 #include "arch/scalar.hpp"
 #include "epilogue.hpp"
 #include "packed_weights.hpp"
+#include "quant_activations.hpp"
 #include "weight_types.hpp"
 
 namespace apex::packed {
@@ -126,11 +128,6 @@ inline Scratch& thread_scratch() {
   thread_local Scratch s;
   return s;
 }
-template <class T>
-T* grow(AlignedArray<T>& buf, Index n) {
-  if (buf.size() < n) buf = AlignedArray<T>(n);
-  return buf.data();
-}
 
 /// One panel (codes w, scales) on path `isa`: the tiles the table has for
 /// (T, isa), the portable kernel on the scalar path. avx512_bf16 runs the
@@ -153,16 +150,45 @@ void run_panel(Isa isa, const PanelMatrix& pm, Index p, const float* x, Index ld
   run_panel<T, Epi>(isa, pm.panel<T>(p), pm.scales(p), pm.k(), x, ldx, rows, out, ldo, ncols);
 }
 
-/// y (rows × d) for one block of weights of type T; a: rows × lda scratch.
-template <Dtype T, class Act>
+/// One block-format panel against quantized rows: the AVX2 tiles on every
+/// SIMD path (kernels/arch/avx2_quant.hpp), the entry's dot_block on scalar.
+template <Dtype T, class Epi>
+void run_quant_panel(Isa isa, const PanelMatrix& pm, Index p, const QuantRows& x, Index rows, float* out, Index ldo,
+                     Index ncols) {
+#if APEX_PACKED_X86
+  if (isa != Isa::scalar) return quant_panel_avx2<T, Epi>(pm.panel<T>(p), pm.scales(p), pm.k(), x, rows, out, ldo, ncols);
+#endif
+  (void)isa;
+  quant_panel_scalar<T, Epi>(pm.panel<T>(p), pm.scales(p), pm.k(), x, rows, out, ldo, ncols);
+}
+
+/// out = epilogue(x (rows × K) · pm) over every panel of pm: panel p writes
+/// columns [p·step, p·step + min(step, n − p·step)) of out. Block formats
+/// quantize x once for all panels (kernels/quant_activations.hpp).
+template <class Epi>
+void run_matrix(Isa isa, const PanelMatrix& pm, const float* x, Index ldx, Index rows, float* out, Index ldo,
+                Index step, Index n) {
+  visit_dtype(pm.dtype(), [&](auto tag) {
+    constexpr Dtype T = decltype(tag)::value;
+    using W = WeightType<T>;
+    if constexpr (W::kQuantized) {
+      const QuantRows xq = quantize_rows(W::kActivation, x, ldx, rows, pm.k());
+      for (Index p = 0; p < pm.panels(); ++p)
+        run_quant_panel<T, Epi>(isa, pm, p, xq, rows, out + p * step, ldo, std::min(step, n - p * step));
+    } else {
+      for (Index p = 0; p < pm.panels(); ++p)
+        run_panel<T, Epi>(isa, pm, p, x, ldx, rows, out + p * step, ldo, std::min(step, n - p * step));
+    }
+  });
+}
+
+/// y (rows × d) for one block of rows; a: rows × lda scratch.
+template <class Act>
 void forward_block(Isa isa, const PackedExpert& e, const float* x, Index ldx, Index rows, float* a, Index lda,
                    float* y, Index ldy) {
-  const Index d = e.d_model(), f = e.d_ffn();
   constexpr Index H = PackedExpert::kHiddenPerPanel, O = PackedExpert::kOutPerPanel;
-  for (Index p = 0; p < e.gate_up().panels(); ++p)
-    run_panel<T, GatedEpilogue<Act>>(isa, e.gate_up(), p, x, ldx, rows, a + p * H, lda, std::min(H, f - p * H));
-  for (Index q = 0; q < e.down().panels(); ++q)
-    run_panel<T, PlainEpilogue>(isa, e.down(), q, a, lda, rows, y + q * O, ldy, std::min(O, d - q * O));
+  run_matrix<GatedEpilogue<Act>>(isa, e.gate_up(), x, ldx, rows, a, lda, H, e.d_ffn());
+  run_matrix<PlainEpilogue>(isa, e.down(), a, lda, rows, y, ldy, O, e.d_model());
 }
 
 #if APEX_PACKED_X86
@@ -209,7 +235,7 @@ void forward(const PackedExpert& e, const float* x, Index ldx, Index m, float* y
   if (ldx < d) apex::detail::check_shape(where, "x (row stride)", m, ldx, m, d);
   if (ldy < d) apex::detail::check_shape(where, "y (row stride)", m, ldy, m, d);
   detail::check_forward_options(where, opt);
-  const bool is_bf16 = e.dtype() == Dtype::bf16;
+  const bool is_bf16 = e.dtypes() == ExpertDtypes(Dtype::bf16);
   if (opt.bf16_products == Bf16Products::paired) {
     apex::detail::require_config(is_bf16, where, "bf16_products = paired needs bf16 weights");
     apex::detail::require_config(opt.isa == Isa::avx512_bf16, where,
@@ -233,9 +259,7 @@ void forward(const PackedExpert& e, const float* x, Index ldx, Index m, float* y
     }
 #endif
     (void)paired;
-    visit_dtype(e.dtype(), [&](auto tag) {
-      detail::forward_block<decltype(tag)::value, Act>(opt.isa, e, xr, ldx, rows, a, lda, yr, ldy);
-    });
+    detail::forward_block<Act>(opt.isa, e, xr, ldx, rows, a, lda, yr, ldy);
   }
 }
 

@@ -22,9 +22,10 @@
 #include <immintrin.h>
 // The target strings name everything a path's kernels use; a path is only
 // entered after cpu_supports() said yes.
-#define APEX_TARGET_AVX2 __attribute__((target("avx2,fma")))
-#define APEX_TARGET_AVX512 __attribute__((target("avx512f,avx2,fma")))
-#define APEX_TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bf16,avx2,fma")))
+// F16C (fp16 scales of the block formats) came with AVX2 on every x86 CPU.
+#define APEX_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define APEX_TARGET_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+#define APEX_TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bf16,avx2,fma,f16c")))
 #else
 #define APEX_PACKED_X86 0
 #endif
@@ -65,9 +66,9 @@ inline bool cpu_supports(Isa isa) {
   switch (isa) {
     case Isa::scalar: return true;
 #if APEX_PACKED_X86
-    case Isa::avx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    case Isa::avx512:
-      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case Isa::avx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case Isa::avx512: return __builtin_cpu_supports("avx512f") && cpu_supports(Isa::avx2);
     case Isa::avx512_bf16: return cpu_supports(Isa::avx512) && __builtin_cpu_supports("avx512bf16");
 #else
     default: return false;

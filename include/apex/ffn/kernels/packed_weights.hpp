@@ -34,6 +34,7 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <string>
 #include <utility>
 
 #if defined(__linux__)
@@ -97,6 +98,13 @@ class AlignedArray {
   Index n_ = 0;
 };
 
+/// buf's data, reallocated (zeroed) to at least n elements if it is smaller.
+template <class T>
+T* grow(AlignedArray<T>& buf, Index n) {
+  if (buf.size() < n) buf = AlignedArray<T>(n);
+  return buf.data();
+}
+
 }  // namespace detail
 
 /// A K × (32·panels) weight block in the panel order of its type's table
@@ -153,9 +161,60 @@ class PanelMatrix {
   const float* f32_panel(Index p) const { return panel<Dtype::f32>(p); }
   const bf16* bf16_panel(Index p) const { return panel<Dtype::bf16>(p); }
 
-  /// Element offset of (k, lane) inside a panel.
+  /// Element offset of (k, lane) inside a panel (f32 and bf16: a block
+  /// format's codes have no per-weight offset; ConfigError for one).
   Index offset(Index k, Index lane) const {
-    return visit_dtype(dtype_, [&](auto tag) { return WeightType<decltype(tag)::value>::offset(k, lane); });
+    return visit_dtype(dtype_, [&](auto tag) -> Index {
+      using W = WeightType<decltype(tag)::value>;
+      if constexpr (W::kQuantized) {
+        throw ConfigError(std::string("PanelMatrix::offset: ") + W::kName + " codes have no per-weight offset");
+      } else {
+        return W::offset(k, lane);
+      }
+    });
+  }
+  /// Bytes of one lane's row in its file form: K / B blocks of the type's
+  /// block bytes (4 a weight for f32, 2 for bf16, ggml's blocks otherwise).
+  Index row_bytes() const {
+    return visit_dtype(dtype_, [&](auto tag) {
+      using W = WeightType<decltype(tag)::value>;
+      return kpad_ / W::kBlockWeights * Index(sizeof(typename W::Block));
+    });
+  }
+  /// Lane `lane` of panel p from a file row (row_bytes() bytes, the blocks
+  /// of a GGUF or safetensors row of this type): the bits are moved, not
+  /// converted.
+  void put_row(Index p, Index lane, const std::byte* row) {
+    visit_dtype(dtype_, [&](auto tag) {
+      using W = WeightType<decltype(tag)::value>;
+      for (Index b = 0; b < kpad_ / W::kBlockWeights; ++b) {
+        typename W::Block blk;
+        std::memcpy(&blk, row + b * Index(sizeof blk), sizeof blk);
+        W::put_block(blk, b, lane, codes(p, tag), scales_.data() + p * scale_bytes_);
+      }
+    });
+  }
+  /// The file row of lane `lane` of panel p (the inverse of put_row).
+  void get_row(Index p, Index lane, std::byte* row) const {
+    visit_dtype(dtype_, [&](auto tag) {
+      using W = WeightType<decltype(tag)::value>;
+      for (Index b = 0; b < kpad_ / W::kBlockWeights; ++b) {
+        const typename W::Block blk = W::get_block(panel<decltype(tag)::value>(p), scales(p), b, lane);
+        std::memcpy(row + b * Index(sizeof blk), &blk, sizeof blk);
+      }
+    });
+  }
+  /// Lane `lane` of panel p as k floats: exactly the stored values (a block
+  /// format's through ggml's dequantizer).
+  void unpack_row(Index p, Index lane, float* w) const {
+    visit_dtype(dtype_, [&](auto tag) {
+      using W = WeightType<decltype(tag)::value>;
+      if constexpr (W::kQuantized) {
+        W::unpack_row(panel<decltype(tag)::value>(p), scales(p), k_, lane, w);
+      } else {
+        for (Index k = 0; k < k_; ++k) w[k] = W::weight(panel<decltype(tag)::value>(p), scales(p), k, lane);
+      }
+    });
   }
   /// Packs lane `lane` of panel p from w[0..k) (the type's rounding).
   void pack_row(Index p, Index lane, const float* w) {
@@ -184,6 +243,25 @@ class PanelMatrix {
   detail::AlignedArray<std::byte> scales_;   // panels × scale_bytes_
 };
 
+/// The storage types of one expert's two matrices. A Dtype converts to the
+/// pair of it (both matrices alike); a Q4_K_M file's experts are {q4_k,
+/// q6_k} in some layers.
+struct ExpertDtypes {
+  Dtype gate_up = Dtype::f32;
+  Dtype down = Dtype::f32;
+  ExpertDtypes() = default;
+  ExpertDtypes(Dtype both) : gate_up(both), down(both) {}  // NOLINT: a type is the pair of it
+  ExpertDtypes(Dtype gu, Dtype dn) : gate_up(gu), down(dn) {}
+  friend bool operator==(ExpertDtypes a, ExpertDtypes b) { return a.gate_up == b.gate_up && a.down == b.down; }
+  friend bool operator!=(ExpertDtypes a, ExpertDtypes b) { return !(a == b); }
+};
+
+/// "q4_k" for a uniform pair, "q4_k/q6_k" (gate_up/down) otherwise.
+inline std::string dtypes_name(ExpertDtypes t) {
+  return t.gate_up == t.down ? std::string(dtype_name(t.gate_up))
+                             : std::string(dtype_name(t.gate_up)) + "/" + dtype_name(t.down);
+}
+
 /// One SwiGLU expert, y = (SiLU(x·W_gateᵀ) ⊙ x·W_upᵀ)·W_downᵀ, packed.
 /// Immutable once built: to follow changed float weights, pack again.
 class PackedExpert {
@@ -194,19 +272,14 @@ class PackedExpert {
   static constexpr Index kOutPerPanel = 32;
 
   /// w_gate, w_up: f × d, w_down: d × f (PyTorch `[out, in]`, as SwiGLU stores
-  /// them). ConfigError if d or f is 0, ShapeError if the shapes disagree.
+  /// them), quantized or rounded to `dtypes`. ConfigError if d or f is 0 or
+  /// is not whole blocks of a block format, ShapeError if the shapes disagree.
   PackedExpert(const ConstMatrixRef<float>& w_gate, const ConstMatrixRef<float>& w_up,
-               const ConstMatrixRef<float>& w_down, Dtype dtype)
-      : d_(w_gate.cols()), f_(w_gate.rows()), dtype_(dtype) {
+               const ConstMatrixRef<float>& w_down, ExpertDtypes dtypes)
+      : PackedExpert("PackedExpert", w_gate.cols(), w_gate.rows(), dtypes) {
     constexpr const char* where = "PackedExpert";
-    if (d_ < 1 || f_ < 1) {
-      throw ConfigError(std::string(where) + ": argument 'w_gate' has shape [" + std::to_string(f_) + " x " +
-                        std::to_string(d_) + "], d_model and d_ffn must be at least 1");
-    }
     apex::detail::check_shape(where, "w_up", w_up, f_, d_);
     apex::detail::check_shape(where, "w_down", w_down, d_, f_);
-    gate_up_ = PanelMatrix(dtype, d_, (f_ + kHiddenPerPanel - 1) / kHiddenPerPanel);
-    down_ = PanelMatrix(dtype, f_, (d_ + kOutPerPanel - 1) / kOutPerPanel);
     // One lane is one weight row (row-major `[out, in]`: contiguous).
     for (Index j = 0; j < f_; ++j) {
       const Index p = j / kHiddenPerPanel, l = j % kHiddenPerPanel;
@@ -216,19 +289,49 @@ class PackedExpert {
     for (Index i = 0; i < d_; ++i) down_.pack_row(i / kOutPerPanel, i % kOutPerPanel, w_down.row(i).data());
   }
 
-  /// Bytes of a packed d × f expert of `dtype`, from the table, without
+  /// An expert from its three tensors in file form (row-major `[out, in]`,
+  /// each row the blocks of its type: PanelMatrix::row_bytes), the bits
+  /// moved unchanged. gate, up: f rows of d weights; down: d rows of f.
+  static PackedExpert from_file_rows(Index d, Index f, ExpertDtypes dtypes, const std::byte* gate,
+                                     const std::byte* up, const std::byte* down) {
+    PackedExpert e("PackedExpert::from_file_rows", d, f, dtypes);
+    const Index gu_row = e.gate_up_.row_bytes(), down_row = e.down_.row_bytes();
+    for (Index j = 0; j < f; ++j) {
+      const Index p = j / kHiddenPerPanel, l = j % kHiddenPerPanel;
+      e.gate_up_.put_row(p, l, gate + j * gu_row);
+      e.gate_up_.put_row(p, kHiddenPerPanel + l, up + j * gu_row);
+    }
+    for (Index i = 0; i < d; ++i) e.down_.put_row(i / kOutPerPanel, i % kOutPerPanel, down + i * down_row);
+    return e;
+  }
+  /// The three tensors in file form (the inverse of from_file_rows): gate and
+  /// up f × gate_up().row_bytes() bytes, down d × down().row_bytes().
+  void file_rows(std::byte* gate, std::byte* up, std::byte* down) const {
+    const Index gu_row = gate_up_.row_bytes(), down_row = down_.row_bytes();
+    for (Index j = 0; j < f_; ++j) {
+      const Index p = j / kHiddenPerPanel, l = j % kHiddenPerPanel;
+      gate_up_.get_row(p, l, gate + j * gu_row);
+      gate_up_.get_row(p, kHiddenPerPanel + l, up + j * gu_row);
+    }
+    for (Index i = 0; i < d_; ++i) down_.get_row(i / kOutPerPanel, i % kOutPerPanel, down + i * down_row);
+  }
+
+  /// Bytes of a packed d × f expert of `dtypes`, from the table, without
   /// allocating; ConfigError naming `where` if the count overflows.
-  static Index bytes_for(const char* where, Dtype dtype, Index d, Index f) {
+  static Index bytes_for(const char* where, ExpertDtypes dtypes, Index d, Index f) {
     // Panel counts without forming f + 15 or d + 31 (ceil(n/k) = n/k + [n mod k ≠ 0]).
     const auto panels = [](Index n, Index k) { return n / k + (n % k != 0); };
     return apex::detail::checked_sum(
-        where, "expert bytes", PanelMatrix::bytes_for(where, "gate_up bytes", dtype, d, panels(f, kHiddenPerPanel)),
-        PanelMatrix::bytes_for(where, "down bytes", dtype, f, panels(d, kOutPerPanel)));
+        where, "expert bytes",
+        PanelMatrix::bytes_for(where, "gate_up bytes", dtypes.gate_up, d, panels(f, kHiddenPerPanel)),
+        PanelMatrix::bytes_for(where, "down bytes", dtypes.down, f, panels(d, kOutPerPanel)));
   }
 
   Index d_model() const { return d_; }
   Index d_ffn() const { return f_; }
-  Dtype dtype() const { return dtype_; }
+  /// The gate/up type (the down type may differ: dtypes()).
+  Dtype dtype() const { return dtypes_.gate_up; }
+  ExpertDtypes dtypes() const { return dtypes_; }
   /// Bytes of packed weights (what a forward streams), padding included.
   std::size_t bytes() const { return gate_up_.bytes() + down_.bytes(); }
 
@@ -236,26 +339,34 @@ class PackedExpert {
   const PanelMatrix& down() const { return down_; }
 
   /// The weights as float, `[out, in]`: exactly the packed values (for bf16,
-  /// the bf16-rounded inputs). w_gate, w_up: f × d, w_down: d × f.
+  /// the bf16-rounded inputs; for a block format, ggml's dequantized
+  /// values). w_gate, w_up: f × d, w_down: d × f.
   Matrix<float> w_gate() const { return unpack_gate_up(0); }
   Matrix<float> w_up() const { return unpack_gate_up(kHiddenPerPanel); }
   Matrix<float> w_down() const {
     Matrix<float> w(d_, f_);  // d × f
-    for (Index i = 0; i < d_; ++i)
-      for (Index j = 0; j < f_; ++j) w(i, j) = down_.get(i / kOutPerPanel, j, i % kOutPerPanel);
+    for (Index i = 0; i < d_; ++i) down_.unpack_row(i / kOutPerPanel, i % kOutPerPanel, w.row(i).data());
     return w;
   }
 
  private:
+  PackedExpert(const char* where, Index d, Index f, ExpertDtypes dtypes) : d_(d), f_(f), dtypes_(dtypes) {
+    if (d_ < 1 || f_ < 1) {
+      throw ConfigError(std::string(where) + ": argument 'w_gate' has shape [" + std::to_string(f_) + " x " +
+                        std::to_string(d_) + "], d_model and d_ffn must be at least 1");
+    }
+    gate_up_ = PanelMatrix(dtypes.gate_up, d_, (f_ + kHiddenPerPanel - 1) / kHiddenPerPanel);
+    down_ = PanelMatrix(dtypes.down, f_, (d_ + kOutPerPanel - 1) / kOutPerPanel);
+  }
   Matrix<float> unpack_gate_up(Index lane0) const {
     Matrix<float> w(f_, d_);  // f × d
     for (Index j = 0; j < f_; ++j)
-      for (Index k = 0; k < d_; ++k) w(j, k) = gate_up_.get(j / kHiddenPerPanel, k, lane0 + j % kHiddenPerPanel);
+      gate_up_.unpack_row(j / kHiddenPerPanel, lane0 + j % kHiddenPerPanel, w.row(j).data());
     return w;
   }
 
   Index d_, f_;
-  Dtype dtype_;
+  ExpertDtypes dtypes_;
   PanelMatrix gate_up_;  // ⌈f/16⌉ panels × K = d: lanes 0–15 gate, 16–31 up
   PanelMatrix down_;     // ⌈d/32⌉ panels × K = f: lanes = W_down rows
 };

@@ -36,81 +36,12 @@
 #include "../core/checked_size.hpp"
 #include "../core/errors.hpp"
 #include "../core/types.hpp"
-#include "bf16_vectors.hpp"
+#include "dtype.hpp"
+#include "float_types.hpp"
+#include "quant_k_types.hpp"
+#include "quant_types.hpp"
 
 namespace apex::packed {
-
-/// Every storage type, in the order of the enum below.
-#define APEX_PACKED_WEIGHT_TYPES(X) X(f32) X(bf16)
-
-/// Storage type of packed weights. Accumulation is fp32 for every type.
-enum class Dtype {
-#define APEX_PACKED_ENUMERATOR(name) name,
-  APEX_PACKED_WEIGHT_TYPES(APEX_PACKED_ENUMERATOR)
-#undef APEX_PACKED_ENUMERATOR
-};
-
-/// Output lanes of every panel (two AVX-512 vectors, four AVX2 vectors).
-inline constexpr Index kPanelLanes = 32;
-
-/// The table entry of storage type T; undefined for a type without one.
-template <Dtype T>
-struct WeightType;
-
-namespace detail {
-/// The tile kernels of type T on SIMD path I (kernels/arch/<isa>.hpp);
-/// undefined for a pair without kernels. The scalar path needs none: it
-/// reads single weights through `WeightType<T>::weight`.
-template <Dtype T, Isa I>
-struct Tiles;
-}  // namespace detail
-
-/// float weights: panel[k·32 + lane].
-template <>
-struct WeightType<Dtype::f32> {
-  using Storage = float;  ///< the inference layers' `Storage` parameter
-  using Element = float;  ///< what a panel's code array holds
-  static constexpr const char* kName = "f32";
-  static constexpr const char* kFileDtype = "F32";  ///< safetensors spelling of a tensor of this type
-  static constexpr Index kGroup = 1;
-  static constexpr Index kBlockWeights = 1;
-  static constexpr Index kBlockBytes = 4;
-  static constexpr Index kScaleBytes = 0;
-
-  static Index offset(Index k, Index lane) { return k * kPanelLanes + lane; }
-  static float weight(const Element* panel, const std::byte*, Index k, Index lane) { return panel[offset(k, lane)]; }
-  /// One lane's K weights from float (the padding stays zero).
-  static void pack_row(const float* w, Index K, Index lane, Element* panel, std::byte*) {
-    for (Index k = 0; k < K; ++k) panel[offset(k, lane)] = w[k];
-  }
-};
-
-/// bf16 weights (round to nearest even, NaN kept): panel[(k/2)·64 +
-/// lane·2 + k mod 2], the two k of a pair in one 32-bit lane.
-template <>
-struct WeightType<Dtype::bf16> {
-  using Storage = bf16;
-  using Element = bf16;
-  static constexpr const char* kName = "bf16";
-  static constexpr const char* kFileDtype = "BF16";
-  static constexpr Index kGroup = 2;
-  static constexpr Index kBlockWeights = 1;
-  static constexpr Index kBlockBytes = 2;
-  static constexpr Index kScaleBytes = 0;
-
-  static Index offset(Index k, Index lane) { return (k >> 1) * 2 * kPanelLanes + lane * 2 + (k & 1); }
-  static float weight(const Element* panel, const std::byte*, Index k, Index lane) {
-    return to_float(panel[offset(k, lane)]);
-  }
-  static void pack_row(const float* w, Index K, Index lane, Element* panel, std::byte*) {
-    for (Index k = 0; k < K; ++k) panel[offset(k, lane)] = to_bf16(w[k]);
-  }
-};
-
-/// A type as a value, for generic lambdas: `visit_dtype(t, [](auto tag) {
-/// using W = WeightType<decltype(tag)::value>; … })`.
-template <Dtype T>
-using DtypeTag = std::integral_constant<Dtype, T>;
 
 /// f(DtypeTag<t>{}) for the runtime type t; instantiated for every type of
 /// the list. ConfigError for a value outside the enumerators (an integer
@@ -148,13 +79,15 @@ inline std::string dtype_names() {
   return s;
 }
 
-/// Every entry's kFileDtype, in table order.
+/// Every entry's kFileDtype, in table order; the block formats have none
+/// (a safetensors file holds their blocks as U8 bytes).
 inline std::vector<const char*> file_dtypes() {
-  return {
-#define APEX_PACKED_FILE(name) WeightType<Dtype::name>::kFileDtype,
-      APEX_PACKED_WEIGHT_TYPES(APEX_PACKED_FILE)
+  std::vector<const char*> out;
+#define APEX_PACKED_FILE(name) \
+  if (WeightType<Dtype::name>::kFileDtype) out.push_back(WeightType<Dtype::name>::kFileDtype);
+  APEX_PACKED_WEIGHT_TYPES(APEX_PACKED_FILE)
 #undef APEX_PACKED_FILE
-  };
+  return out;
 }
 
 /// The Dtype whose entry stores `Storage` (float → f32, bf16 → bf16); a
@@ -167,7 +100,7 @@ constexpr Dtype dtype_of() {
 #undef APEX_PACKED_HIT
       ;
   static_assert(hits == 1, "packed layers: Storage must be the Storage of one entry of kernels/weight_types.hpp "
-                           "(float or apex::packed::bf16)");
+                           "(float, apex::packed::bf16, or a block-format tag such as apex::packed::q8_0)");
   Dtype t{};
 #define APEX_PACKED_PICK(name) \
   if (std::is_same_v<Storage, typename WeightType<Dtype::name>::Storage>) t = Dtype::name;
@@ -178,10 +111,19 @@ constexpr Dtype dtype_of() {
 
 namespace detail {
 /// K rounded up to whole groups and blocks of type T: K + (−K mod step),
-/// ConfigError naming `where` past the index range.
+/// ConfigError naming `where` past the index range. A block format holds
+/// whole blocks only (a GGUF row is whole blocks, and padding would change
+/// the block a file's weights sit in): ConfigError for another K.
 template <Dtype T>
 Index padded_k(const char* where, Index k) {
   using W = WeightType<T>;
+  if constexpr (W::kQuantized) {
+    apex::detail::require_config(k % W::kBlockWeights == 0, where,
+                                 "reduction length " + std::to_string(k) + " is not a multiple of " +
+                                     std::to_string(W::kBlockWeights) + ", the " + W::kName +
+                                     " block: quantized weights hold whole blocks");
+    return k;
+  }
   constexpr Index step = W::kGroup > W::kBlockWeights ? W::kGroup : W::kBlockWeights;
   static_assert(step % W::kGroup == 0 && step % W::kBlockWeights == 0, "group and block must nest");
   return step == 1 ? k : apex::detail::checked_sum(where, "padded width", k, (step - k % step) % step);

@@ -20,6 +20,7 @@
 #include <cstddef>
 
 #include "../epilogue.hpp"
+#include "../quant_layout.hpp"
 #include "../weight_types.hpp"
 
 namespace apex::packed::detail {
@@ -34,6 +35,25 @@ void panel_scalar(const typename WeightType<T>::Element* w, const std::byte* sca
     for (Index k = 0; k < K; ++k) {
       const float xv = x[r * ldx + k];
       for (Index lane = 0; lane < 32; ++lane) acc[lane] = std::fma(xv, W::weight(w, scales, k, lane), acc[lane]);
+    }
+    store_row_lanes<Epi>(acc, out + r * ldo, ncols);
+  }
+}
+
+/// The same for a block format against quantized rows: each lane's blocks
+/// through the entry's integer `dot_block`, block order ascending (what the
+/// SIMD tiles reproduce).
+template <Dtype T, class Epi>
+void quant_panel_scalar(const std::byte* codes, const std::byte* scales, Index K, const QuantRows& x, Index rows,
+                        float* out, Index ldo, Index ncols) {
+  using W = WeightType<T>;
+  for (Index r = 0; r < rows; ++r) {
+    const QuantRow xr = x.row(r);
+    float acc[32];
+    for (Index lane = 0; lane < 32; ++lane) {
+      float a = 0.0f;
+      for (Index b = 0; b < K / W::kBlockWeights; ++b) a = W::dot_block(codes, scales, b, lane, xr, a);
+      acc[lane] = a;
     }
     store_row_lanes<Epi>(acc, out + r * ldo, ncols);
   }

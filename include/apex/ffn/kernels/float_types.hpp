@@ -1,0 +1,64 @@
+#pragma once
+/// \file kernels/float_types.hpp
+/// The f32 and bf16 entries of the weight-type table (kernels/weight_types.hpp):
+/// one weight per block, no scale, activations multiplied in fp32.
+
+#include <cstddef>
+
+#include "bf16_vectors.hpp"
+#include "dtype.hpp"
+
+namespace apex::packed {
+
+/// float weights: panel[k·32 + lane].
+template <>
+struct WeightType<Dtype::f32> {
+  using Storage = float;  ///< the inference layers' `Storage` parameter
+  using Element = float;  ///< what a panel's code array holds
+  static constexpr const char* kName = "f32";
+  static constexpr const char* kFileDtype = "F32";  ///< safetensors spelling of a tensor of this type
+  static constexpr Index kGroup = 1;
+  static constexpr Index kBlockWeights = 1;
+  static constexpr Index kBlockBytes = 4;
+  static constexpr Index kScaleBytes = 0;
+  static constexpr bool kQuantized = false;
+  using Block = float;  ///< one weight of a file row
+
+  static Index offset(Index k, Index lane) { return k * kPanelLanes + lane; }
+  static float weight(const Element* panel, const std::byte*, Index k, Index lane) { return panel[offset(k, lane)]; }
+  /// One lane's K weights from float (the padding stays zero).
+  static void pack_row(const float* w, Index K, Index lane, Element* panel, std::byte*) {
+    for (Index k = 0; k < K; ++k) panel[offset(k, lane)] = w[k];
+  }
+  /// Block b (= weight b) of a lane from and to a file row's bytes.
+  static void put_block(const Block& v, Index b, Index lane, Element* panel, std::byte*) { panel[offset(b, lane)] = v; }
+  static Block get_block(const Element* panel, const std::byte*, Index b, Index lane) { return panel[offset(b, lane)]; }
+};
+
+/// bf16 weights (round to nearest even, NaN kept): panel[(k/2)·64 +
+/// lane·2 + k mod 2], the two k of a pair in one 32-bit lane.
+template <>
+struct WeightType<Dtype::bf16> {
+  using Storage = bf16;
+  using Element = bf16;
+  static constexpr const char* kName = "bf16";
+  static constexpr const char* kFileDtype = "BF16";
+  static constexpr Index kGroup = 2;
+  static constexpr Index kBlockWeights = 1;
+  static constexpr Index kBlockBytes = 2;
+  static constexpr Index kScaleBytes = 0;
+  static constexpr bool kQuantized = false;
+  using Block = bf16;
+
+  static Index offset(Index k, Index lane) { return (k >> 1) * 2 * kPanelLanes + lane * 2 + (k & 1); }
+  static float weight(const Element* panel, const std::byte*, Index k, Index lane) {
+    return to_float(panel[offset(k, lane)]);
+  }
+  static void pack_row(const float* w, Index K, Index lane, Element* panel, std::byte*) {
+    for (Index k = 0; k < K; ++k) panel[offset(k, lane)] = to_bf16(w[k]);
+  }
+  static void put_block(const Block& v, Index b, Index lane, Element* panel, std::byte*) { panel[offset(b, lane)] = v; }
+  static Block get_block(const Element* panel, const std::byte*, Index b, Index lane) { return panel[offset(b, lane)]; }
+};
+
+}  // namespace apex::packed

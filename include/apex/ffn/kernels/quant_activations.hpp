@@ -1,0 +1,70 @@
+#pragma once
+/// \file kernels/quant_activations.hpp
+/// The activations of a block-format product, quantized per block as ggml's
+/// `vec_dot_type` does: Q8_0 (32 codes, fp16 scale; for Q8_0, Q4_0, MXFP4
+/// weights) or Q8_K (256 codes, float scale; for Q4_K, Q6_K), with ggml's
+/// reference quantizers (quant/), once per matrix and row, into a
+/// per-thread scratch the panels of that matrix then read
+/// (kernels/quant_layout.hpp: QuantRows).
+///
+/// The rounding of the activations is part of the product's error (docs/
+/// quantized_formats.md): ≈ 2⁻⁸ of a block's largest |x| per element.
+
+#include <cstdint>
+
+#include "../core/checked_size.hpp"
+#include "../quant/formats.hpp"
+#include "packed_weights.hpp"
+#include "quant_layout.hpp"
+
+namespace apex::packed::detail {
+
+struct QuantScratch {
+  AlignedArray<std::int8_t> q;    // rows × K
+  AlignedArray<float> d;          // rows × K / block
+  AlignedArray<std::int32_t> s16; // rows × K / 16
+};
+inline QuantScratch& quant_scratch() {
+  thread_local QuantScratch s;
+  return s;
+}
+
+/// One row: codes, scales and sums of 16 of x[0..K) in format `fmt`.
+inline void quantize_row(ActivationFormat fmt, const float* x, Index K, std::int8_t* q, float* d, std::int32_t* s16) {
+  if (fmt == ActivationFormat::q8_0) {
+    for (Index b = 0; b < K / 32; ++b) {
+      quant::BlockQ8_0 blk;
+      quant::quantize_row_q8_0(x + 32 * b, &blk, 32);
+      d[b] = quant::fp16_to_fp32(blk.d);
+      for (Index k = 0; k < 32; ++k) q[32 * b + k] = blk.qs[k];
+    }
+  } else {
+    for (Index b = 0; b < K / 256; ++b) {
+      quant::BlockQ8_K blk;
+      quant::quantize_row_q8_k(x + 256 * b, &blk, 256);
+      d[b] = blk.d;
+      for (Index k = 0; k < 256; ++k) q[256 * b + k] = blk.qs[k];
+    }
+  }
+  for (Index g = 0; g < K / 16; ++g) {  // Q8_K's bsums, and the same sums for Q8_0
+    std::int32_t s = 0;
+    for (Index k = 16 * g; k < 16 * g + 16; ++k) s += q[k];
+    s16[g] = s;
+  }
+}
+
+/// rows × K activations (row stride ldx; K whole blocks of `fmt`) quantized
+/// into the thread's scratch.
+inline QuantRows quantize_rows(ActivationFormat fmt, const float* x, Index ldx, Index rows, Index K) {
+  constexpr const char* where = "packed::quantize_rows";
+  const Index block = fmt == ActivationFormat::q8_0 ? 32 : 256;
+  QuantScratch& s = quant_scratch();
+  std::int8_t* q = grow(s.q, apex::detail::checked_product(where, "rows x K", {rows, K}));
+  float* d = grow(s.d, apex::detail::checked_product(where, "rows x blocks", {rows, K / block}));
+  std::int32_t* s16 = grow(s.s16, apex::detail::checked_product(where, "rows x K/16", {rows, K / 16}));
+  for (Index r = 0; r < rows; ++r)
+    quantize_row(fmt, x + r * ldx, K, q + r * K, d + r * (K / block), s16 + r * (K / 16));
+  return {q, K, d, K / block, s16, K / 16};
+}
+
+}  // namespace apex::packed::detail

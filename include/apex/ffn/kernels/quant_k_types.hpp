@@ -1,0 +1,148 @@
+#pragma once
+/// \file kernels/quant_k_types.hpp
+/// The K-quant entries of the weight-type table: ggml's Q4_K and Q6_K,
+/// 256-weight super-blocks with sub-block scales, multiplied with Q8_K
+/// activations (kernels/quant_types.hpp says what an entry holds).
+///
+///   Q4_K: 8 sub-blocks of 32, 4-bit q, 6-bit scale sc_j and min m_j packed
+///         in 12 bytes; value d·sc_j·q − dmin·m_j.
+///         Product: d·d_x·Σ_j sc_j·Σ q·x − dmin·d_x·Σ_j m_j·Σ x.
+///   Q6_K: 16 groups of 16, 6-bit q (4 low bits + 2 high), int8 scale sc_g;
+///         value d·sc_g·(q − 32). Product: d·d_x·Σ_g sc_g·Σ (q − 32)·x.
+///
+/// Both integer sums are exact in int32 (|Σ| < 2^25), then two (Q4_K) or
+/// one (Q6_K) fp32 fma per super-block and lane, in that order.
+
+#include <cstddef>
+#include <cstdint>
+
+#include "quant_types.hpp"
+
+namespace apex::packed {
+
+/// Q4_K. Scale area of a super-block: d (fp16 plane), dmin (fp16 plane),
+/// then the 12 packed scale bytes as 12 byte planes.
+template <>
+struct WeightType<Dtype::q4_k>
+    : detail::BlockFormat<WeightType<Dtype::q4_k>, quant::BlockQ4_K, 256, 144, 16, ActivationFormat::q8_k> {
+  using Storage = packed::q4_k;
+  static constexpr const char* kName = "q4_k";
+  static constexpr Index kDminPlane = 2 * kPanelLanes, kScalePlanes = 4 * kPanelLanes;
+  static void quantize(const float* w, Block* y, Index k) { quant::quantize_row_q4_k(w, y, k); }
+  static void dequantize(const Block* x, float* w, Index k) { quant::dequantize_row_q4_k(x, w, k); }
+
+  /// ggml's order of the 256 codes: 64 weights per 32 bytes, low nibbles first.
+  static unsigned file_code(const Block& blk, Index k) {
+    const Index c = k / 64, r = k % 64;
+    return r < 32 ? blk.qs[32 * c + r] & 0xFu : unsigned(blk.qs[32 * c + r - 32]) >> 4;
+  }
+  static void set_file_code(Block& blk, Index k, unsigned v) {
+    const Index c = k / 64, r = k % 64;
+    std::uint8_t& q = blk.qs[32 * c + (r < 32 ? r : r - 32)];
+    q = r < 32 ? std::uint8_t((q & 0xF0u) | v) : std::uint8_t((q & 0x0Fu) | (v << 4));
+  }
+  static void put_block(const Block& blk, Index b, Index lane, Element* codes, std::byte* scales) {
+    for (Index k = 0; k < 256; ++k) detail::set_nibble(slab(codes, b), k, lane, file_code(blk, k));
+    std::byte* a = area(scales, b);
+    detail::set_u16(a, lane, blk.d);
+    detail::set_u16(a + kDminPlane, lane, blk.dmin);
+    for (Index j = 0; j < 12; ++j) a[kScalePlanes + j * kPanelLanes + lane] = std::byte(blk.scales[j]);
+  }
+  static Block get_block(const Element* codes, const std::byte* scales, Index b, Index lane) {
+    Block blk{};
+    for (Index k = 0; k < 256; ++k) set_file_code(blk, k, detail::get_nibble(slab(codes, b), k, lane));
+    const std::byte* a = area(scales, b);
+    blk.d = detail::get_u16(a, lane);
+    blk.dmin = detail::get_u16(a + kDminPlane, lane);
+    for (Index j = 0; j < 12; ++j) blk.scales[j] = detail::byte_at(a, kScalePlanes + j * kPanelLanes + lane);
+    return blk;
+  }
+  static float dot_block(const Element* codes, const std::byte* scales, Index b, Index lane, const detail::QuantRow& x,
+                         float acc) {
+    const std::byte* a = area(scales, b);
+    std::uint8_t packed_scales[12];
+    for (Index j = 0; j < 12; ++j) packed_scales[j] = detail::byte_at(a, kScalePlanes + j * kPanelLanes + lane);
+    std::int32_t sumi = 0, mins = 0;
+    for (int j = 0; j < 8; ++j) {
+      std::uint8_t sc, m;
+      quant::q4_k_scale_min(j, packed_scales, sc, m);
+      std::int32_t s = 0;
+      for (Index k = 32 * j; k < 32 * j + 32; ++k)
+        s += std::int32_t(detail::get_nibble(slab(codes, b), k, lane)) * std::int32_t(x.q[256 * b + k]);
+      sumi += std::int32_t(sc) * s;
+      mins += std::int32_t(m) * x.sum32(8 * b + j);
+    }
+    const float d = quant::fp16_to_fp32(detail::get_u16(a, lane));
+    const float dmin = quant::fp16_to_fp32(detail::get_u16(a + kDminPlane, lane));
+    acc = std::fma(float(sumi), d * x.d[b], acc);
+    return std::fma(float(mins), -(dmin * x.d[b]), acc);
+  }
+};
+
+/// Q6_K. Codes: the low 4 bits as 4-bit codes (4096 bytes a super-block),
+/// then the high 2 bits as 2-bit parts (2048 bytes). Scale area: d (fp16
+/// plane), then the 16 int8 scales as 16 byte planes.
+template <>
+struct WeightType<Dtype::q6_k>
+    : detail::BlockFormat<WeightType<Dtype::q6_k>, quant::BlockQ6_K, 256, 210, 18, ActivationFormat::q8_k> {
+  using Storage = packed::q6_k;
+  static constexpr const char* kName = "q6_k";
+  static constexpr Index kHighBits = 128 * kPanelLanes, kScalePlanes = 2 * kPanelLanes;
+  static void quantize(const float* w, Block* y, Index k) { quant::quantize_row_q6_k(w, y, k); }
+  static void dequantize(const Block* x, float* w, Index k) { quant::dequantize_row_q6_k(x, w, k); }
+
+  /// ggml's order: per half of 128, weight 32·part + l (l < 32) has low bits
+  /// in ql[l] (parts 0, 2) or ql[l + 32] (parts 1, 3), low or high nibble
+  /// (parts 0, 1 or 2, 3), and high bits at qh[l] >> 2·part.
+  static unsigned file_code(const Block& blk, Index k) {
+    const Index h = k / 128, part = (k % 128) / 32, l = k % 32;
+    const std::uint8_t lo = blk.ql[64 * h + l + (part & 1) * 32];
+    const unsigned low = part < 2 ? lo & 0xFu : unsigned(lo) >> 4;
+    return low | (((unsigned(blk.qh[32 * h + l]) >> (2 * part)) & 3u) << 4);
+  }
+  static void set_file_code(Block& blk, Index k, unsigned v) {
+    const Index h = k / 128, part = (k % 128) / 32, l = k % 32;
+    std::uint8_t& lo = blk.ql[64 * h + l + (part & 1) * 32];
+    lo = part < 2 ? std::uint8_t((lo & 0xF0u) | (v & 0xFu)) : std::uint8_t((lo & 0x0Fu) | ((v & 0xFu) << 4));
+    std::uint8_t& hi = blk.qh[32 * h + l];
+    hi = std::uint8_t((hi & ~(3u << (2 * part))) | ((v >> 4) << (2 * part)));
+  }
+  static unsigned code(const Element* codes, Index b, Index k, Index lane) {
+    const std::byte* s = slab(codes, b);
+    return detail::get_nibble(s, k, lane) | (unsigned(detail::get_crumb(s + kHighBits, k, lane)) << 4);
+  }
+  static void put_block(const Block& blk, Index b, Index lane, Element* codes, std::byte* scales) {
+    std::byte* s = slab(codes, b);
+    for (Index k = 0; k < 256; ++k) {
+      const unsigned v = file_code(blk, k);
+      detail::set_nibble(s, k, lane, v & 0xFu);
+      detail::set_crumb(s + kHighBits, k, lane, v >> 4);
+    }
+    std::byte* a = area(scales, b);
+    detail::set_u16(a, lane, blk.d);
+    for (Index g = 0; g < 16; ++g) a[kScalePlanes + g * kPanelLanes + lane] = std::byte(std::uint8_t(blk.scales[g]));
+  }
+  static Block get_block(const Element* codes, const std::byte* scales, Index b, Index lane) {
+    Block blk{};
+    for (Index k = 0; k < 256; ++k) set_file_code(blk, k, code(codes, b, k, lane));
+    const std::byte* a = area(scales, b);
+    blk.d = detail::get_u16(a, lane);
+    for (Index g = 0; g < 16; ++g) blk.scales[g] = std::int8_t(detail::byte_at(a, kScalePlanes + g * kPanelLanes + lane));
+    return blk;
+  }
+  static float dot_block(const Element* codes, const std::byte* scales, Index b, Index lane, const detail::QuantRow& x,
+                         float acc) {
+    const std::byte* a = area(scales, b);
+    std::int32_t sumi = 0;
+    for (Index g = 0; g < 16; ++g) {
+      std::int32_t s = 0;
+      for (Index k = 16 * g; k < 16 * g + 16; ++k)
+        s += (std::int32_t(code(codes, b, k, lane)) - 32) * std::int32_t(x.q[256 * b + k]);
+      sumi += std::int32_t(std::int8_t(detail::byte_at(a, kScalePlanes + g * kPanelLanes + lane))) * s;
+    }
+    const float d = quant::fp16_to_fp32(detail::get_u16(a, lane));
+    return std::fma(float(sumi), d * x.d[b], acc);
+  }
+};
+
+}  // namespace apex::packed

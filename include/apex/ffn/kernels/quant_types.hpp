@@ -1,0 +1,172 @@
+#pragma once
+/// \file kernels/quant_types.hpp
+/// The block-format entries of the weight-type table (kernels/weight_types.hpp):
+/// ggml's 32-weight formats Q8_0, Q4_0 and MXFP4 (the K-quants are
+/// kernels/quant_k_types.hpp), held in panels as
+/// kernels/quant_layout.hpp places them. Each entry says
+///
+/// - how a ggml block (quant/blocks.hpp) goes into a panel lane and comes
+///   back (`put_block`, `get_block`: the same bits, only moved);
+/// - how a float row becomes blocks (`pack_row`: ggml's reference quantizer)
+///   and blocks become floats (`unpack_row`: ggml's dequantizer);
+/// - the product of one block with quantized activations (`dot_block`):
+///   integer sums of code × code, exact, then fp32 `fma(float(sum), scale,
+///   acc)` in a fixed order. The scalar path runs it as written; every SIMD
+///   path computes the same integers and the same float operations in the
+///   same order, so every path gives the same bits.
+///
+/// Scale planes (bytes per lane in parentheses) inside block b's scale area:
+///   Q8_0, Q4_0:  d fp16 (2)                      value d·q,  d·(q − 8)
+///   MXFP4:       e E8M0 (1)                      value 2^(e−128)·v2[q]  (v2: doubled E2M1)
+///   Q4_K:        d, dmin fp16, scales[12] (16)   value d·sc_j·q − dmin·m_j
+///   Q6_K:        d fp16, scales[16] int8 (18)    value d·sc_g·(q − 32)
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "../quant/formats.hpp"
+#include "dtype.hpp"
+#include "quant_layout.hpp"
+
+namespace apex::packed {
+namespace detail {
+
+/// What every block format's entry shares: sizes, slab and scale-area
+/// addresses, and the row conversions through ggml's block quantizer and
+/// dequantizer (`F::quantize`, `F::dequantize`, F the entry).
+template <class F, class BlockT, Index B, Index BlockBytes, Index ScaleBytes, ActivationFormat A>
+struct BlockFormat {
+  using Element = std::byte;
+  using Block = BlockT;
+  static constexpr const char* kFileDtype = nullptr;  // safetensors holds blocks as U8 bytes
+  static constexpr Index kGroup = 1;
+  static constexpr Index kBlockWeights = B;
+  static constexpr Index kBlockBytes = BlockBytes;
+  static constexpr Index kScaleBytes = ScaleBytes;
+  static constexpr Index kCodeBytes = BlockBytes - ScaleBytes;  ///< per lane and block
+  static constexpr bool kQuantized = true;
+  static constexpr ActivationFormat kActivation = A;
+  static_assert(sizeof(BlockT) == std::size_t(BlockBytes), "a panel block holds exactly the file block's bytes");
+
+  static std::byte* slab(Element* codes, Index b) { return codes + b * kPanelLanes * kCodeBytes; }
+  static const std::byte* slab(const Element* codes, Index b) { return codes + b * kPanelLanes * kCodeBytes; }
+  static std::byte* area(std::byte* scales, Index b) { return scales + b * kPanelLanes * kScaleBytes; }
+  static const std::byte* area(const std::byte* scales, Index b) { return scales + b * kPanelLanes * kScaleBytes; }
+
+  /// One lane's K weights from float: ggml's reference quantizer, block by block.
+  static void pack_row(const float* w, Index K, Index lane, Element* codes, std::byte* scales) {
+    std::vector<Block> blocks(std::size_t(K / B));
+    F::quantize(w, blocks.data(), K);
+    for (Index b = 0; b < K / B; ++b) F::put_block(blocks[std::size_t(b)], b, lane, codes, scales);
+  }
+  /// One lane's K weights as float: ggml's dequantizer on the lane's blocks.
+  static void unpack_row(const Element* codes, const std::byte* scales, Index K, Index lane, float* w) {
+    for (Index b = 0; b < K / B; ++b) {
+      const Block blk = F::get_block(codes, scales, b, lane);
+      F::dequantize(&blk, w + b * B, B);
+    }
+  }
+  /// Weight (k, lane) as float (a whole block dequantized: for single reads).
+  static float weight(const Element* codes, const std::byte* scales, Index k, Index lane) {
+    const Block blk = F::get_block(codes, scales, k / B, lane);
+    float w[B];
+    F::dequantize(&blk, w, B);
+    return w[k % B];
+  }
+};
+
+}  // namespace detail
+
+/// Q8_0: 32 int8 codes and an fp16 scale; value d·q.
+template <>
+struct WeightType<Dtype::q8_0>
+    : detail::BlockFormat<WeightType<Dtype::q8_0>, quant::BlockQ8_0, 32, 34, 2, ActivationFormat::q8_0> {
+  using Storage = packed::q8_0;
+  static constexpr const char* kName = "q8_0";
+  static void quantize(const float* w, Block* y, Index k) { quant::quantize_row_q8_0(w, y, k); }
+  static void dequantize(const Block* x, float* w, Index k) { quant::dequantize_row_q8_0(x, w, k); }
+
+  static void put_block(const Block& blk, Index b, Index lane, Element* codes, std::byte* scales) {
+    for (Index k = 0; k < 32; ++k) slab(codes, b)[detail::q8_byte(k, lane)] = std::byte(std::uint8_t(blk.qs[k]));
+    detail::set_u16(area(scales, b), lane, blk.d);
+  }
+  static Block get_block(const Element* codes, const std::byte* scales, Index b, Index lane) {
+    Block blk{};
+    for (Index k = 0; k < 32; ++k) blk.qs[k] = std::int8_t(detail::byte_at(slab(codes, b), detail::q8_byte(k, lane)));
+    blk.d = detail::get_u16(area(scales, b), lane);
+    return blk;
+  }
+  /// acc + d_w·d_x·Σ q_w·q_x over block b.
+  static float dot_block(const Element* codes, const std::byte* scales, Index b, Index lane, const detail::QuantRow& x,
+                         float acc) {
+    std::int32_t s = 0;
+    for (Index k = 0; k < 32; ++k)
+      s += std::int8_t(detail::byte_at(slab(codes, b), detail::q8_byte(k, lane))) * std::int32_t(x.q[32 * b + k]);
+    const float dw = quant::fp16_to_fp32(detail::get_u16(area(scales, b), lane));
+    return std::fma(float(s), dw * x.d[b], acc);
+  }
+};
+
+/// Q4_0: 32 4-bit codes and an fp16 scale; value d·(q − 8).
+template <>
+struct WeightType<Dtype::q4_0>
+    : detail::BlockFormat<WeightType<Dtype::q4_0>, quant::BlockQ4_0, 32, 18, 2, ActivationFormat::q8_0> {
+  using Storage = packed::q4_0;
+  static constexpr const char* kName = "q4_0";
+  static void quantize(const float* w, Block* y, Index k) { quant::quantize_row_q4_0(w, y, k); }
+  static void dequantize(const Block* x, float* w, Index k) { quant::dequantize_row_q4_0(x, w, k); }
+
+  static void put_block(const Block& blk, Index b, Index lane, Element* codes, std::byte* scales) {
+    for (Index k = 0; k < 32; ++k) detail::set_nibble(slab(codes, b), k, lane, detail::block32_nibble(blk.qs, k));
+    detail::set_u16(area(scales, b), lane, blk.d);
+  }
+  static Block get_block(const Element* codes, const std::byte* scales, Index b, Index lane) {
+    Block blk{};
+    for (Index k = 0; k < 32; ++k) detail::set_block32_nibble(blk.qs, k, detail::get_nibble(slab(codes, b), k, lane));
+    blk.d = detail::get_u16(area(scales, b), lane);
+    return blk;
+  }
+  /// acc + d_w·d_x·Σ (q_w − 8)·q_x over block b.
+  static float dot_block(const Element* codes, const std::byte* scales, Index b, Index lane, const detail::QuantRow& x,
+                         float acc) {
+    std::int32_t s = 0;
+    for (Index k = 0; k < 32; ++k)
+      s += (std::int32_t(detail::get_nibble(slab(codes, b), k, lane)) - 8) * std::int32_t(x.q[32 * b + k]);
+    const float dw = quant::fp16_to_fp32(detail::get_u16(area(scales, b), lane));
+    return std::fma(float(s), dw * x.d[b], acc);
+  }
+};
+
+/// MXFP4: 32 E2M1 codes and an E8M0 exponent; value 2^(e−128)·v2[q], v2
+/// the doubled E2M1 values (quant::kMxfp4Values), so the codes are integers.
+template <>
+struct WeightType<Dtype::mxfp4>
+    : detail::BlockFormat<WeightType<Dtype::mxfp4>, quant::BlockMXFP4, 32, 17, 1, ActivationFormat::q8_0> {
+  using Storage = packed::mxfp4;
+  static constexpr const char* kName = "mxfp4";
+  static void quantize(const float* w, Block* y, Index k) { quant::quantize_row_mxfp4(w, y, k); }
+  static void dequantize(const Block* x, float* w, Index k) { quant::dequantize_row_mxfp4(x, w, k); }
+
+  static void put_block(const Block& blk, Index b, Index lane, Element* codes, std::byte* scales) {
+    for (Index k = 0; k < 32; ++k) detail::set_nibble(slab(codes, b), k, lane, detail::block32_nibble(blk.qs, k));
+    area(scales, b)[lane] = std::byte(blk.e);
+  }
+  static Block get_block(const Element* codes, const std::byte* scales, Index b, Index lane) {
+    Block blk{};
+    for (Index k = 0; k < 32; ++k) detail::set_block32_nibble(blk.qs, k, detail::get_nibble(slab(codes, b), k, lane));
+    blk.e = detail::byte_at(area(scales, b), lane);
+    return blk;
+  }
+  /// acc + 2^(e−128)·d_x·Σ v2[q_w]·q_x over block b.
+  static float dot_block(const Element* codes, const std::byte* scales, Index b, Index lane, const detail::QuantRow& x,
+                         float acc) {
+    std::int32_t s = 0;
+    for (Index k = 0; k < 32; ++k)
+      s += std::int32_t(quant::kMxfp4Values[detail::get_nibble(slab(codes, b), k, lane)]) * std::int32_t(x.q[32 * b + k]);
+    const float dw = quant::e8m0_to_fp32_half(detail::byte_at(area(scales, b), lane));
+    return std::fma(float(s), dw * x.d[b], acc);
+  }
+};
+
+}  // namespace apex::packed

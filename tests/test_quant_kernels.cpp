@@ -1,0 +1,223 @@
+// The block formats on the packed engine (kernels/quant_types.hpp,
+// kernels/quant_k_types.hpp, kernels/arch/avx2_quant.hpp): a file row goes
+// into a panel and comes back bit for bit, packing from float is ggml's
+// quantizer, every kernel path gives the scalar path's bits, and the
+// expert equals a reference built from the dequantized weights and the
+// quantized activations.
+#include <apex/ffn/kernels/fused_expert.hpp>
+#include <apex/ffn/quant/formats.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "gradcheck.hpp"
+
+using namespace apex;
+using namespace apex::packed;
+using apex::test::random_matrix;
+
+namespace {
+
+constexpr Dtype kQuantTypes[] = {Dtype::q8_0, Dtype::q4_0, Dtype::mxfp4, Dtype::q4_k, Dtype::q6_k};
+
+Index block_of(Dtype t) {
+  return visit_dtype(t, [](auto tag) { return WeightType<decltype(tag)::value>::kBlockWeights; });
+}
+
+/// The ggml blocks of every row of w (rows × K), back to back: what a GGUF
+/// tensor of type t holds.
+std::vector<std::byte> file_tensor(Dtype t, const Matrix<float>& w) {
+  return visit_dtype(t, [&](auto tag) {
+    using W = WeightType<decltype(tag)::value>;
+    std::vector<std::byte> out;
+    if constexpr (W::kQuantized) {
+      const Index per_row = w.cols() / W::kBlockWeights;
+      std::vector<typename W::Block> blocks(std::size_t(per_row * w.rows()));
+      for (Index r = 0; r < w.rows(); ++r) W::quantize(w.row(r).data(), blocks.data() + r * per_row, w.cols());
+      out.resize(blocks.size() * sizeof(typename W::Block));
+      std::memcpy(out.data(), blocks.data(), out.size());
+    }
+    return out;
+  });
+}
+
+/// Weights with a spread of block scales, a zero row and an outlier, so
+/// every scale plane and sub-block scale is exercised.
+Matrix<float> weights(Index rows, Index cols, unsigned seed) {
+  Matrix<float> w = random_matrix(rows, cols, seed).cast<float>();  // rows × cols
+  for (Index r = 0; r < rows; ++r) w.row(r) *= float(0.25 + 0.5 * std::sin(0.7 * double(r)) * std::sin(0.7 * double(r)));
+  for (Index c = 0; c < cols; ++c) w.col(c) *= float(1.0 + 0.9 * std::cos(0.05 * double(c)));
+  if (rows > 2) w.row(1).setZero();
+  w(0, cols / 2) = 3.5f;
+  return w;
+}
+
+/// The quantize → dequantize image of x under activation format fmt.
+Matrix<float> act_image(ActivationFormat fmt, const Matrix<float>& x) {
+  Matrix<float> out(x.rows(), x.cols());  // N × K
+  std::vector<std::int8_t> q(std::size_t(x.cols()));
+  std::vector<float> d(std::size_t(x.cols()));
+  std::vector<std::int32_t> s(std::size_t(x.cols()));
+  const Index block = fmt == ActivationFormat::q8_0 ? 32 : 256;
+  for (Index r = 0; r < x.rows(); ++r) {
+    packed::detail::quantize_row(fmt, x.row(r).data(), x.cols(), q.data(), d.data(), s.data());
+    for (Index k = 0; k < x.cols(); ++k) out(r, k) = float(q[std::size_t(k)]) * d[std::size_t(k / block)];
+  }
+  return out;
+}
+
+/// x as the products of a type-t matrix read it: quantized for a block
+/// format, exact for f32 and bf16.
+Matrix<float> as_read(Dtype t, const Matrix<float>& x) {
+  return visit_dtype(t, [&](auto tag) {
+    using W = WeightType<decltype(tag)::value>;
+    if constexpr (W::kQuantized) return act_image(W::kActivation, x);
+    else return x;
+  });
+}
+
+/// The expert computed in double from the dequantized weights, with each
+/// product's activations replaced by their quantized image (as the kernels
+/// multiply them).
+Matrix<float> reference(const PackedExpert& e, const Matrix<float>& x) {
+  const Matrix<double> wg = e.w_gate().cast<double>(), wu = e.w_up().cast<double>(), wd = e.w_down().cast<double>();
+  const Matrix<double> xq = as_read(e.dtypes().gate_up, x).cast<double>();  // N × d
+  const Matrix<double> g = xq * wg.transpose(), u = xq * wu.transpose();                  // N × f
+  const Matrix<double> a = (g.array() / (1.0 + (-g.array()).exp()) * u.array()).matrix();
+  const Matrix<double> aq = as_read(e.dtypes().down, a.cast<float>()).cast<double>();
+  return (aq * wd.transpose()).cast<float>();  // N × d
+}
+
+double rel_err(const Matrix<float>& a, const Matrix<float>& b) {
+  return (a.cast<double>() - b.cast<double>()).norm() / b.cast<double>().norm();
+}
+
+bool same_bits(const Matrix<float>& a, const Matrix<float>& b) {
+  return a.rows() == b.rows() && a.cols() == b.cols() &&
+         std::memcmp(a.data(), b.data(), std::size_t(a.size()) * sizeof(float)) == 0;
+}
+
+}  // namespace
+
+TEST_CASE("block formats: a file row goes into panels and back bit for bit", "[quant][layout]") {
+  for (const Dtype t : kQuantTypes) {
+    CAPTURE(dtype_name(t));
+    const Index B = block_of(t), d = 2 * B, f = B == 32 ? 96 : 256;
+    const Matrix<float> wg = weights(f, d, 1), wu = weights(f, d, 2), wd = weights(d, f, 3);
+    const auto g = file_tensor(t, wg), u = file_tensor(t, wu), dn = file_tensor(t, wd);
+    const PackedExpert e = PackedExpert::from_file_rows(d, f, t, g.data(), u.data(), dn.data());
+    std::vector<std::byte> g2(g.size()), u2(u.size()), d2(dn.size());
+    e.file_rows(g2.data(), u2.data(), d2.data());
+    CHECK(g2 == g);
+    CHECK(u2 == u);
+    CHECK(d2 == dn);
+    // packing from float is the ggml quantizer, row by row
+    const PackedExpert from_float(wg, wu, wd, t);
+    from_float.file_rows(g2.data(), u2.data(), d2.data());
+    CHECK(g2 == g);
+    CHECK(d2 == dn);
+    // the bytes of the packed panels are the file's bytes (plus padding lanes)
+    CHECK(e.bytes() >= g.size() + u.size() + dn.size());
+    CHECK(double(e.bytes()) == Approx(bytes_per_weight(t) * double(32 * ((f + 15) / 16) * d + 32 * ((d + 31) / 32) * f)));
+  }
+}
+
+TEST_CASE("block formats: unpacked weights are ggml's dequantized values", "[quant][layout]") {
+  for (const Dtype t : kQuantTypes) {
+    CAPTURE(dtype_name(t));
+    const Index B = block_of(t), d = B == 32 ? 64 : 512, f = B == 32 ? 96 : 256;
+    const Matrix<float> wg = weights(f, d, 4), wu = weights(f, d, 5), wd = weights(d, f, 6);
+    const PackedExpert e(wg, wu, wd, t);
+    visit_dtype(t, [&](auto tag) {
+      using W = WeightType<decltype(tag)::value>;
+      if constexpr (W::kQuantized) {
+        std::vector<typename W::Block> blocks(std::size_t(d / B));
+        std::vector<float> row(static_cast<std::size_t>(d));
+        const Matrix<float> got = e.w_up();  // f × d
+        for (Index j = 0; j < f; ++j) {
+          W::quantize(wu.row(j).data(), blocks.data(), d);
+          W::dequantize(blocks.data(), row.data(), d);
+          REQUIRE(std::memcmp(row.data(), got.row(j).data(), row.size() * sizeof(float)) == 0);
+        }
+        // and the quantization error is the format's: a few % of the weights' norm at most
+        CHECK(rel_err(got, wu) < (t == Dtype::q8_0 ? 0.01 : t == Dtype::q6_k ? 0.02 : 0.12));
+      }
+    });
+  }
+}
+
+TEST_CASE("block formats: every kernel path gives the scalar path's bits", "[quant][isa]") {
+  struct Shape {
+    Index d, f;
+  };
+  for (const Dtype t : kQuantTypes) {
+    const Index B = block_of(t);
+    const std::vector<Shape> shapes =
+        B == 32 ? std::vector<Shape>{{32, 32}, {96, 160}, {224, 96}} : std::vector<Shape>{{256, 256}, {512, 768}};
+    for (const Shape s : shapes) {
+      CAPTURE(dtype_name(t), s.d, s.f);
+      const PackedExpert e(weights(s.f, s.d, 7), weights(s.f, s.d, 8), weights(s.d, s.f, 9), t);
+      for (const Index m : {Index(1), Index(3), Index(6), Index(37)}) {
+        const Matrix<float> x = random_matrix(m, s.d, std::uint64_t(10 + m)).cast<float>();  // m × d
+        const Matrix<float> want = forward(e, x, {Isa::scalar});
+        for (const Isa isa : kAllIsas) {
+          if (isa == Isa::scalar) continue;
+          if (!cpu_supports(isa)) {
+            WARN("kernel path " << isa_name(isa) << " skipped: this CPU does not support it");
+            continue;
+          }
+          CAPTURE(isa_name(isa), m);
+          CHECK(same_bits(forward(e, x, {isa}), want));
+        }
+        // a row's bits do not depend on the other rows of the call
+        if (m > 1) CHECK(same_bits(forward(e, x.bottomRows(1), {kDefaultIsa}), forward(e, x, {kDefaultIsa}).bottomRows(1)));
+        // The reference forms A in double, the kernels in float: an element of A
+        // that sits at a rounding boundary of its activation code can take the
+        // neighbouring code (one step, ≈ 1/127 of its block's largest |a|), so
+        // the two agree to ~1e-4, not to the last bit; a wrong block or scale
+        // gives errors of 1e-2 and more.
+        CHECK(rel_err(want, reference(e, x)) < 1e-3);
+      }
+    }
+  }
+}
+
+TEST_CASE("block formats: gate/up and down of different types", "[quant][mixed]") {
+  const Index d = 512, f = 256;
+  const Matrix<float> wg = weights(f, d, 11), wu = weights(f, d, 12), wd = weights(d, f, 13);
+  const Matrix<float> x = random_matrix(5, d, 14).cast<float>();  // 5 × d
+  const Matrix<float> exact = forward(PackedExpert(wg, wu, wd, Dtype::f32), x);
+  for (const ExpertDtypes types : {ExpertDtypes(Dtype::q4_k, Dtype::q6_k), ExpertDtypes(Dtype::q8_0, Dtype::bf16),
+                                   ExpertDtypes(Dtype::f32, Dtype::q4_0), ExpertDtypes(Dtype::mxfp4, Dtype::q8_0)}) {
+    CAPTURE(dtypes_name(types));
+    const PackedExpert e(wg, wu, wd, types);
+    CHECK(e.dtypes() == types);
+    CHECK(e.gate_up().dtype() == types.gate_up);
+    CHECK(e.down().dtype() == types.down);
+    const Matrix<float> y = forward(e, x, {Isa::scalar});
+    CHECK(rel_err(y, reference(e, x)) < 1e-3);  // as in the test above
+    CHECK(rel_err(y, exact) < 0.15);
+    if (cpu_supports(Isa::avx2)) CHECK(same_bits(forward(e, x, {Isa::avx2}), y));
+  }
+  CHECK(dtypes_name({Dtype::q4_k, Dtype::q6_k}) == "q4_k/q6_k");
+  CHECK(dtypes_name(Dtype::q8_0) == "q8_0");
+}
+
+TEST_CASE("block formats: rows that are not whole blocks are a ConfigError", "[quant][errors]") {
+  const Matrix<float> w = Matrix<float>::Ones(32, 300), wd = Matrix<float>::Ones(300, 32);  // f × d, d × f
+  CHECK_THROWS_AS(PackedExpert(w, w, wd, Dtype::q4_k), ConfigError);
+  CHECK_THROWS_WITH(PackedExpert(w, w, wd, Dtype::q4_k),
+                    Catch::Contains("reduction length 300 is not a multiple of 256, the q4_k block"));
+  const Matrix<float> w33 = Matrix<float>::Ones(32, 33), wd33 = Matrix<float>::Ones(33, 32);
+  CHECK_THROWS_WITH(PackedExpert(w33, w33, wd33, Dtype::q8_0),
+                    Catch::Contains("reduction length 33 is not a multiple of 32, the q8_0 block"));
+  // d a multiple of 32 but f not: the down matrix's rows are the ones refused
+  const Matrix<float> wf = Matrix<float>::Ones(40, 64), wdf = Matrix<float>::Ones(64, 40);
+  CHECK_THROWS_WITH(PackedExpert(wf, wf, wdf, Dtype::mxfp4), Catch::Contains("reduction length 40"));
+  CHECK_THROWS_AS(PanelMatrix(Dtype::q8_0, 64, 1).offset(0, 0), ConfigError);
+}
