@@ -20,6 +20,7 @@
 #include <limits>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "../core/checked_size.hpp"
 #include "../core/errors.hpp"
@@ -37,6 +38,27 @@ constexpr packed::Dtype packed_dtype() {
   return packed::dtype_of<Storage>();
 }
 
+/// The storage types of a packed MoE layer's experts: the routed experts'
+/// and the shared experts' (a Q4_K_M file: routed {q4_k, q6_k}, shared
+/// {q8_0}, say), each a gate/up and a down type. A single type or pair
+/// converts to it (every expert alike).
+struct PackedTypes {
+  packed::ExpertDtypes routed;
+  packed::ExpertDtypes shared;
+  PackedTypes(packed::Dtype t) : routed(t), shared(t) {}              // NOLINT: one type for all
+  PackedTypes(packed::ExpertDtypes t) : routed(t), shared(t) {}       // NOLINT
+  PackedTypes(packed::ExpertDtypes r, packed::ExpertDtypes s) : routed(r), shared(s) {}
+  friend bool operator==(const PackedTypes& a, const PackedTypes& b) {
+    return a.routed == b.routed && a.shared == b.shared;
+  }
+};
+
+/// "q8_0", or "routed q4_k/q6_k, shared q8_0" where they differ.
+inline std::string packed_types_name(const PackedTypes& t) {
+  return t.routed == t.shared ? packed::dtypes_name(t.routed)
+                              : "routed " + packed::dtypes_name(t.routed) + ", shared " + packed::dtypes_name(t.shared);
+}
+
 namespace detail::inference {
 
 /// Most rows of one thread task. The packed kernels give every row the same
@@ -46,11 +68,27 @@ namespace detail::inference {
 /// task amortises streaming its expert's weights.
 inline constexpr Index kMaxTileRows = 256;
 
-/// Bytes of one packed d × f SwiGLU expert of `dtype` (the panel sizes of
+/// Bytes of one packed d × f SwiGLU expert of `dtypes` (the panel sizes of
 /// kernels/weight_types.hpp), computed without allocating. ConfigError
 /// naming `where` if the count overflows.
-inline Index packed_expert_bytes(const char* where, packed::Dtype dtype, Index d, Index f) {
-  return packed::PackedExpert::bytes_for(where, dtype, d, f);
+inline Index packed_expert_bytes(const char* where, packed::ExpertDtypes dtypes, Index d, Index f) {
+  return packed::PackedExpert::bytes_for(where, dtypes, d, f);
+}
+
+/// ConfigError naming `where` and `arg` unless every expert of `list` has
+/// the types of the first (a layer's routed or shared experts are one
+/// kind); the types of the list, or `fallback` for an empty one.
+inline packed::ExpertDtypes uniform_dtypes(const char* where, const char* arg,
+                                           const std::vector<packed::PackedExpert>& list,
+                                           packed::ExpertDtypes fallback) {
+  if (list.empty()) return fallback;
+  const packed::ExpertDtypes t = list.front().dtypes();
+  for (std::size_t i = 1; i < list.size(); ++i)
+    if (list[i].dtypes() != t)
+      throw ConfigError(std::string(where) + ": argument '" + arg + "' mixes storage types: expert " +
+                        std::to_string(i) + " is " + packed::dtypes_name(list[i].dtypes()) + ", expert 0 is " +
+                        packed::dtypes_name(t));
+  return t;
 }
 
 /// `weights + staging` bytes, or ConfigError `where: bytes = a + b does not

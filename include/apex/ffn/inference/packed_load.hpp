@@ -79,18 +79,19 @@ PackedSwiGLU<Storage> load_packed_swiglu(const safetensors::Reader& file, Index 
                                          const PackedLoadOptions& options = {}) {
   namespace inf = detail::inference;
   const std::string where = "load_packed_swiglu(" + file.source().description() + ")";
-  PackedSwiGLU<Storage>::check_fits(where.c_str(), d_model, d_ffn, 0);
+  const packed::ExpertDtypes types = inf::load_types(options, PackedSwiGLU<Storage>::kDtype).routed;
+  PackedSwiGLU<Storage>::check_fits(where.c_str(), d_model, d_ffn, 0, types);
   std::vector<inf::Expected> want;
   inf::add_swiglu_names(want, options.prefix, d_model, d_ffn);
   inf::check_tensors(where, file, want, options.prefix, std::string(), options.allow_unexpected);
   PackedSwiGLU<Storage>::check_fits(
       where.c_str(), d_model, d_ffn,
-      std::uint64_t(detail::checked_product(where.c_str(), "staging", {3, d_ffn, d_model, 4})));
+      std::uint64_t(detail::checked_product(where.c_str(), "staging", {3, d_ffn, d_model, 4})), types);
   std::uint64_t fp = inf::kFingerprintSeed;
   Matrix<float> gu(2 * d_ffn, d_model), down(d_model, d_ffn);
   const auto name = [](const std::string& n) { return n; };
   PackedSwiGLU<Storage> out(
-      inf::read_expert(where, file, name, options.prefix, gu, down, PackedSwiGLU<Storage>::kDtype, fp));
+      inf::read_expert(where, file, name, options.prefix, gu, down, types, fp));
   out.set_source_fingerprint(fp);
   return out;
 }

@@ -49,7 +49,9 @@
 
 namespace apex {
 
-/// Inference MoE on packed `Storage` (float or packed::bf16) weights, the
+/// Inference MoE on packed `Storage` weights (float, packed::bf16 or a block
+/// format such as packed::q4_k: the default of from() and the loaders,
+/// which take other types per matrix and for the shared experts), the
 /// forward of `MoEFFN<float, Expert>`; Expert is SwiGLU<float> or
 /// KappaSwiGLU<float>. Shared experts are SwiGLU, of width config.shared_ffn().
 /// `Activation` is the routed experts' gated activation, a policy of the
@@ -77,22 +79,23 @@ class PackedMoE {
   using Cache = MoECache<float>;
 
   /// Packs a trained float layer: router weights, bias, κ parameters and
-  /// options and the shared gate weight copied, expert weights packed (bf16:
-  /// rounded to nearest even).
-  /// ConfigError if the packed layer would not fit in physical memory
-  /// (core/memory_budget.hpp).
-  static PackedMoE from(const Source& src) {
+  /// options and the shared gate weight copied, expert weights packed in
+  /// `types` (bf16: rounded to nearest even; block formats: ggml's reference
+  /// quantizers). ConfigError if the packed layer would not fit in physical
+  /// memory (core/memory_budget.hpp), or if a width is not whole blocks of
+  /// its type.
+  static PackedMoE from(const Source& src, const PackedTypes& types = kDtype) {
     const MoEConfig& cfg = src.config();
-    check_fits("PackedMoE::from", cfg, 0);
+    check_fits("PackedMoE::from", cfg, 0, types);
     std::vector<packed::PackedExpert> experts, shared;
     std::vector<KappaGate> gates;
     experts.reserve(std::size_t(cfg.n_experts));
     for (const auto& e : src.experts()) {
       const SwiGLU<float>& m = swiglu_of(e);
-      experts.emplace_back(m.w_gate(), m.w_up(), m.w_down(), kDtype);
+      experts.emplace_back(m.w_gate(), m.w_up(), m.w_down(), types.routed);
       if constexpr (kKappa) gates.push_back({e.kappa_alpha(), e.kappa_bias(), e.options()});
     }
-    for (const auto& s : src.shared_experts()) shared.emplace_back(s.w_gate(), s.w_up(), s.w_down(), kDtype);
+    for (const auto& s : src.shared_experts()) shared.emplace_back(s.w_gate(), s.w_up(), s.w_down(), types.shared);
     PackedMoE out(cfg, src.router().weight(), src.balancer().bias(), std::move(experts), std::move(gates),
                   std::move(shared), src.shared_gate_weight());
     out.fingerprint_ = fingerprint(src);
@@ -105,7 +108,7 @@ class PackedMoE {
   /// 1 × f), S packed shared experts of f_s × d (f_s = config.shared_ffn()),
   /// and the shared gate weight: 1 × d with config.shared_expert_gate, else
   /// empty. ShapeError or ValueError on a mismatch, as the float layer would
-  /// raise them; ConfigError for experts of another dtype.
+  /// raise them; ConfigError for routed (or shared) experts of mixed types.
   PackedMoE(const MoEConfig& config, const Matrix<float>& router_weight, const RowVector<float>& bias,
             std::vector<packed::PackedExpert> experts, std::vector<KappaGate> gates,
             std::vector<packed::PackedExpert> shared, Matrix<float> shared_gate = Matrix<float>())
@@ -114,7 +117,8 @@ class PackedMoE {
         bias_(bias),
         experts_(std::move(experts)),
         gates_(std::move(gates)),
-        shared_("PackedMoE", config, kDtype, std::move(shared), std::move(shared_gate)) {
+        routed_types_(detail::inference::uniform_dtypes("PackedMoE", "experts", experts_, kDtype)),
+        shared_("PackedMoE", config, routed_types_, std::move(shared), std::move(shared_gate)) {
     constexpr const char* where = "PackedMoE";
     const Index d = config.d_model, f = config.d_ffn;
     detail::check_shape(where, "router_weight", router_weight, config.n_experts, d);
@@ -126,12 +130,7 @@ class PackedMoE {
       if (Index(list.size()) != want)
         throw ShapeError(std::string(where) + ": argument '" + arg + "' holds " + std::to_string(list.size()) +
                          " experts, expected " + std::to_string(want));
-      for (const auto& e : list) {
-        if (e.dtype() != kDtype)
-          throw ConfigError(std::string(where) + ": argument '" + arg + "' holds " + packed::dtype_name(e.dtype()) +
-                            " experts, expected " + packed::dtype_name(kDtype));
-        detail::check_shape(where, arg, e.d_ffn(), e.d_model(), f, d);
-      }
+      for (const auto& e : list) detail::check_shape(where, arg, e.d_ffn(), e.d_model(), f, d);
     };
     check_list("experts", experts_, config.n_experts);
     if (Index(gates_.size()) != (kKappa ? config.n_experts : 0))
@@ -153,6 +152,8 @@ class PackedMoE {
   /// The shared gate weight w_gate: 1 × d with shared_expert_gate, else 0 × 0.
   const Matrix<float>& shared_gate_weight() const { return shared_.gate_weight(); }
   const std::vector<KappaGate>& kappa_gates() const { return gates_; }
+  /// The storage types of the routed and shared experts.
+  PackedTypes types() const { return {routed_types_, shared_.dtypes()}; }
 
   /// Threads for dispatch (0 = OpenMP's default; ignored without OpenMP).
   void set_threads(int threads) { threads_ = threads; }
@@ -173,13 +174,14 @@ class PackedMoE {
   /// κ gates, packed shared experts at their width and the shared gate,
   /// router weights, bias), computed without allocating. ConfigError naming
   /// `where` if the count overflows.
-  static std::uint64_t weight_bytes(const MoEConfig& config, const char* where = "PackedMoE::weight_bytes") {
+  static std::uint64_t weight_bytes(const MoEConfig& config, const char* where = "PackedMoE::weight_bytes",
+                                    const PackedTypes& types = kDtype) {
     const Index d = config.d_model, f = config.d_ffn, e = config.n_experts;
     const Index kappa = kKappa ? detail::checked_product(where, "kappa gate bytes", {2, f, 4}) : 0;
     const Index one = detail::checked_sum(where, "routed expert bytes",
-                                          detail::inference::packed_expert_bytes(where, kDtype, d, f), kappa);
+                                          detail::inference::packed_expert_bytes(where, types.routed, d, f), kappa);
     const Index routed = detail::checked_product(where, "routed experts bytes", {e, one});
-    const Index shared = detail::inference::PackedShared::weight_bytes(where, config, kDtype);
+    const Index shared = detail::inference::PackedShared::weight_bytes(where, config, types.shared);
     // The router holds its E × d weights only: its gradient is never allocated here (core/param.hpp).
     const Index router = detail::checked_product(where, "router and bias bytes", {e, detail::checked_sum(where, "router width", d, 1), 4});
     return std::uint64_t(detail::checked_sum(where, "layer bytes", detail::checked_sum(where, "experts bytes", routed, shared),
@@ -189,14 +191,15 @@ class PackedMoE {
   /// ConfigError unless a layer of `config` (plus `staging` bytes held while
   /// it is built) fits in physical memory (core/memory_budget.hpp), or if the
   /// byte count overflows (core/checked_size.hpp's rule).
-  static void check_fits(const char* where, const MoEConfig& config, std::uint64_t staging) {
+  static void check_fits(const char* where, const MoEConfig& config, std::uint64_t staging,
+                         const PackedTypes& types = kDtype) {
     config.validate_for<float>(where);  // computes in float
     check_memory_fit(where,
-                     std::string("a packed ") + packed::dtype_name(kDtype) + " MoE layer (d_model " +
+                     "a packed " + packed_types_name(types) + " MoE layer (d_model " +
                          std::to_string(config.d_model) + ", d_ffn " + std::to_string(config.d_ffn) +
                          (config.d_shared_ffn > 0 ? ", d_shared_ffn " + std::to_string(config.d_shared_ffn) : "") + ", " +
                          std::to_string(config.n_experts) + " + " + std::to_string(config.n_shared) + " experts)",
-                     detail::inference::checked_bytes(where, weight_bytes(config, where), staging));
+                     detail::inference::checked_bytes(where, weight_bytes(config, where, types), staging));
   }
 
   /// x: N × d → N × d. ShapeError on a wrong width, ValueError on non-finite
@@ -295,6 +298,7 @@ class PackedMoE {
   RowVector<float> bias_;                   ///< 1 × E: the balancing bias, selection only
   std::vector<packed::PackedExpert> experts_;
   std::vector<KappaGate> gates_;            ///< E (κ experts) or empty
+  packed::ExpertDtypes routed_types_;       ///< every routed expert's
   detail::inference::PackedShared shared_;  ///< S experts of f_s × d, and the shared gate
   packed::ForwardOptions kernel_;
   int threads_ = 0;

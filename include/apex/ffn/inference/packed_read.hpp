@@ -42,11 +42,21 @@ struct PackedLoadOptions {
   std::optional<MoEFamily> family;
   /// Options of κ-SwiGLU experts (not stored in checkpoints).
   KappaOptions kappa;
+  /// Storage types of the experts, quantized from the file's F32/BF16/F64
+  /// weights expert by expert as they are read (routed and shared, gate/up
+  /// and down each their own). Unset: the layer's Storage for every matrix.
+  std::optional<PackedTypes> types;
   /// Caps applied while reading the file.
   safetensors::Limits limits;
 };
 
 namespace detail::inference {
+
+/// The experts' storage types a load uses: options.types, else `fallback`
+/// (the layer's Storage) for every matrix.
+inline PackedTypes load_types(const PackedLoadOptions& options, packed::Dtype fallback) {
+  return options.types ? *options.types : PackedTypes(fallback);
+}
 
 /// The file dtypes a packed layer loads: those the reader widens to float
 /// (F32, F64, BF16: packing goes through float) and the file spelling of
@@ -134,7 +144,7 @@ void read_into(const std::string& where, const safetensors::Reader& file, const 
 /// gate rows first; down: d × f) and packs it.
 template <class Name>
 packed::PackedExpert read_expert(const std::string& where, const safetensors::Reader& file, const Name& name,
-                                 const std::string& p, Matrix<float>& gu, Matrix<float>& down, packed::Dtype dtype,
+                                 const std::string& p, Matrix<float>& gu, Matrix<float>& down, packed::ExpertDtypes dtype,
                                  std::uint64_t& fp) {
   const Index f = gu.rows() / 2, d = gu.cols();
   file.read(file.at(name(p + state_names::kGate)), gu.data());
@@ -214,7 +224,8 @@ MoEPlan plan_moe(const std::string& where, const safetensors::Reader& file, cons
   check_tensors(where, file, plan.want, p, plan.bias_name, options.allow_unexpected);
   const Index staging = apex::detail::checked_product(where.c_str(), "staging bytes",
                                                       {3, std::max(config.d_ffn, config.shared_ffn()), config.d_model, 4});
-  Layer::check_fits(where.c_str(), config, std::uint64_t(staging));
+  // also refuses widths that are not whole blocks of their type, before any read
+  Layer::check_fits(where.c_str(), config, std::uint64_t(staging), load_types(options, Layer::kDtype));
   return plan;
 }
 
@@ -228,10 +239,11 @@ Layer build_moe(const std::string& where, const safetensors::Reader& file, const
   Matrix<float> gu(2 * f, d), down(d, f);  // staging: one expert
   std::vector<packed::PackedExpert> experts, shared;
   std::vector<KappaGate> gates;
+  const PackedTypes types = load_types(options, Layer::kDtype);
   experts.reserve(std::size_t(config.n_experts));
   for (Index e = 0; e < config.n_experts; ++e) {
     const std::string q = state_names::routed_expert(e);
-    experts.push_back(read_expert(where, file, plan.name, q, gu, down, Layer::kDtype, fp));
+    experts.push_back(read_expert(where, file, plan.name, q, gu, down, types.routed, fp));
     if constexpr (Layer::kKappa) {
       KappaGate g{RowVector<float>(f), RowVector<float>(f), options.kappa};
       read_into(where, file, plan.name(q + state_names::kKappaAlpha), g.alpha, false);
@@ -245,7 +257,7 @@ Layer build_moe(const std::string& where, const safetensors::Reader& file, const
   down.resize(d, fs);
   for (Index s = 0; s < config.n_shared; ++s)
     shared.push_back(read_expert(where, file, plan.name, state_names::shared_expert(s), gu, down,
-                                 Layer::kDtype, fp));
+                                 types.shared, fp));
   Matrix<float> shared_gate;  // 1 × d, or empty without a shared gate
   if (config.shared_expert_gate) {
     // Not checked finite: the float layer propagates a NaN gate weight into

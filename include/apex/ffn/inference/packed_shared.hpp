@@ -30,24 +30,21 @@ class PackedShared {
  public:
   PackedShared() = default;
 
-  /// Takes over S = config.n_shared packed experts of d × config.shared_ffn()
-  /// in `dtype`, and the gate weight: 1 × d with config.shared_expert_gate,
-  /// else empty. ShapeError on a wrong count, shape or gate, ConfigError on
-  /// a wrong dtype, each naming `where` and the argument.
-  PackedShared(const char* where, const MoEConfig& config, packed::Dtype dtype,
+  /// Takes over S = config.n_shared packed experts of d × config.shared_ffn(),
+  /// all of one storage pair (`fallback` when S = 0), and the gate weight:
+  /// 1 × d with config.shared_expert_gate, else empty. ShapeError on a wrong
+  /// count, shape or gate, ConfigError on mixed types, each naming `where`
+  /// and the argument.
+  PackedShared(const char* where, const MoEConfig& config, packed::ExpertDtypes fallback,
                std::vector<packed::PackedExpert> experts, Matrix<float> gate_weight)
       : experts_(std::move(experts)), gate_(std::move(gate_weight)) {
     const Index d = config.d_model, fs = config.shared_ffn();
     if (Index(experts_.size()) != config.n_shared)
       throw ShapeError(std::string(where) + ": argument 'shared' holds " + std::to_string(experts_.size()) +
                        " experts, expected " + std::to_string(config.n_shared));
-    for (const auto& e : experts_) {
-      if (e.dtype() != dtype)
-        throw ConfigError(std::string(where) + ": argument 'shared' holds " + packed::dtype_name(e.dtype()) +
-                          " experts, expected " + packed::dtype_name(dtype));
-      // f_s × d: the shared width, which may differ from the routed experts' d_ffn
-      check_shape(where, "shared", e.d_ffn(), e.d_model(), fs, d);
-    }
+    dtypes_ = uniform_dtypes(where, "shared", experts_, fallback);
+    // f_s × d: the shared width, which may differ from the routed experts' d_ffn
+    for (const auto& e : experts_) check_shape(where, "shared", e.d_ffn(), e.d_model(), fs, d);
     if (config.shared_expert_gate) check_shape(where, "shared_gate", gate_, 1, d);
     else check_shape(where, "shared_gate (config.shared_expert_gate is off)", gate_, 0, 0);
   }
@@ -56,7 +53,7 @@ class PackedShared {
   /// 1 × d (shared_expert_gate) or 0 × 0.
   const Matrix<float>& gate_weight() const { return gate_; }
   Index size() const { return Index(experts_.size()); }
-  bool gated() const { return gate_.size() > 0; }
+  packed::ExpertDtypes dtypes() const { return dtypes_; }
 
   /// Packed bytes of the experts (padding included); the gate is counted by
   /// weight_bytes, with the other float parts.
@@ -68,8 +65,8 @@ class PackedShared {
 
   /// Bytes the shared part of a layer of `config` holds: S packed experts of
   /// d × f_s, plus the float gate weight (4·d) if there is one.
-  static Index weight_bytes(const char* where, const MoEConfig& config, packed::Dtype dtype) {
-    const Index one = packed_expert_bytes(where, dtype, config.d_model, config.shared_ffn());
+  static Index weight_bytes(const char* where, const MoEConfig& config, packed::ExpertDtypes dtypes) {
+    const Index one = packed_expert_bytes(where, dtypes, config.d_model, config.shared_ffn());
     const Index all = checked_product(where, "shared experts bytes", {config.n_shared, one});
     const Index gate = config.shared_expert_gate ? checked_product(where, "shared gate bytes", {config.d_model, 4}) : 0;
     return checked_sum(where, "shared bytes", all, gate);
@@ -97,6 +94,7 @@ class PackedShared {
  private:
   std::vector<packed::PackedExpert> experts_;  ///< S, each f_s × d
   Matrix<float> gate_;                         ///< 1 × d (shared_expert_gate) or 0 × 0
+  packed::ExpertDtypes dtypes_;
 };
 
 }  // namespace apex::detail::inference

@@ -41,15 +41,18 @@ PackedSublayer<FFN> wrap_sublayer(const Src& src, FFN ffn) {
 }
 }  // namespace detail::inference
 
-/// Packs a trained MoE sublayer (norm and gate copied, the MoE packed).
+/// Packs a trained MoE sublayer (norm and gate copied, the MoE packed in
+/// `types`, Storage's by default).
 template <class Storage, class Expert>
-PackedSublayer<PackedMoE<Storage, Expert>> pack_sublayer(const FFNSublayer<float, MoEFFN<float, Expert>>& src) {
-  return detail::inference::wrap_sublayer(src, PackedMoE<Storage, Expert>::from(src.ffn()));
+PackedSublayer<PackedMoE<Storage, Expert>> pack_sublayer(const FFNSublayer<float, MoEFFN<float, Expert>>& src,
+                                                         const PackedTypes& types = packed_dtype<Storage>()) {
+  return detail::inference::wrap_sublayer(src, PackedMoE<Storage, Expert>::from(src.ffn(), types));
 }
 /// Packs a trained dense sublayer.
 template <class Storage>
-PackedSublayer<PackedSwiGLU<Storage>> pack_sublayer(const FFNSublayer<float, SwiGLU<float>>& src) {
-  return detail::inference::wrap_sublayer(src, PackedSwiGLU<Storage>::from(src.ffn()));
+PackedSublayer<PackedSwiGLU<Storage>> pack_sublayer(const FFNSublayer<float, SwiGLU<float>>& src,
+                                                    packed::ExpertDtypes types = packed_dtype<Storage>()) {
+  return detail::inference::wrap_sublayer(src, PackedSwiGLU<Storage>::from(src.ffn(), types));
 }
 
 }  // namespace apex

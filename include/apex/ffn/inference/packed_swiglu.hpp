@@ -41,20 +41,18 @@ class PackedSwiGLU {
   /// Inference keeps nothing; the type exists so the layer fits FFNSublayer.
   struct Cache {};
 
-  /// Packs a trained SwiGLU. ConfigError if it would not fit in physical memory.
-  static PackedSwiGLU from(const SwiGLU<float>& src) {
-    check_fits("PackedSwiGLU::from", src.d_model(), src.d_ffn(), 0);
-    PackedSwiGLU out(packed::PackedExpert(src.w_gate(), src.w_up(), src.w_down(), kDtype));
+  /// Packs a trained SwiGLU in `types` (Storage's by default; gate/up and
+  /// down may differ). ConfigError if it would not fit in physical memory
+  /// or a width is not whole blocks of its type.
+  static PackedSwiGLU from(const SwiGLU<float>& src, packed::ExpertDtypes types = kDtype) {
+    check_fits("PackedSwiGLU::from", src.d_model(), src.d_ffn(), 0, types);
+    PackedSwiGLU out(packed::PackedExpert(src.w_gate(), src.w_up(), src.w_down(), types));
     out.fingerprint_ = fingerprint(src);
     out.has_source_ = true;
     return out;
   }
-  /// Takes over packed weights (ConfigError if their dtype is not Storage's).
-  explicit PackedSwiGLU(packed::PackedExpert weights) : w_(std::move(weights)) {
-    detail::require_config(w_.dtype() == kDtype, "PackedSwiGLU",
-                           std::string("weights are ") + packed::dtype_name(w_.dtype()) + ", expected " +
-                               packed::dtype_name(kDtype));
-  }
+  /// Takes over packed weights of any storage types.
+  explicit PackedSwiGLU(packed::PackedExpert weights) : w_(std::move(weights)) {}
 
   Index d_model() const { return w_.d_model(); }
   Index d_ffn() const { return w_.d_ffn(); }
@@ -68,18 +66,20 @@ class PackedSwiGLU {
 
   /// Packed bytes of a d × f layer (padding included), without allocating.
   /// ConfigError naming `where` if the count overflows.
-  static std::uint64_t weight_bytes(Index d, Index f, const char* where = "PackedSwiGLU::weight_bytes") {
-    return std::uint64_t(detail::inference::packed_expert_bytes(where, kDtype, d, f));
+  static std::uint64_t weight_bytes(Index d, Index f, const char* where = "PackedSwiGLU::weight_bytes",
+                                    packed::ExpertDtypes types = kDtype) {
+    return std::uint64_t(detail::inference::packed_expert_bytes(where, types, d, f));
   }
   /// ConfigError unless a d × f layer plus `staging` bytes fits in physical
   /// memory, or if their sum overflows (core/checked_size.hpp's rule).
-  static void check_fits(const char* where, Index d, Index f, std::uint64_t staging) {
+  static void check_fits(const char* where, Index d, Index f, std::uint64_t staging,
+                         packed::ExpertDtypes types = kDtype) {
     detail::require_config(d > 0 && f > 0, where, "d_model and d_ffn must be positive, got " + std::to_string(d) +
                                                       " and " + std::to_string(f));
     check_memory_fit(where,
-                     std::string("a packed ") + packed::dtype_name(kDtype) + " SwiGLU (d_model " + std::to_string(d) +
+                     "a packed " + packed::dtypes_name(types) + " SwiGLU (d_model " + std::to_string(d) +
                          ", d_ffn " + std::to_string(f) + ")",
-                     detail::inference::checked_bytes(where, weight_bytes(d, f, where), staging));
+                     detail::inference::checked_bytes(where, weight_bytes(d, f, where, types), staging));
   }
 
   /// x: N × d → N × d (ShapeError otherwise).
