@@ -24,7 +24,7 @@ using namespace apex::quant;
 namespace {
 
 constexpr int kRowLen = 512;  // 16 blocks of 32, 2 super-blocks of 256
-constexpr int kRows = 10;
+constexpr int kFixedRows = 10;
 
 std::uint32_t mix32(std::uint32_t i, std::uint32_t row) {
   std::uint32_t z = i * 0x9E3779B9u + row * 0x85EBCA6Bu + 0x165667B1u;
@@ -281,7 +281,7 @@ const FullBlock kQ8KBlocks[] = {
 template <class Block, class Quantize, class Dequantize, std::size_t R, std::size_t B>
 void check_format(Index block_len, Quantize quantize, Dequantize dequantize, const RowHashes (&rows)[R],
                   const FullBlock (&blocks)[B]) {
-  REQUIRE(R == kRows);
+  REQUIRE(R == kFixedRows);
   const auto nb = static_cast<std::size_t>(kRowLen / block_len);
   for (const RowHashes& want : rows) {
     INFO("row " << want.row);
@@ -336,7 +336,7 @@ TEST_CASE("requantizing a dequantized row is stable where the format guarantees 
   // bytes unless the stored half scale is 0 or Inf (Q8_0 rows 8 and 9, Q4_0
   // row 9). The K-quants' searches give no such guarantee (checked above
   // against the reference row by row).
-  for (int r = 0; r < kRows; ++r) {
+  for (int r = 0; r < kFixedRows; ++r) {
     CHECK(kQ80Rows[r].requantize_same == (r < 8));
     CHECK(kQ40Rows[r].requantize_same == (r < 9));
     CHECK(kMXFP4Rows[r].requantize_same);
