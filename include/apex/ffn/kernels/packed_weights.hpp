@@ -1,7 +1,8 @@
 #pragma once
 /// \file kernels/packed_weights.hpp
 /// One SwiGLU expert's weights packed once for the kernels of kernels/fused_expert.hpp,
-/// in any type of the weight-type table (kernels/weight_types.hpp: f32, bf16).
+/// in any type of the weight-type table (kernels/weight_types.hpp: f32, bf16
+/// and ggml's block formats), gate/up and down each of its own type.
 ///
 /// The kernels compute 32 output lanes at a time (two 16-float AVX-512
 /// vectors, four AVX2 vectors) over a reduction of length K, reading for each
@@ -26,222 +27,23 @@
 ///
 /// Sizes: gate_up is ⌈f/16⌉ panels of K = d, down ⌈d/32⌉ panels of K = f;
 /// padding costs at most 15 hidden units and 31 output features. The layouts
-/// above are the f32 and bf16 entries of kernels/weight_types.hpp; a panel
-/// holds a code array in its type's layout and a per-block scale array
-/// (empty for f32 and bf16), both sized from the table.
+/// above are the f32 and bf16 entries of kernels/weight_types.hpp; the block
+/// formats keep the same panels with their codes grouped by block
+/// (kernels/quant_layout.hpp). A panel (kernels/panel_matrix.hpp) holds a
+/// code array in its type's layout and a per-block scale array (empty for
+/// f32 and bf16), both sized from the table.
 
 #include <cstddef>
-#include <cstring>
-#include <memory>
-#include <new>
 #include <string>
-#include <utility>
-
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 
 #include "../core/checked_size.hpp"
 #include "../core/errors.hpp"
 #include "../core/types.hpp"
-#include "bf16_vectors.hpp"
+#include "aligned_array.hpp"
+#include "panel_matrix.hpp"
 #include "weight_types.hpp"
 
 namespace apex::packed {
-
-namespace detail {
-
-/// Zero-initialised array of a trivial type on a 64-byte boundary (the
-/// kernels' aligned loads need it; `std::vector` guarantees only 16).
-///
-/// Arrays of 2 MiB or more are placed on 2 MiB boundaries and, on Linux,
-/// offered to transparent huge pages (`madvise`; a no-op where THP is off).
-/// A decode step streams every expert's weights once: with 4 KiB pages that
-/// is one TLB miss per 4 KiB, and hardware prefetchers stop at each 4 KiB
-/// boundary, which costs a measurable share of the memory bandwidth.
-template <class T>
-class AlignedArray {
- public:
-  static constexpr std::size_t kAlign = 64;
-  static constexpr std::size_t kHugePage = std::size_t(2) << 20;
-  AlignedArray() = default;
-  explicit AlignedArray(Index n) : n_(n) {
-    if (n == 0) return;
-    const std::size_t bytes = std::size_t(n) * sizeof(T);
-    const std::size_t align = bytes >= kHugePage ? kHugePage : kAlign;
-    void* raw = ::operator new(bytes, std::align_val_t(align));
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-    if (align == kHugePage) ::madvise(raw, bytes / kHugePage * kHugePage, MADV_HUGEPAGE);  // advice only
-#endif
-    p_ = std::unique_ptr<T, Free>(static_cast<T*>(raw), Free{align});
-    std::uninitialized_value_construct_n(p_.get(), std::size_t(n));  // zeros
-  }
-  AlignedArray(const AlignedArray& o) : AlignedArray(o.n_) {
-    if (n_) std::memcpy(p_.get(), o.p_.get(), std::size_t(n_) * sizeof(T));
-  }
-  AlignedArray(AlignedArray&& o) noexcept : p_(std::move(o.p_)), n_(std::exchange(o.n_, 0)) {}
-  AlignedArray& operator=(AlignedArray o) noexcept {
-    std::swap(p_, o.p_);
-    std::swap(n_, o.n_);
-    return *this;
-  }
-  T* data() { return p_.get(); }
-  const T* data() const { return p_.get(); }
-  Index size() const { return n_; }
-
- private:
-  struct Free {
-    std::size_t align = kAlign;
-    void operator()(T* p) const { ::operator delete(p, std::align_val_t(align)); }
-  };
-  std::unique_ptr<T, Free> p_;
-  Index n_ = 0;
-};
-
-/// buf's data, reallocated (zeroed) to at least n elements if it is smaller.
-template <class T>
-T* grow(AlignedArray<T>& buf, Index n) {
-  if (buf.size() < n) buf = AlignedArray<T>(n);
-  return buf.data();
-}
-
-}  // namespace detail
-
-/// A K × (32·panels) weight block in the panel order of its type's table
-/// entry. Lane `l` of panel `p` is logical output `32p + l`; what that
-/// output is (a gate row, an up row, a down row) is the owner's business.
-class PanelMatrix {
- public:
-  static constexpr Index kLanes = kPanelLanes;
-
-  /// Bytes of a matrix of `panels` panels of reduction length k, codes and
-  /// scales, computed without allocating; ConfigError naming `where` and
-  /// `what` past the index range.
-  static Index bytes_for(const char* where, const char* what, Dtype dtype, Index k, Index panels) {
-    return visit_dtype(dtype, [&](auto tag) {
-      using W = WeightType<decltype(tag)::value>;
-      const Index blocks = detail::padded_k<decltype(tag)::value>(where, k) / W::kBlockWeights;
-      return apex::detail::checked_product(where, what, {panels, blocks, kLanes, W::kBlockBytes});
-    });
-  }
-
-  PanelMatrix() = default;
-  PanelMatrix(Dtype dtype, Index k, Index panels) : dtype_(dtype), k_(k), panels_(panels) {
-    constexpr const char* where = "PanelMatrix";
-    bytes_for(where, "packed weights (panels x K x 32 lanes x bytes)", dtype, k, panels);  // fits, checked
-    visit_dtype(dtype, [&](auto tag) {
-      using W = WeightType<decltype(tag)::value>;
-      kpad_ = detail::padded_k<decltype(tag)::value>(where, k);
-      const Index blocks = kpad_ / W::kBlockWeights;  // per lane
-      panel_bytes_ = blocks * kLanes * (W::kBlockBytes - W::kScaleBytes);
-      scale_bytes_ = blocks * kLanes * W::kScaleBytes;
-    });
-    codes_ = detail::AlignedArray<std::byte>(panels_ * panel_bytes_);
-    scales_ = detail::AlignedArray<std::byte>(panels_ * scale_bytes_);
-  }
-
-  Dtype dtype() const { return dtype_; }
-  Index k() const { return k_; }           ///< reduction length
-  Index k_padded() const { return kpad_; } ///< k rounded up to whole groups and blocks of the type
-  Index panels() const { return panels_; }
-  Index panel_size() const { return kpad_ * kLanes; }  ///< weights per panel, padding included
-  /// Bytes of codes and scales (what a pass over the matrix reads).
-  std::size_t bytes() const { return std::size_t(panels_ * (panel_bytes_ + scale_bytes_)); }
-
-  /// Panel p's codes in type T's layout, 64-byte aligned; T must be the
-  /// matrix's dtype (checked by eigen_assert).
-  template <Dtype T>
-  const typename WeightType<T>::Element* panel(Index p) const {
-    eigen_assert(T == dtype_);
-    return reinterpret_cast<const typename WeightType<T>::Element*>(codes_.data() + p * panel_bytes_);
-  }
-  /// Panel p's per-block scales (nullptr-sized for unscaled types).
-  const std::byte* scales(Index p) const { return scales_.data() + p * scale_bytes_; }
-  /// The f32 and bf16 panels under their earlier names.
-  const float* f32_panel(Index p) const { return panel<Dtype::f32>(p); }
-  const bf16* bf16_panel(Index p) const { return panel<Dtype::bf16>(p); }
-
-  /// Element offset of (k, lane) inside a panel (f32 and bf16: a block
-  /// format's codes have no per-weight offset; ConfigError for one).
-  Index offset(Index k, Index lane) const {
-    return visit_dtype(dtype_, [&](auto tag) -> Index {
-      using W = WeightType<decltype(tag)::value>;
-      if constexpr (W::kQuantized) {
-        throw ConfigError(std::string("PanelMatrix::offset: ") + W::kName + " codes have no per-weight offset");
-      } else {
-        return W::offset(k, lane);
-      }
-    });
-  }
-  /// Bytes of one lane's row in its file form: K / B blocks of the type's
-  /// block bytes (4 a weight for f32, 2 for bf16, ggml's blocks otherwise).
-  Index row_bytes() const {
-    return visit_dtype(dtype_, [&](auto tag) {
-      using W = WeightType<decltype(tag)::value>;
-      return kpad_ / W::kBlockWeights * Index(sizeof(typename W::Block));
-    });
-  }
-  /// Lane `lane` of panel p from a file row (row_bytes() bytes, the blocks
-  /// of a GGUF or safetensors row of this type): the bits are moved, not
-  /// converted.
-  void put_row(Index p, Index lane, const std::byte* row) {
-    visit_dtype(dtype_, [&](auto tag) {
-      using W = WeightType<decltype(tag)::value>;
-      for (Index b = 0; b < kpad_ / W::kBlockWeights; ++b) {
-        typename W::Block blk;
-        std::memcpy(&blk, row + b * Index(sizeof blk), sizeof blk);
-        W::put_block(blk, b, lane, codes(p, tag), scales_.data() + p * scale_bytes_);
-      }
-    });
-  }
-  /// The file row of lane `lane` of panel p (the inverse of put_row).
-  void get_row(Index p, Index lane, std::byte* row) const {
-    visit_dtype(dtype_, [&](auto tag) {
-      using W = WeightType<decltype(tag)::value>;
-      for (Index b = 0; b < kpad_ / W::kBlockWeights; ++b) {
-        const typename W::Block blk = W::get_block(panel<decltype(tag)::value>(p), scales(p), b, lane);
-        std::memcpy(row + b * Index(sizeof blk), &blk, sizeof blk);
-      }
-    });
-  }
-  /// Lane `lane` of panel p as k floats: exactly the stored values (a block
-  /// format's through ggml's dequantizer).
-  void unpack_row(Index p, Index lane, float* w) const {
-    visit_dtype(dtype_, [&](auto tag) {
-      using W = WeightType<decltype(tag)::value>;
-      if constexpr (W::kQuantized) {
-        W::unpack_row(panel<decltype(tag)::value>(p), scales(p), k_, lane, w);
-      } else {
-        for (Index k = 0; k < k_; ++k) w[k] = W::weight(panel<decltype(tag)::value>(p), scales(p), k, lane);
-      }
-    });
-  }
-  /// Packs lane `lane` of panel p from w[0..k) (the type's rounding).
-  void pack_row(Index p, Index lane, const float* w) {
-    visit_dtype(dtype_, [&](auto tag) {
-      using W = WeightType<decltype(tag)::value>;
-      W::pack_row(w, k_, lane, codes(p, tag), scales_.data() + p * scale_bytes_);
-    });
-  }
-  /// The stored weight (k, lane) of panel p, as float.
-  float get(Index p, Index k, Index lane) const {
-    return visit_dtype(dtype_, [&](auto tag) {
-      return WeightType<decltype(tag)::value>::weight(panel<decltype(tag)::value>(p), scales(p), k, lane);
-    });
-  }
-
- private:
-  template <class Tag>
-  typename WeightType<Tag::value>::Element* codes(Index p, Tag) {
-    return reinterpret_cast<typename WeightType<Tag::value>::Element*>(codes_.data() + p * panel_bytes_);
-  }
-
-  Dtype dtype_ = Dtype::f32;
-  Index k_ = 0, kpad_ = 0, panels_ = 0;
-  Index panel_bytes_ = 0, scale_bytes_ = 0;  // per panel
-  detail::AlignedArray<std::byte> codes_;    // panels × panel_bytes_
-  detail::AlignedArray<std::byte> scales_;   // panels × scale_bytes_
-};
 
 /// The storage types of one expert's two matrices. A Dtype converts to the
 /// pair of it (both matrices alike); a Q4_K_M file's experts are {q4_k,

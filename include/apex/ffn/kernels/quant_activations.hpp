@@ -14,7 +14,7 @@
 
 #include "../core/checked_size.hpp"
 #include "../quant/formats.hpp"
-#include "packed_weights.hpp"
+#include "aligned_array.hpp"
 #include "quant_layout.hpp"
 
 namespace apex::packed::detail {
