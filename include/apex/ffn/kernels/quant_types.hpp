@@ -76,6 +76,22 @@ struct BlockFormat {
   }
 };
 
+/// The 32 4-bit codes of a Q4_0 or MXFP4 block (`qs` in ggml's order) into
+/// and out of lane `lane` of a slab, and their integer product with 32
+/// activation codes, `value(q)` the code's integer.
+inline void put_nibbles32(const std::uint8_t* qs, std::byte* slab, Index lane) {
+  for (Index k = 0; k < 32; ++k) set_nibble(slab, k, lane, block32_nibble(qs, k));
+}
+inline void get_nibbles32(const std::byte* slab, Index lane, std::uint8_t* qs) {
+  for (Index k = 0; k < 32; ++k) set_block32_nibble(qs, k, get_nibble(slab, k, lane));
+}
+template <class Value>
+std::int32_t nibble_dot32(const std::byte* slab, Index lane, const std::int8_t* x, Value value) {
+  std::int32_t s = 0;
+  for (Index k = 0; k < 32; ++k) s += std::int32_t(value(get_nibble(slab, k, lane))) * std::int32_t(x[k]);
+  return s;
+}
+
 }  // namespace detail
 
 /// Q8_0: 32 int8 codes and an fp16 scale; value d·q.
@@ -118,21 +134,20 @@ struct WeightType<Dtype::q4_0>
   static void dequantize(const Block* x, float* w, Index k) { quant::dequantize_row_q4_0(x, w, k); }
 
   static void put_block(const Block& blk, Index b, Index lane, Element* codes, std::byte* scales) {
-    for (Index k = 0; k < 32; ++k) detail::set_nibble(slab(codes, b), k, lane, detail::block32_nibble(blk.qs, k));
+    detail::put_nibbles32(blk.qs, slab(codes, b), lane);
     detail::set_u16(area(scales, b), lane, blk.d);
   }
   static Block get_block(const Element* codes, const std::byte* scales, Index b, Index lane) {
     Block blk{};
-    for (Index k = 0; k < 32; ++k) detail::set_block32_nibble(blk.qs, k, detail::get_nibble(slab(codes, b), k, lane));
+    detail::get_nibbles32(slab(codes, b), lane, blk.qs);
     blk.d = detail::get_u16(area(scales, b), lane);
     return blk;
   }
   /// acc + d_w·d_x·Σ (q_w − 8)·q_x over block b.
   static float dot_block(const Element* codes, const std::byte* scales, Index b, Index lane, const detail::QuantRow& x,
                          float acc) {
-    std::int32_t s = 0;
-    for (Index k = 0; k < 32; ++k)
-      s += (std::int32_t(detail::get_nibble(slab(codes, b), k, lane)) - 8) * std::int32_t(x.q[32 * b + k]);
+    const auto value = [](unsigned q) { return std::int32_t(q) - 8; };
+    const std::int32_t s = detail::nibble_dot32(slab(codes, b), lane, x.q + 32 * b, value);
     const float dw = quant::fp16_to_fp32(detail::get_u16(area(scales, b), lane));
     return std::fma(float(s), dw * x.d[b], acc);
   }
@@ -149,21 +164,20 @@ struct WeightType<Dtype::mxfp4>
   static void dequantize(const Block* x, float* w, Index k) { quant::dequantize_row_mxfp4(x, w, k); }
 
   static void put_block(const Block& blk, Index b, Index lane, Element* codes, std::byte* scales) {
-    for (Index k = 0; k < 32; ++k) detail::set_nibble(slab(codes, b), k, lane, detail::block32_nibble(blk.qs, k));
+    detail::put_nibbles32(blk.qs, slab(codes, b), lane);
     area(scales, b)[lane] = std::byte(blk.e);
   }
   static Block get_block(const Element* codes, const std::byte* scales, Index b, Index lane) {
     Block blk{};
-    for (Index k = 0; k < 32; ++k) detail::set_block32_nibble(blk.qs, k, detail::get_nibble(slab(codes, b), k, lane));
+    detail::get_nibbles32(slab(codes, b), lane, blk.qs);
     blk.e = detail::byte_at(area(scales, b), lane);
     return blk;
   }
   /// acc + 2^(e−128)·d_x·Σ v2[q_w]·q_x over block b.
   static float dot_block(const Element* codes, const std::byte* scales, Index b, Index lane, const detail::QuantRow& x,
                          float acc) {
-    std::int32_t s = 0;
-    for (Index k = 0; k < 32; ++k)
-      s += std::int32_t(quant::kMxfp4Values[detail::get_nibble(slab(codes, b), k, lane)]) * std::int32_t(x.q[32 * b + k]);
+    const auto value = [](unsigned q) { return quant::kMxfp4Values[q]; };
+    const std::int32_t s = detail::nibble_dot32(slab(codes, b), lane, x.q + 32 * b, value);
     const float dw = quant::e8m0_to_fp32_half(detail::byte_at(area(scales, b), lane));
     return std::fma(float(s), dw * x.d[b], acc);
   }
