@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -220,4 +221,26 @@ TEST_CASE("block formats: rows that are not whole blocks are a ConfigError", "[q
   const Matrix<float> wf = Matrix<float>::Ones(40, 64), wdf = Matrix<float>::Ones(64, 40);
   CHECK_THROWS_WITH(PackedExpert(wf, wf, wdf, Dtype::mxfp4), Catch::Contains("reduction length 40"));
   CHECK_THROWS_AS(PanelMatrix(Dtype::q8_0, 64, 1).offset(0, 0), ConfigError);
+}
+
+TEST_CASE("block formats: non-finite weights are refused, non-finite activations give NaN rows", "[quant][errors]") {
+  for (const Dtype t : kQuantTypes) {
+    CAPTURE(dtype_name(t));
+    const Index B = block_of(t), d = B, f = B;
+    Matrix<float> wg = weights(f, d, 15);
+    const Matrix<float> wu = weights(f, d, 16), wd = weights(d, f, 17);
+    const PackedExpert e(wg, wu, wd, t);
+    Matrix<float> x = random_matrix(3, d, 18).cast<float>();  // 3 × d
+    x(1, 5) = std::numeric_limits<float>::quiet_NaN();
+    for (const Isa isa : {Isa::scalar, kDefaultIsa}) {
+      const Matrix<float> y = forward(e, x, {isa});
+      CHECK(y.row(0).allFinite());
+      CHECK(y.row(2).allFinite());
+      CHECK(y.row(1).array().isNaN().all());
+    }
+    wg(3, 7) = std::numeric_limits<float>::infinity();
+    CHECK_THROWS_AS(PackedExpert(wg, wu, wd, t), ValueError);
+    CHECK_THROWS_WITH(PackedExpert(wg, wu, wd, t),
+                      Catch::Contains(std::string("packing weights as ") + dtype_name(t) + ": weight 7 of a row is inf"));
+  }
 }

@@ -8,9 +8,13 @@
 /// (kernels/quant_layout.hpp: QuantRows).
 ///
 /// The rounding of the activations is part of the product's error (docs/
-/// quantized_formats.md): ≈ 2⁻⁸ of a block's largest |x| per element.
+/// quantized_formats.md): ≈ 2⁻⁸ of a block's largest |x| per element. A
+/// Q8_0 block whose largest |x| exceeds 127·65504 ≈ 8.3e6 overflows its
+/// fp16 scale (ggml's format), and its products become ±Inf or NaN.
 
+#include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "../core/checked_size.hpp"
 #include "../quant/formats.hpp"
@@ -29,22 +33,40 @@ inline QuantScratch& quant_scratch() {
   return s;
 }
 
+/// Whether x[0..n) holds only finite values.
+inline bool all_finite(const float* x, Index n) {
+  for (Index i = 0; i < n; ++i)
+    if (!std::isfinite(x[i])) return false;
+  return true;
+}
+
+/// One block of B activations: ggml's reference quantizer, except that a
+/// block holding NaN or Inf gets codes 0 and a NaN scale (the quantizer
+/// would convert NaN to an integer, which is undefined), so the products
+/// it enters are NaN, as float products would be.
+template <class Block, Index B, class Quantize, class Scale>
+void quantize_block(const float* x, std::int8_t* q, float* d, Quantize quantize, Scale scale) {
+  if (!all_finite(x, B)) {
+    for (Index k = 0; k < B; ++k) q[k] = 0;
+    *d = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  Block blk;
+  quantize(x, &blk, B);
+  *d = scale(blk);
+  for (Index k = 0; k < B; ++k) q[k] = blk.qs[k];
+}
+
 /// One row: codes, scales and sums of 16 of x[0..K) in format `fmt`.
 inline void quantize_row(ActivationFormat fmt, const float* x, Index K, std::int8_t* q, float* d, std::int32_t* s16) {
   if (fmt == ActivationFormat::q8_0) {
-    for (Index b = 0; b < K / 32; ++b) {
-      quant::BlockQ8_0 blk;
-      quant::quantize_row_q8_0(x + 32 * b, &blk, 32);
-      d[b] = quant::fp16_to_fp32(blk.d);
-      for (Index k = 0; k < 32; ++k) q[32 * b + k] = blk.qs[k];
-    }
+    for (Index b = 0; b < K / 32; ++b)
+      quantize_block<quant::BlockQ8_0, 32>(x + 32 * b, q + 32 * b, d + b, quant::quantize_row_q8_0,
+                                            [](const quant::BlockQ8_0& blk) { return quant::fp16_to_fp32(blk.d); });
   } else {
-    for (Index b = 0; b < K / 256; ++b) {
-      quant::BlockQ8_K blk;
-      quant::quantize_row_q8_k(x + 256 * b, &blk, 256);
-      d[b] = blk.d;
-      for (Index k = 0; k < 256; ++k) q[256 * b + k] = blk.qs[k];
-    }
+    for (Index b = 0; b < K / 256; ++b)
+      quantize_block<quant::BlockQ8_K, 256>(x + 256 * b, q + 256 * b, d + b, quant::quantize_row_q8_k,
+                                             [](const quant::BlockQ8_K& blk) { return blk.d; });
   }
   for (Index g = 0; g < K / 16; ++g) {  // Q8_K's bsums, and the same sums for Q8_0
     std::int32_t s = 0;

@@ -21,9 +21,13 @@
 ///   Q4_K:        d, dmin fp16, scales[12] (16)   value d·sc_j·q − dmin·m_j
 ///   Q6_K:        d fp16, scales[16] int8 (18)    value d·sc_g·(q − 32)
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
+
+#include "../core/errors.hpp"
 
 #include "../quant/formats.hpp"
 #include "dtype.hpp"
@@ -54,8 +58,14 @@ struct BlockFormat {
   static std::byte* area(std::byte* scales, Index b) { return scales + b * kPanelLanes * kScaleBytes; }
   static const std::byte* area(const std::byte* scales, Index b) { return scales + b * kPanelLanes * kScaleBytes; }
 
-  /// One lane's K weights from float: ggml's reference quantizer, block by block.
+  /// One lane's K weights from float: ggml's reference quantizer, block by
+  /// block. ValueError for NaN or Inf, which no block format holds (ggml's
+  /// quantizers would convert them to integers, which is undefined).
   static void pack_row(const float* w, Index K, Index lane, Element* codes, std::byte* scales) {
+    for (Index k = 0; k < K; ++k)
+      if (!std::isfinite(w[k]))
+        throw ValueError(std::string("packing weights as ") + F::kName + ": weight " + std::to_string(k) +
+                         " of a row is " + std::to_string(w[k]) + "; block formats hold finite values only");
     std::vector<Block> blocks(std::size_t(K / B));
     F::quantize(w, blocks.data(), K);
     for (Index b = 0; b < K / B; ++b) F::put_block(blocks[std::size_t(b)], b, lane, codes, scales);
