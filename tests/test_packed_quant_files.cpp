@@ -268,6 +268,13 @@ TEST_CASE("bad quantized checkpoints are typed errors before any expert is read,
          m["apex.quant.experts.3.w_gate.weight"] = "q8_0";
        },
        "FormatError", {"experts.3.w_gate.weight", "q8_0", "experts.0.w_gate.weight", "q4_k"}, {}},
+      {"an expert matrix of dtype I64",
+       [&](auto& t, auto&) {
+         auto* u = raw_named(t, up1);
+         u->dtype = safetensors::DType::I64;
+         u->shape = {256, 18};  // the bytes of 256 × 144
+       },
+       "FormatError", {up1, "I64"}, {}},
       {"options.types disagreeing", [](auto&, auto&) {}, "ConfigError",
        {"options.types", "q8_0", "routed q4_k/q6_k, shared q8_0"}, PackedTypes(Dt::q8_0)},
   };

@@ -205,7 +205,8 @@ inline std::optional<PackedTypes> file_types(const std::string& where, const saf
   std::string first[4];
   for (auto& w : want) {
     const auto* t = w.role >= 0 ? file.header().find(w.name) : nullptr;
-    if (!t) continue;  // missing: check_tensors names it
+    // missing, or of a dtype no loader takes: check_tensors names it
+    if (!t || (t->dtype != DType::U8 && !safetensors::is_float_convertible(t->dtype))) continue;
     const auto key = meta.find(kQuantKey + w.name);
     packed::Dtype type = t->dtype == DType::BF16 ? packed::Dtype::bf16 : packed::Dtype::f32;
     if (t->dtype == DType::U8) {
