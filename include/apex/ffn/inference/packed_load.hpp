@@ -6,7 +6,10 @@
 /// `shared_experts.0.w_down.weight`, `shared_expert_gate.weight`, …; see
 /// MoEFFN::param_values) or, with `PackedLoadOptions::family`, under the
 /// Hugging Face names of an open MoE family (io/name_maps.hpp: DeepSeek-V3,
-/// Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), in F32, F64 or BF16.
+/// Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), in F32, F64 or BF16 — or a
+/// quantized checkpoint (inference/packed_save.hpp: save_packed_moe), whose
+/// U8 expert tensors hold the blocks of the type its metadata names; they go
+/// into the panels bit for bit, and the layer's types are the file's.
 ///
 /// Loading goes expert by expert: one expert's three matrices are decoded
 /// into a float staging buffer (3·max(f, f_s)·d floats, reused) and packed at
@@ -16,7 +19,10 @@
 /// Checks, all before the first expert is read and packed, and as
 /// load_checkpoint reports them: names (FormatError naming the missing and
 /// the unexpected tensors; strict by default), dtypes (FormatError for
-/// anything but F32, F64, BF16), shapes (ShapeError), memory and κ options
+/// anything but F32, F64, BF16 and a quantized checkpoint's U8), shapes
+/// (ShapeError; FormatError for a U8 tensor that is not [rows, row bytes]),
+/// a quantized checkpoint's metadata (FormatError for a missing or unknown
+/// type or version; ConfigError if options.types differ), memory and κ options
 /// (ConfigError, core/memory_budget.hpp). Then, as the float layer would reject
 /// them: a non-finite router weight or balancing bias is a ValueError (the
 /// float layer's forward rejects the non-finite logits every call would
@@ -44,6 +50,7 @@
 #include "../io/safetensors.hpp"
 #include "packed_moe.hpp"
 #include "packed_read.hpp"
+#include "packed_save.hpp"  // the quantized checkpoints these loaders read
 #include "packed_sublayer.hpp"
 #include "packed_swiglu.hpp"
 
@@ -54,7 +61,8 @@ namespace apex {
 /// bias) runs before the first expert is read and packed. The layer's
 /// fingerprint is that of the values read, so check_source(src) passes for
 /// the float layer that saved an F32 file (or loaded the same file) and has
-/// not changed since.
+/// not changed since; a layer from a quantized checkpoint has no float
+/// weights to compare, and check_source refuses it.
 template <class Storage, class Expert = SwiGLU<float>, class Activation = packed::SiluGate>
 PackedMoE<Storage, Expert, Activation> load_packed_moe(const safetensors::Reader& file, const MoEConfig& config,
                                                        const PackedLoadOptions& options = {}) {

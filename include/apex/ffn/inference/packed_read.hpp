@@ -3,8 +3,9 @@
 /// How the packed loaders (inference/packed_load.hpp) read a checkpoint: the
 /// options, the tensor list a layer needs under the library's or a family's
 /// names, the checks that all run before the first weight is read (names,
-/// dtypes, shapes, memory, κ options), and the expert-by-expert read into a
-/// reused float staging buffer that is packed at once.
+/// dtypes, shapes, a quantized checkpoint's types, memory, κ options), and
+/// the expert-by-expert read into a reused staging buffer: floats packed at
+/// once, or a quantized checkpoint's blocks moved into the panels as they are.
 
 #include <algorithm>
 #include <optional>
@@ -19,6 +20,7 @@
 #include "../io/name_maps.hpp"
 #include "../io/safetensors.hpp"
 #include "packed_moe.hpp"
+#include "packed_save.hpp"
 
 namespace apex {
 
@@ -45,6 +47,8 @@ struct PackedLoadOptions {
   /// Storage types of the experts, quantized from the file's F32/BF16/F64
   /// weights expert by expert as they are read (routed and shared, gate/up
   /// and down each their own). Unset: the layer's Storage for every matrix.
+  /// A quantized checkpoint (inference/packed_save.hpp) has its own types:
+  /// set, they must be the file's (ConfigError naming both otherwise).
   std::optional<PackedTypes> types;
   /// Caps applied while reading the file.
   safetensors::Limits limits;
@@ -82,13 +86,9 @@ inline std::string packed_file_dtype_names() {
   return s;
 }
 
-struct Expected {
-  std::string name;
-  Index rows, cols;
-};
-
 /// Checks `want` against the file as load_checkpoint does: names (missing,
-/// and unexpected under `prefix` except `optional`), dtypes, shapes.
+/// and unexpected under `prefix` except `optional`), dtypes, shapes; the
+/// dtype and shape of a stored (U8) tensor were checked by file_types.
 inline void check_tensors(const std::string& where, const safetensors::Reader& file, const std::vector<Expected>& want,
                           const std::string& prefix, const std::string& optional, bool allow_unexpected) {
   std::vector<std::string> missing, unexpected, bad_dtype, bad_shape;
@@ -100,6 +100,7 @@ inline void check_tensors(const std::string& where, const safetensors::Reader& f
       missing.push_back(w.name);
       continue;
     }
+    if (w.stored) continue;
     if (!packed_file_dtype(t->dtype))
       bad_dtype.push_back(w.name + " (" + safetensors::dtype_name(t->dtype) + ")");
     const std::vector<std::uint64_t> s{std::uint64_t(w.rows), std::uint64_t(w.cols)};
@@ -177,23 +178,26 @@ struct MoEPlan {
   FileNames name;
   std::vector<Expected> want;
   std::string bias_name;
+  /// A quantized checkpoint's expert types (file_types); empty: the file's
+  /// floats are packed in load_types.
+  std::optional<PackedTypes> file_types;
 };
 
 /// The tensors of a PackedMoE of `config` under `name` (kappa: α and b too).
 inline std::vector<Expected> moe_tensors(const MoEConfig& config, const FileNames& name, bool kappa) {
   const Index d = config.d_model;
   std::vector<Expected> want{{name(state_names::kRouter), config.n_experts, d}};
-  const auto add = [&](const std::string& q, Index width) {  // width × d, width × d, d × width
-    for (const char* w : {state_names::kGate, state_names::kUp}) want.push_back({name(q + w), width, d});
-    want.push_back({name(q + state_names::kDown), d, width});
+  const auto add = [&](const std::string& q, Index width, int gate_up) {  // width × d, width × d, d × width
+    for (const char* w : {state_names::kGate, state_names::kUp}) want.push_back({name(q + w), width, d, gate_up});
+    want.push_back({name(q + state_names::kDown), d, width, gate_up + 1});
   };
   for (Index e = 0; e < config.n_experts; ++e) {
     const std::string q = state_names::routed_expert(e);
-    add(q, config.d_ffn);
+    add(q, config.d_ffn, kRoutedGateUp);
     if (kappa)
       for (const char* k : {state_names::kKappaAlpha, state_names::kKappaBias}) want.push_back({name(q + k), 1, config.d_ffn});
   }
-  for (Index s = 0; s < config.n_shared; ++s) add(state_names::shared_expert(s), config.shared_ffn());
+  for (Index s = 0; s < config.n_shared; ++s) add(state_names::shared_expert(s), config.shared_ffn(), kSharedGateUp);
   if (config.shared_expert_gate) want.push_back({name(state_names::kSharedGate), 1, d});
   return want;
 }
@@ -205,7 +209,7 @@ template <class Layer>
 MoEPlan plan_moe(const std::string& where, const safetensors::Reader& file, const MoEConfig& config,
                  const PackedLoadOptions& options) {
   config.validate(where.c_str());
-  MoEPlan plan{FileNames{options.prefix, options.family}, {}, {}};
+  MoEPlan plan{FileNames{options.prefix, options.family}, {}, {}, {}};
   const std::string& p = options.prefix;
   if (options.family) {
     const MoEFamily f = *options.family;
@@ -221,11 +225,22 @@ MoEPlan plan_moe(const std::string& where, const safetensors::Reader& file, cons
   if constexpr (Layer::kKappa) options.kappa.template validate_for<float>(where.c_str());
   plan.want = moe_tensors(config, plan.name, Layer::kKappa);
   if (!plan.bias_name.empty()) plan.want.push_back({plan.bias_name, 1, config.n_experts});
+  plan.file_types = file_types(where, file, plan.want);
   check_tensors(where, file, plan.want, p, plan.bias_name, options.allow_unexpected);
-  const Index staging = apex::detail::checked_product(where.c_str(), "staging bytes",
-                                                      {3, std::max(config.d_ffn, config.shared_ffn()), config.d_model, 4});
+  PackedTypes types = load_types(options, Layer::kDtype);
+  if (plan.file_types) {
+    const PackedTypes& f = *plan.file_types;  // without shared experts, their type is moot
+    if (options.types && (options.types->routed != f.routed || (config.n_shared > 0 && options.types->shared != f.shared)))
+      throw ConfigError(where + ": options.types asks for " + packed_types_name(*options.types) +
+                        " experts, the file holds " + packed_types_name(f) + " experts (a quantized checkpoint)");
+    types = f;
+  }
+  // A stored expert is staged as panel rows (≤ 4 bytes a weight) besides one matrix of floats.
+  const Index staging = apex::detail::checked_product(
+      where.c_str(), "staging bytes",
+      {plan.file_types ? 4 : 3, std::max(config.d_ffn, config.shared_ffn()), config.d_model, 4});
   // also refuses widths that are not whole blocks of their type, before any read
-  Layer::check_fits(where.c_str(), config, std::uint64_t(staging), load_types(options, Layer::kDtype));
+  Layer::check_fits(where.c_str(), config, std::uint64_t(staging), types);
   return plan;
 }
 
@@ -236,14 +251,22 @@ Layer build_moe(const std::string& where, const safetensors::Reader& file, const
                 const PackedLoadOptions& options, const MoEPlan& plan, const Matrix<float>& router,
                 const RowVector<float>& bias, std::uint64_t fp) {
   const Index d = config.d_model, f = config.d_ffn, fs = config.shared_ffn();
-  Matrix<float> gu(2 * f, d), down(d, f);  // staging: one expert
+  const bool stored = plan.file_types.has_value();
+  Matrix<float> gu(stored ? 0 : 2 * f, d), down(d, stored ? 0 : f);  // staging: one expert (float files)
+  StoredStaging raw;                                                   // staging: one expert (quantized files)
+  const PackedTypes types = stored ? *plan.file_types : load_types(options, Layer::kDtype);
+  const auto next = [&](const std::string& q, Index width, packed::ExpertDtypes t) {
+    if (stored) return read_stored_expert(file, plan.name, q, d, width, t, raw);
+    gu.resize(2 * width, d);  // the shared experts have their own width f_s
+    down.resize(d, width);
+    return read_expert(where, file, plan.name, q, gu, down, t, fp);
+  };
   std::vector<packed::PackedExpert> experts, shared;
   std::vector<KappaGate> gates;
-  const PackedTypes types = load_types(options, Layer::kDtype);
   experts.reserve(std::size_t(config.n_experts));
   for (Index e = 0; e < config.n_experts; ++e) {
     const std::string q = state_names::routed_expert(e);
-    experts.push_back(read_expert(where, file, plan.name, q, gu, down, types.routed, fp));
+    experts.push_back(next(q, f, types.routed));
     if constexpr (Layer::kKappa) {
       KappaGate g{RowVector<float>(f), RowVector<float>(f), options.kappa};
       read_into(where, file, plan.name(q + state_names::kKappaAlpha), g.alpha, false);
@@ -253,11 +276,7 @@ Layer build_moe(const std::string& where, const safetensors::Reader& file, const
       gates.push_back(std::move(g));
     }
   }
-  gu.resize(2 * fs, d);  // the shared experts' own width f_s
-  down.resize(d, fs);
-  for (Index s = 0; s < config.n_shared; ++s)
-    shared.push_back(read_expert(where, file, plan.name, state_names::shared_expert(s), gu, down,
-                                 types.shared, fp));
+  for (Index s = 0; s < config.n_shared; ++s) shared.push_back(next(state_names::shared_expert(s), fs, types.shared));
   Matrix<float> shared_gate;  // 1 × d, or empty without a shared gate
   if (config.shared_expert_gate) {
     // Not checked finite: the float layer propagates a NaN gate weight into
@@ -267,7 +286,8 @@ Layer build_moe(const std::string& where, const safetensors::Reader& file, const
     fingerprint_add(fp, shared_gate.data(), shared_gate.size());
   }
   Layer out(config, router, bias, std::move(experts), std::move(gates), std::move(shared), std::move(shared_gate));
-  out.set_source_fingerprint(fp);
+  // A quantized file holds no float weights to compare a source with: check_source refuses.
+  if (!stored) out.set_source_fingerprint(fp);
   return out;
 }
 

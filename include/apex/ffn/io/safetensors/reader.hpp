@@ -70,6 +70,14 @@ class Reader {
     }
   }
 
+  /// Copies the `t.nbytes()` stored bytes of `t` (any dtype) into `out`
+  /// unconverted: for data the library keeps in its file form, such as
+  /// quantized blocks held as U8. The range was proven inside the source
+  /// when the header was validated; the source checks it again on the read.
+  void read_bytes(const TensorInfo& t, void* out) const {
+    src_->read(header_.data_offset() + t.begin, out, std::size_t(t.nbytes()));
+  }
+
   /// The tensor `name` of rank ≤ 2 as a matrix: `[r, c]` → r × c, `[n]` →
   /// 1 × n, `[]` → 1 × 1. ShapeError for higher ranks.
   template <class T>
