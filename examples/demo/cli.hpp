@@ -4,6 +4,8 @@
 /// flag, a missing or malformed value is an error the caller reports with
 /// exit code 2.
 
+#include <apex/ffn/moe/config.hpp>
+
 #include <cerrno>
 #include <cstdint>
 #include <cstdlib>
@@ -23,6 +25,9 @@ struct DemoOptions {
   std::string out = "demo-output";         ///< folder for report.md, log.csv and the plots
   std::string checkpoint;                  ///< save the trained model here (safetensors) when set
   std::string packed = "bf16";             ///< weights of the packed inference copy: bf16, float or none
+  std::string sweep = "all";               ///< score a packed copy in every storage type (all) or not (none)
+  long d_model = ModelPreset::tiny().d_model;  ///< trunk width d (the tiny preset's by default)
+  long d_ffn = ModelPreset::tiny().d_ffn;      ///< FFN hidden width f of every SwiGLU and expert
   std::string data = APEX_DEMO_DEFAULT_DATA;  ///< training text
 };
 
@@ -47,6 +52,11 @@ inline std::string usage(const std::string& prog) {
          "  --checkpoint PATH   save the trained model to PATH (safetensors, written atomically)\n"
          "  --packed W          after training, pack the FFN layers for inference with W = bf16, float\n"
          "                      or none, and evaluate and decode with them too (default " + d.packed + ")\n"
+         "  --sweep W           all: also pack the FFN layers in every storage type (f32, bf16, q8_0,\n"
+         "                      q4_0, q4_k, q6_k, mxfp4) and score each on the validation text;\n"
+         "                      none: skip it (default " + d.sweep + ")\n"
+         "  --d-model N         trunk width (default " + std::to_string(d.d_model) + "; q4_k and q6_k need a multiple of 256)\n"
+         "  --d-ffn N           FFN hidden width (default " + std::to_string(d.d_ffn) + "; q4_k and q6_k need a multiple of 256)\n"
          "  --data PATH         training text (default " + d.data + ")\n"
          "  --help              show this help\n";
 }
@@ -66,7 +76,8 @@ inline bool parse_long(const std::string& s, long lo, long hi, long& out) {
 /// Whether `arg` is one of the options that take a value.
 inline bool takes_value(const std::string& arg) {
   return arg == "--steps" || arg == "--contrast-steps" || arg == "--seed" || arg == "--threads" || arg == "--out" ||
-         arg == "--checkpoint" || arg == "--packed" || arg == "--data";
+         arg == "--checkpoint" || arg == "--packed" || arg == "--data" || arg == "--sweep" || arg == "--d-model" ||
+         arg == "--d-ffn";
 }
 
 /// Parses `value` of option `arg` as an integer in [lo, hi] into `n`;
@@ -90,6 +101,10 @@ inline std::string set_option(DemoOptions& o, const std::string& arg, const std:
     if ((e = number(arg, value, 0, 2'000'000'000'000'000'000L, n)).empty()) o.seed = std::uint64_t(n);
   } else if (arg == "--threads") {
     if ((e = number(arg, value, 1, 256, n)).empty()) o.threads = int(n);
+  } else if (arg == "--d-model") {
+    if ((e = number(arg, value, 1, 8192, n)).empty()) o.d_model = n;
+  } else if (arg == "--d-ffn") {
+    if ((e = number(arg, value, 1, 32768, n)).empty()) o.d_ffn = n;
   } else if (value.empty()) {
     e = "option '" + arg + "' needs a non-empty value";
   } else if (arg == "--out") {
@@ -101,6 +116,11 @@ inline std::string set_option(DemoOptions& o, const std::string& arg, const std:
       e = "option '--packed' expects bf16, float or none, got '" + value + "'";
     else
       o.packed = value;
+  } else if (arg == "--sweep") {
+    if (value != "all" && value != "none")
+      e = "option '--sweep' expects all or none, got '" + value + "'";
+    else
+      o.sweep = value;
   } else {
     o.data = value;
   }

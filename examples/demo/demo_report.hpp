@@ -21,6 +21,7 @@
 #include "packed_run.hpp"
 #include "report.hpp"
 #include "run_log.hpp"
+#include "storage_sweep.hpp"
 
 namespace apex::demo {
 
@@ -83,6 +84,11 @@ inline void report_validation(Markdown& md, const DemoRun& r) {
               (inf.eval.loss - learned.loss) / learned.loss, 100 * inf.eval.main_accuracy, 100 * learned.main_accuracy,
               100 * inf.eval.mean_skip_rate(), 100 * learned.mean_skip_rate(), double(inf.ffn_bytes) / 1024.0,
               float_ffn_bytes(r) / 1024.0, inf.seconds));
+}
+
+/// Every storage type's packed copy against the float model (with --sweep all).
+inline void report_storage(Markdown& md, const DemoRun& r) {
+  if (r.sweep) report_storage_sweep(md, *r.sweep);
 }
 
 /// Each MoE layer's expert load over the whole run and its final bias.
@@ -247,6 +253,7 @@ inline std::string report_markdown(const DemoRun& r) {
   Markdown md;
   report_overview(md, r);
   report_validation(md, r);
+  report_storage(md, r);
   report_load_balancing(md, r);
   if (r.contrast > 0) report_contrast(md, r);
   md.image("expert load over training", "expert_load.png");

@@ -14,6 +14,7 @@
 #include "decode_runs.hpp"
 #include "packed_run.hpp"
 #include "run_log.hpp"
+#include "storage_sweep.hpp"
 #include "text_data.hpp"
 #include "trainer.hpp"
 #include "validation.hpp"
@@ -37,15 +38,19 @@ struct DemoRun {
   const DecodeSetup& decoding;
   const DecodeRuns& dec;  ///< the float model's decoding
   const std::optional<PackedRun>& inf;
+  const std::optional<StorageSweep>& sweep;  ///< every storage type's packed copy (--sweep all)
   const std::string& checkpoint_note;  ///< empty without --checkpoint
   double wall_seconds;                 ///< the whole demo up to the report
 };
 
 /// The demo's claims: the model beats the bigram baseline, and greedy speculative
-/// decoding reproduces greedy decoding, on the float model and on the packed one.
+/// decoding reproduces greedy decoding, on the float model and on the packed one;
+/// every storage type the widths allow gives a finite loss.
 inline bool demo_checks_pass(const DemoRun& r) {
   bool ok = r.val.learned.loss < r.val.bigram_nll && std::isfinite(r.val.learned.loss) && r.dec.greedy_matches;
   if (r.inf) ok = ok && std::isfinite(r.inf->eval.loss) && r.inf->decode.greedy_matches;
+  if (r.sweep)
+    for (const StorageLoss& s : r.sweep->rows) ok = ok && (!s.applicable || std::isfinite(s.eval.loss));
   return ok;
 }
 

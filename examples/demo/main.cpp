@@ -29,6 +29,7 @@
 #include "demo_report.hpp"
 #include "demo_run.hpp"
 #include "packed_run.hpp"
+#include "storage_sweep.hpp"
 #include "text_data.hpp"
 #include "trainer.hpp"
 #include "training_run.hpp"
@@ -41,12 +42,18 @@ using namespace apex::demo;
 using Model = CharModel<float>;
 
 /// The demo's model and training settings (see docs/demo.md for why).
-CharModelConfig model_config(Index vocab) {
+CharModelConfig model_config(Index vocab, const DemoOptions& o) {
   CharModelConfig c;
   c.vocab = vocab;
   c.context = 16;
   c.embed = 16;
   c.preset = ModelPreset::tiny();
+  // --d-model/--d-ffn: other widths, e.g. whole 256-weight blocks for q4_k and q6_k.
+  if (o.d_model != c.preset.d_model || o.d_ffn != c.preset.d_ffn) {
+    c.preset.name = "tiny with --d-model/--d-ffn";
+    c.preset.d_model = o.d_model;
+    c.preset.d_ffn = o.d_ffn;
+  }
   c.mtp_heads = 4;
   c.mtp_lambda = 0.1;
   c.skip_threshold = 0.15;
@@ -106,6 +113,19 @@ void announce(const char* what) {
   std::fflush(stdout);
 }
 
+/// With --sweep all: every storage type's packed copy scored on the whole
+/// validation text, as the --packed copy was, printed against the float loss.
+std::optional<StorageSweep> storage_sweep(const DemoOptions& opt, const Model& model, const Corpus& corpus, Index pad,
+                                          const std::optional<PackedRun>& inf, double float_loss) {
+  if (opt.sweep == "none") return std::nullopt;
+  announce("packing the FFN layers in every storage type and evaluating each...");
+  const SweepText on{corpus.val, 0, Index(corpus.val.size()), pad};
+  std::optional<StorageSweep> s = run_storage_sweep(model, on, opt.threads, float_loss, inf);
+  std::printf("%s", storage_sweep_summary(*s).c_str());
+  std::fflush(stdout);
+  return s;
+}
+
 /// With --checkpoint: the save-and-reload check's sentence for the report; otherwise empty.
 std::string checkpoint_note(const DemoOptions& opt, Model& model, const Corpus& corpus, Index pad) {
 #ifdef APEX_DEMO_HAVE_CHECKPOINT
@@ -130,7 +150,7 @@ int run(const DemoOptions& opt) {
   use_threads(opt.threads);
   const Corpus corpus = Corpus::load(opt.data);
   const Index pad = corpus.vocab.contains('\n') ? corpus.vocab.id('\n') : 0;
-  const CharModelConfig cfg = model_config(corpus.vocab.size());
+  const CharModelConfig cfg = model_config(corpus.vocab.size(), opt);
   const TrainOptions topt = train_options(opt);
   std::filesystem::create_directories(opt.out);
 
@@ -155,12 +175,13 @@ int run(const DemoOptions& opt) {
   // default), then evaluated and decoded exactly as the float model was.
   const std::optional<PackedRun> inf =
       run_packed_copy(opt.packed, model, corpus, pad, opt.threads, decoding, val.learned.loss);
+  const std::optional<StorageSweep> sweep = storage_sweep(opt, model, corpus, pad, inf, val.learned.loss);
   const std::string note = checkpoint_note(opt, model, corpus, pad);
   write_plots(opt.out, log, nolb, contrast, val.bigram_nll, moe_layer_ids.front());
 
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();
   const DemoRun r{opt, corpus, cfg, topt, model, n_params, active_params, moe_layer_ids, log, nolb, contrast,
-                  val, decoding, dec, inf, note, wall};
+                  val, decoding, dec, inf, sweep, note, wall};
   write_report(r);
   const bool ok = demo_checks_pass(r);
   if (!ok) std::fprintf(stderr, "demo: the trained model did not meet its checks (see the report)\n");
