@@ -24,6 +24,31 @@
 //
 // Shapes: small (preset 512/1376/E8/K2/S1), fine (1024/512/E64/K8/S2),
 // coarse (1024/3584/E8/K2/S0); medium (2048/5504/E64/K4/S2) for memory only.
+//
+// BM_BlockFormats/<shape>/N:<n>/threads:<t> — every storage type (f32, bf16,
+// q8_0, q4_0, q4_k, q6_k, mxfp4) of one layer, all run once per iteration in
+// a rotating order; manual time is bf16's. Block formats need whole blocks
+// along d_model and d_ffn (32 weights; 256 for q4_k, q6_k), so small
+// (d_ffn 1376 = 43·32) skips q4_k and q6_k (named in the label), and
+// small_f1280 (512/1280/E8/K2/S1, the nearest whole number of 256-weight
+// super-blocks) runs all seven. The label names the kernel path
+// (packed::kDefaultIsa; block formats run the AVX2 tiles on every SIMD path).
+// Counters per type T, as "T:counter":
+//   x_bf16, x_f32, x_q8_0 (4- and 6-bit types) — T's time / that type's
+//              time, each the median over the same iterations (< 1: T is
+//              faster);
+//   bw_frac  — N ≤ 16 (cold): the time of a cold read of T's step bytes
+//              (router + every expert used + shared, at T's true packed
+//              size, padding and block scales included; MB), timed in the
+//              same loop right after T's step with the same threads and a
+//              software prefetch as the kernels read / T's time (medians);
+//   x_bound  — N = 16: T's time / the larger of its bandwidth bound (above)
+//              and its compute bound, 16 × T's time per token at N = 2048
+//              in this run (needs N:2048 of the shape in the filter);
+//   rel_err  — ‖y_T − y_float‖ / ‖y_float‖ against MoEFFN<float>.
+//
+//   build/bench/benchmarks/bench_inference --benchmark_filter=BM_BlockFormats --benchmark_repetitions=3
+//       --benchmark_out=block_formats.json    (≈ 15 min on 2 cores; ≈ 2.5 GB)
 #include <apex/ffn/inference.hpp>
 #include <apex/ffn/moe/moe_ffn.hpp>
 
@@ -315,6 +340,13 @@ std::map<std::tuple<int, int, int>, double>& batch_seconds_per_token() {
   return m;
 }
 
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const std::size_t h = v.size() / 2;
+  return v.size() % 2 ? v[h] : 0.5 * (v[h - 1] + v[h]);
+}
+
 void BM_BlockFormats(benchmark::State& state, int shape_index, Index n, int threads) {
   const Shape& s = kShapes[shape_index];
   std::string skipped;
@@ -337,7 +369,8 @@ void BM_BlockFormats(benchmark::State& state, int shape_index, Index n, int thre
   std::vector<Matrix<float>> y(nt, Matrix<float>(n, s.d));
   for (std::size_t i = 0; i < nt; ++i) run[i]->forward_into(x, y[i]);  // warm-up: outputs, scratch
   const bool cold = n <= kDecodeTokens;
-  std::vector<double> bytes(nt, 0), total(nt, 0), bound(nt, 0);
+  std::vector<double> bytes(nt, 0);
+  std::vector<std::vector<double>> times(nt), bounds(nt);  // per iteration
   for (std::size_t i = 0; i < nt; ++i) bytes[i] = run[i]->true_step_bytes(x);
   std::size_t rotation = 0;
   for (auto _ : state) {
@@ -350,17 +383,23 @@ void BM_BlockFormats(benchmark::State& state, int shape_index, Index n, int thre
       benchmark::DoNotOptimize(y[i].data());
       benchmark::ClobberMemory();
       const double t = seconds_since(t0);
-      total[i] += t;
+      times[i].push_back(t);
       if (types[i] == packed::Dtype::bf16) reference = t;
       if (cold) {
         evict_first(threads);
-        bound[i] += cold_read_seconds(bytes[i], threads);
+        bounds[i].push_back(cold_read_seconds(bytes[i], threads));
       }
     }
     state.SetIterationTime(reference);
     ++rotation;
   }
-  const double it = double(state.iterations());
+  // Medians over the iterations: a step another process preempted moves a
+  // sum, not a median.
+  std::vector<double> total(nt), bound(nt);
+  for (std::size_t i = 0; i < nt; ++i) {
+    total[i] = median(times[i]);
+    bound[i] = cold ? median(bounds[i]) : 0.0;
+  }
   const auto time_of = [&](packed::Dtype t) {
     for (std::size_t i = 0; i < nt; ++i)
       if (types[i] == t) return total[i];
@@ -375,13 +414,13 @@ void BM_BlockFormats(benchmark::State& state, int shape_index, Index n, int thre
       c[name + ":x_q8_0"] = total[i] / time_of(packed::Dtype::q8_0);
     c[name + ":rel_err"] = (y[i] - y0).norm() / std::max(y0.norm(), 1e-30f);
     const auto key = std::make_tuple(shape_index, int(types[i]), threads);
-    if (n == 2048) batch_seconds_per_token()[key] = total[i] / it / double(n);
+    if (n == 2048) batch_seconds_per_token()[key] = total[i] / double(n);
     if (cold) {
       c[name + ":bw_frac"] = bound[i] / total[i];
       c[name + ":MB"] = bytes[i] * 1e-6;
       if (n > 4 && batch_seconds_per_token().count(key)) {
         const double compute = batch_seconds_per_token()[key] * double(n);
-        c[name + ":x_bound"] = (total[i] / it) / std::max(bound[i] / it, compute);
+        c[name + ":x_bound"] = total[i] / std::max(bound[i], compute);
       }
     }
   }
