@@ -48,7 +48,7 @@
 //   rel_err  — ‖y_T − y_float‖ / ‖y_float‖ against MoEFFN<float>.
 //
 //   build/bench/benchmarks/bench_inference --benchmark_filter=BM_BlockFormats --benchmark_repetitions=3
-//       --benchmark_out=block_formats.json    (≈ 15 min on 2 cores; ≈ 2.5 GB)
+//       --benchmark_out=block_formats.json    (≈ 35 min on 2 busy cores; ≈ 2.5 GB)
 #include <apex/ffn/inference.hpp>
 #include <apex/ffn/moe/moe_ffn.hpp>
 
