@@ -24,6 +24,31 @@
 //
 // Shapes: small (preset 512/1376/E8/K2/S1), fine (1024/512/E64/K8/S2),
 // coarse (1024/3584/E8/K2/S0); medium (2048/5504/E64/K4/S2) for memory only.
+//
+// BM_BlockFormats/<shape>/N:<n>/threads:<t> — every storage type (f32, bf16,
+// q8_0, q4_0, q4_k, q6_k, mxfp4) of one layer, all run once per iteration in
+// a rotating order; manual time is bf16's. Block formats need whole blocks
+// along d_model and d_ffn (32 weights; 256 for q4_k, q6_k), so small
+// (d_ffn 1376 = 43·32) skips q4_k and q6_k (named in the label), and
+// small_f1280 (512/1280/E8/K2/S1, the nearest whole number of 256-weight
+// super-blocks) runs all seven. The label names the kernel path
+// (packed::kDefaultIsa; block formats run the AVX2 tiles on every SIMD path).
+// Counters per type T, as "T:counter":
+//   x_bf16, x_f32, x_q8_0 (4- and 6-bit types) — T's time / that type's
+//              time, each the median over the same iterations (< 1: T is
+//              faster);
+//   bw_frac  — N ≤ 16 (cold): the time of a cold read of T's step bytes
+//              (router + every expert used + shared, at T's true packed
+//              size, padding and block scales included; MB), timed in the
+//              same loop right after T's step with the same threads and a
+//              software prefetch as the kernels read / T's time (medians);
+//   x_bound  — N = 16: T's time / the larger of its bandwidth bound (above)
+//              and its compute bound, 16 × T's time per token at N = 2048
+//              in this run (needs N:2048 of the shape in the filter);
+//   rel_err  — ‖y_T − y_float‖ / ‖y_float‖ against MoEFFN<float>.
+//
+//   build/bench/benchmarks/bench_inference --benchmark_filter=BM_BlockFormats --benchmark_repetitions=3
+//       --benchmark_out=block_formats.json    (≈ 35 min on 2 busy cores; ≈ 2.5 GB)
 #include <apex/ffn/inference.hpp>
 #include <apex/ffn/moe/moe_ffn.hpp>
 
@@ -33,6 +58,11 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <tuple>
+#include <unistd.h>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 #include <vector>
 
 #include "bench_common.hpp"
@@ -49,14 +79,56 @@ struct Shape {
   const char* name;
   Index d, f, experts, k, shared;
 };
-const Shape kShapes[] = {{"small", 512, 1376, 8, 2, 1}, {"fine", 1024, 512, 64, 8, 2}, {"coarse", 1024, 3584, 8, 2, 0}};
+// small_f1280: small with d_ffn 1280, the nearest whole number of 256-weight
+// super-blocks to 1376, for Q4_K and Q6_K (BM_BlockFormats only).
+const Shape kShapes[] = {{"small", 512, 1376, 8, 2, 1},
+                         {"fine", 1024, 512, 64, 8, 2},
+                         {"coarse", 1024, 3584, 8, 2, 0},
+                         {"small_f1280", 512, 1280, 8, 2, 1}};
 constexpr Index kDecodeTokens = 16;
 
-// One float layer per shape with its packed copies, built once; one shape alive at a time.
+// A packed copy of the float layer at one storage type, behind one interface
+// so a loop can alternate every type.
+struct PackedBase {
+  virtual ~PackedBase() = default;
+  virtual void forward_into(const Matrix<float>& x, Matrix<float>& y) = 0;
+  virtual void set_threads(int threads) = 0;
+  // Bytes a forward of x reads at this type's true size: router (float) +
+  // every expert some row chose + the shared experts, packed (padding and
+  // block scales included).
+  virtual double true_step_bytes(const Matrix<float>& x) const = 0;
+};
+template <class S>
+struct PackedOf final : PackedBase {
+  PackedMoE<S> p;
+  explicit PackedOf(const MoEFFN<float>& f) : p(PackedMoE<S>::from(f)) {}
+  void forward_into(const Matrix<float>& x, Matrix<float>& y) override { p.forward_into(x, y); }
+  void set_threads(int threads) override { p.set_threads(threads); }
+  double true_step_bytes(const Matrix<float>& x) const override {
+    Routing<float> r;
+    p.router().route(x, p.bias(), false, r);
+    const std::set<Index> used(r.experts.data(), r.experts.data() + r.experts.size());
+    double bytes = 4.0 * double(p.config().n_experts * p.config().d_model);
+    for (Index e : used) bytes += double(p.experts()[std::size_t(e)].bytes());
+    for (const auto& e : p.shared_experts()) bytes += double(e.bytes());
+    return bytes;
+  }
+};
+
+// One float layer per shape with its packed copies (built on first use);
+// one shape alive at a time.
 struct Layers {
   std::unique_ptr<MoEFFN<float>> f32;
-  std::unique_ptr<PackedMoE<float>> packed_f32;
-  std::unique_ptr<PackedMoE<bf16>> packed_bf16;
+  std::map<packed::Dtype, std::unique_ptr<PackedBase>> packed;
+  PackedBase& get(packed::Dtype t) {
+    auto& slot = packed[t];
+    if (!slot)
+      slot = packed::visit_dtype(t, [&](auto tag) -> std::unique_ptr<PackedBase> {
+        using S = typename packed::WeightType<decltype(tag)::value>::Storage;
+        return std::make_unique<PackedOf<S>>(*f32);
+      });
+    return *slot;
+  }
 };
 Layers& layers(int shape_index) {
   static std::map<int, Layers> all;
@@ -65,15 +137,12 @@ Layers& layers(int shape_index) {
     const Shape& s = kShapes[shape_index];
     Layers& l = all[shape_index];
     l.f32 = std::make_unique<MoEFFN<float>>(MoEConfig{s.d, s.f, s.experts, s.k, s.shared}, 7);
-    l.packed_f32 = std::make_unique<PackedMoE<float>>(PackedMoE<float>::from(*l.f32));
-    l.packed_bf16 = std::make_unique<PackedMoE<bf16>>(PackedMoE<bf16>::from(*l.f32));
   }
   return all[shape_index];
 }
 template <class S>
 PackedMoE<S>& packed_of(Layers& l) {
-  if constexpr (std::is_same_v<S, float>) return *l.packed_f32;
-  else return *l.packed_bf16;
+  return static_cast<PackedOf<S>&>(l.get(packed_dtype<S>())).p;
 }
 
 Vector<float>& big_buffer() {
@@ -179,6 +248,206 @@ BENCHMARK_TEMPLATE(BM_Packed, bf16)->Apply(packed_args<true>);
 BENCHMARK_TEMPLATE(BM_Packed, float)->Apply(packed_args<false>);
 BENCHMARK_TEMPLATE(BM_Packed, bf16)->Apply(packed_args<false>);
 
+// ---------------------------------------------------------------------------
+// Every storage type of the packed engine (f32, bf16 and ggml's block
+// formats) on one shape, N and thread count, alternated in one loop: each
+// iteration runs every type once, in an order rotated by one type per
+// iteration, so drift and other load on the machine hit all alike. Decode
+// and N = 16 start each step with cold caches, and after each step time a
+// cold read of that type's bytes (its bandwidth bound) in the same loop.
+
+// Elements rewritten to evict the caches: 8× the L3 (at least 64 MiB, at
+// most half the 1 GiB buffer); the other half holds the cold reads.
+Index evict_elements() {
+  static const Index n = [] {
+    long l3 = 0;
+#ifdef _SC_LEVEL3_CACHE_SIZE
+    l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+#endif
+    const Index half = big_buffer().size() / 2;
+    if (l3 <= 0) return half;
+    return std::clamp(Index(8) * Index(l3) / Index(sizeof(float)), Index(1) << 24, half);
+  }();
+  return n;
+}
+void evict_first(int threads) {
+  Vector<float>& buf = big_buffer();
+  const Index chunk = evict_elements() / threads;
+  detail::parallel_for(threads, threads, [&](Index i) { buf.segment(i * chunk, chunk).array() += 1.0f; });
+  benchmark::ClobberMemory();
+}
+// Sum of p[0, n) read as the packed kernels read weights: several
+// independent accumulators and a software prefetch 4 KiB ahead
+// (kernels/isa.hpp), so one core keeps as many misses in flight as the layer.
+float stream_sum(const float* p, Index n) {
+#if defined(__AVX__)
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  Index i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const std::uintptr_t ahead = reinterpret_cast<std::uintptr_t>(p + i) + 4096;  // never dereferenced
+    _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + 64), _MM_HINT_T0);
+    a0 = _mm256_add_ps(a0, _mm256_loadu_ps(p + i));
+    a1 = _mm256_add_ps(a1, _mm256_loadu_ps(p + i + 8));
+    a2 = _mm256_add_ps(a2, _mm256_loadu_ps(p + i + 16));
+    a3 = _mm256_add_ps(a3, _mm256_loadu_ps(p + i + 24));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  float s = 0;
+  for (float v : lanes) s += v;
+  for (; i < n; ++i) s += p[i];
+  return s;
+#else
+  return Eigen::Map<const Vector<float>>(p, n).sum();
+#endif
+}
+
+// Time of reading `bytes` of the buffer past the eviction region with
+// `threads` threads, each a contiguous share, right after an eviction: the
+// time a layer reading that many weight bytes, cold, cannot beat.
+double cold_read_seconds(double bytes, int threads) {
+  const Vector<float>& buf = big_buffer();
+  const Index n = std::min(Index(bytes / sizeof(float)), buf.size() - evict_elements());
+  const Index chunk = n / threads;
+  std::vector<float> partial(std::size_t(threads), 0.0f);
+  const auto t0 = Clock::now();
+  detail::parallel_for(threads, threads, [&](Index i) {
+    partial[std::size_t(i)] = stream_sum(buf.data() + evict_elements() + i * chunk, chunk);
+  });
+  benchmark::DoNotOptimize(partial.data());
+  benchmark::ClobberMemory();
+  const double t = seconds_since(t0);
+  return t * bytes / (double(chunk) * threads * sizeof(float));  // a clamped read scaled to the full count
+}
+
+constexpr packed::Dtype kAllTypes[] = {packed::Dtype::f32,  packed::Dtype::bf16, packed::Dtype::q8_0,
+                                       packed::Dtype::q4_0, packed::Dtype::q4_k, packed::Dtype::q6_k,
+                                       packed::Dtype::mxfp4};
+// Weights per block of t (1 for f32 and bf16): both reduction lengths
+// (d_model, d_ffn) must be whole blocks.
+Index block_of(packed::Dtype t) {
+  return packed::visit_dtype(t, [](auto tag) -> Index {
+    using W = packed::WeightType<decltype(tag)::value>;
+    if constexpr (W::kQuantized) return W::kBlockWeights;
+    else return 1;
+  });
+}
+// Time per token at N = 2048 of (shape, type, threads), from this process's
+// batch runs: the compute bound N = 16 is compared with.
+std::map<std::tuple<int, int, int>, double>& batch_seconds_per_token() {
+  static std::map<std::tuple<int, int, int>, double> m;
+  return m;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const std::size_t h = v.size() / 2;
+  return v.size() % 2 ? v[h] : 0.5 * (v[h - 1] + v[h]);
+}
+
+void BM_BlockFormats(benchmark::State& state, int shape_index, Index n, int threads) {
+  const Shape& s = kShapes[shape_index];
+  std::string skipped;
+  std::vector<packed::Dtype> types;
+  for (packed::Dtype t : kAllTypes) {
+    if (s.d % block_of(t) == 0 && s.f % block_of(t) == 0) types.push_back(t);
+    else skipped += std::string(skipped.empty() ? "" : ",") + packed::dtype_name(t);
+  }
+  Layers& l = layers(shape_index);
+  l.f32->set_threads(threads);
+  std::vector<PackedBase*> run;
+  for (packed::Dtype t : types) {
+    run.push_back(&l.get(t));
+    run.back()->set_threads(threads);
+  }
+  const std::size_t nt = types.size();
+  const Matrix<float> x = random_matrix<float>(n, s.d, 100 + n);
+  Matrix<float> y0(n, s.d);
+  l.f32->forward_into(x, y0);
+  std::vector<Matrix<float>> y(nt, Matrix<float>(n, s.d));
+  for (std::size_t i = 0; i < nt; ++i) run[i]->forward_into(x, y[i]);  // warm-up: outputs, scratch
+  const bool cold = n <= kDecodeTokens;
+  std::vector<double> bytes(nt, 0);
+  std::vector<std::vector<double>> times(nt), bounds(nt);  // per iteration
+  for (std::size_t i = 0; i < nt; ++i) bytes[i] = run[i]->true_step_bytes(x);
+  std::size_t rotation = 0;
+  for (auto _ : state) {
+    double reference = 0;
+    for (std::size_t k = 0; k < nt; ++k) {
+      const std::size_t i = (rotation + k) % nt;
+      if (cold) evict_first(threads);
+      const auto t0 = Clock::now();
+      run[i]->forward_into(x, y[i]);
+      benchmark::DoNotOptimize(y[i].data());
+      benchmark::ClobberMemory();
+      const double t = seconds_since(t0);
+      times[i].push_back(t);
+      if (types[i] == packed::Dtype::bf16) reference = t;
+      if (cold) {
+        evict_first(threads);
+        bounds[i].push_back(cold_read_seconds(bytes[i], threads));
+      }
+    }
+    state.SetIterationTime(reference);
+    ++rotation;
+  }
+  // Medians over the iterations: a step another process preempted moves a
+  // sum, not a median.
+  std::vector<double> total(nt), bound(nt);
+  for (std::size_t i = 0; i < nt; ++i) {
+    total[i] = median(times[i]);
+    bound[i] = cold ? median(bounds[i]) : 0.0;
+  }
+  const auto time_of = [&](packed::Dtype t) {
+    for (std::size_t i = 0; i < nt; ++i)
+      if (types[i] == t) return total[i];
+    return 0.0;
+  };
+  for (std::size_t i = 0; i < nt; ++i) {
+    const std::string name = packed::dtype_name(types[i]);
+    auto& c = state.counters;
+    if (types[i] != packed::Dtype::bf16) c[name + ":x_bf16"] = total[i] / time_of(packed::Dtype::bf16);
+    if (types[i] != packed::Dtype::f32) c[name + ":x_f32"] = total[i] / time_of(packed::Dtype::f32);
+    if (block_of(types[i]) > 1 && types[i] != packed::Dtype::q8_0)
+      c[name + ":x_q8_0"] = total[i] / time_of(packed::Dtype::q8_0);
+    c[name + ":rel_err"] = (y[i] - y0).norm() / std::max(y0.norm(), 1e-30f);
+    const auto key = std::make_tuple(shape_index, int(types[i]), threads);
+    if (n == 2048) batch_seconds_per_token()[key] = total[i] / double(n);
+    if (cold) {
+      c[name + ":bw_frac"] = bound[i] / total[i];
+      c[name + ":MB"] = bytes[i] * 1e-6;
+      if (n > 4 && batch_seconds_per_token().count(key)) {
+        const double compute = batch_seconds_per_token()[key] * double(n);
+        c[name + ":x_bound"] = total[i] / std::max(bound[i], compute);
+      }
+    }
+  }
+  state.counters["tokens/s(bf16)"] = benchmark::Counter(double(n), benchmark::Counter::kIsIterationInvariantRate);
+  std::string label = std::string(s.name) + " isa=" + packed::isa_name(packed::kDefaultIsa) +
+                      " block_tiles=" + (packed::kDefaultIsa == packed::Isa::scalar ? "scalar" : "avx2");
+  if (!skipped.empty()) label += " skipped=" + skipped + " (d_ffn " + std::to_string(s.f) + " not whole blocks)";
+  state.SetLabel(label);
+}
+
+// Shape by shape (one shape's layers alive at a time), N = 2048 first (the
+// compute bound of N = 16 is its time per token), then 128, 16, 4, 1. Cold
+// steps run a fixed number of iterations (each evicts the caches twice per
+// type); batches run a few iterations of every type.
+void register_block_formats() {
+  for (int si : {0, 3, 1, 2})
+    for (Index n : {2048, 128, 16, 4, 1})
+      for (int t : {1, 2}) {
+        const std::string name = std::string("BM_BlockFormats/") + kShapes[si].name + "/N:" + std::to_string(n) +
+                                 "/threads:" + std::to_string(t);
+        benchmark::RegisterBenchmark(name.c_str(), BM_BlockFormats, si, n, t)
+            ->UseManualTime()
+            ->Unit(benchmark::kMillisecond)
+            ->Iterations(n == 2048 ? 3 : n == 128 ? 10 : 12);
+      }
+}
+
 // VmRSS of this process in bytes (/proc/self/status), 0 where unknown.
 double vm_rss() {
   std::ifstream f("/proc/self/status");
@@ -264,4 +533,14 @@ BENCHMARK(BM_ResidentTraining)->Iterations(1)->Unit(benchmark::kSecond);
 
 }  // namespace
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  register_block_formats();
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::AddCustomContext("packed_isa", apex::packed::isa_name(apex::packed::kDefaultIsa));
+  benchmark::AddCustomContext("block_format_tiles",
+                              apex::packed::kDefaultIsa == apex::packed::Isa::scalar ? "scalar" : "avx2");
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
