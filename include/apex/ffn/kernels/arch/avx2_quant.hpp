@@ -108,6 +108,11 @@ struct Block32Avx2 {
           isum[r] = _mm256_add_epi32(isum[r], dot4(aw, _mm256_sign_epi8(bcast4(x.q + r * x.ldq + 32 * b + 4 * q), w)));
       }
     } else {
+      // int16 partial sums over `run` octs before vpmaddwd: each oct adds at
+      // most 2·2·15·127 (Q4_0, 4 octs < 2^15) or 2·2·24·127 (MXFP4, 2 octs)
+      constexpr int run = T == Dtype::mxfp4 ? 2 : 4;
+      __m256i p16[R];
+      for (int r = 0; r < R; ++r) p16[r] = _mm256_setzero_si256();
       for (int o = 0; o < 4; ++o) {
         const __m256i raw = load32(slab + (o * kPanelLanes + 8 * v) * 4);
         __m256i lo = low_nibbles(raw), hi = high_nibbles(raw);
@@ -119,7 +124,12 @@ struct Block32Avx2 {
         }
         for (int r = 0; r < R; ++r) {
           const std::int8_t* xq = x.q + r * x.ldq + 32 * b + 8 * o;
-          isum[r] = _mm256_add_epi32(isum[r], dot8(lo, bcast4(xq), hi, bcast4(xq + 4)));
+          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xq)), _mm256_maddubs_epi16(hi, bcast4(xq + 4)));
+          p16[r] = _mm256_add_epi16(p16[r], p);
+          if (o % run == run - 1) {
+            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p16[r], _mm256_set1_epi16(1)));
+            p16[r] = _mm256_setzero_si256();
+          }
         }
       }
       constexpr std::int32_t offset = T == Dtype::mxfp4 ? 12 : 8;
@@ -142,6 +152,7 @@ struct Q4KAvx2 {
     __m256i sumi[R], mins[R];
     for (int r = 0; r < R; ++r) sumi[r] = mins[r] = _mm256_setzero_si256();
     const __m256i m6 = _mm256_set1_epi32(63), m4 = _mm256_set1_epi32(15);
+    __m256i m_even = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j) {
       __m256i sc, m;  // quant::q4_k_scale_min, 8 lanes
       if (j < 4) {
@@ -163,9 +174,20 @@ struct Q4KAvx2 {
                                                              _mm256_maddubs_epi16(hi, bcast4(xq + 4))));
         }
       }
+      // sc_j in both int16 halves of each lane: vpmaddwd gives sc_j·Σ q·x at once
+      // (|Σ| ≤ 2·63·2^15 fits int32), the same integer as the scalar path's
+      const __m256i sc2 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
+      for (int r = 0; r < R; ++r) sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p16[r], sc2));
+      if (j % 2 == 0) {
+        m_even = m;
+        continue;
+      }
+      // m_{j−1}·Σx_{j−1} + m_j·Σx_j as one vpmaddwd of int16 pairs (|Σx| ≤ 32·128)
+      const __m256i m2 = _mm256_or_si256(m_even, _mm256_slli_epi32(m, 16));
       for (int r = 0; r < R; ++r) {
-        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_mullo_epi32(sc, _mm256_madd_epi16(p16[r], _mm256_set1_epi16(1))));
-        mins[r] = _mm256_add_epi32(mins[r], _mm256_mullo_epi32(m, _mm256_set1_epi32(x.row(r).sum32(8 * b + j))));
+        const std::uint32_t lo16 = std::uint16_t(x.row(r).sum32(8 * b + j - 1));
+        const std::uint32_t pair = lo16 | (std::uint32_t(std::uint16_t(x.row(r).sum32(8 * b + j))) << 16);
+        mins[r] = _mm256_add_epi32(mins[r], _mm256_madd_epi16(m2, _mm256_set1_epi32(std::int32_t(pair))));
       }
     }
     const __m256 d = load_fp16x8(area + 16 * v), dmin = load_fp16x8(area + W::kDminPlane + 16 * v);
