@@ -19,6 +19,7 @@
 
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
 #define APEX_PACKED_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
 // The target strings name everything a path's kernels use; a path is only
 // entered after cpu_supports() said yes.
@@ -61,13 +62,23 @@ inline const char* isa_name(Isa isa) {
   return "unknown";
 }
 
+namespace detail {
+#if APEX_PACKED_X86
+/// F16C (CPUID leaf 1, ECX bit 29), asked of the CPU directly: Clang's
+/// __builtin_cpu_supports has no "f16c".
+inline bool cpu_has_f16c() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
+}
+#endif
+}  // namespace detail
+
 /// Whether the running CPU can execute path `isa`.
 inline bool cpu_supports(Isa isa) {
   switch (isa) {
     case Isa::scalar: return true;
 #if APEX_PACKED_X86
-    case Isa::avx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case Isa::avx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && detail::cpu_has_f16c();
     case Isa::avx512: return __builtin_cpu_supports("avx512f") && cpu_supports(Isa::avx2);
     case Isa::avx512_bf16: return cpu_supports(Isa::avx512) && __builtin_cpu_supports("avx512bf16");
 #else
