@@ -28,6 +28,7 @@
 #include "fixtures.hpp"
 #include "gradcheck.hpp"
 #include "sweep.hpp"
+#include "temp_dir.hpp"
 #include "tensor_files.hpp"
 
 using namespace apex;
@@ -273,4 +274,57 @@ TEST_CASE("a rejected family load leaves the layer as it was", "[families][check
       }
     }
   }
+}
+
+TEST_CASE("family checkpoints load from Hugging Face sharded folders", "[families][checkpoint][sharded]") {
+  // How the families publish their models: shards and model.safetensors.index.json.
+  for (MoEFamily f : test::kFamilies) {
+    INFO(family_name(f));
+    const safetensors::Reader src = fixture(f);
+    const std::string prefix = src.metadata().at("prefix");
+    const MoEConfig cfg = test::fixture_config(f, src);
+    const std::vector<unsigned char> layer = test::write_tensors(layer_tensors(f));
+    MoEFFN<float> want(cfg, 3), got(cfg, 4);
+    REQUIRE_NOTHROW(load_family_checkpoint(reader(layer), want, f, prefix));
+    test::TempDir dir;
+    const std::string index = test::write_sharded(reader(layer), dir.path, 3);
+    const LoadResult r = load_family_checkpoint(dir.path.string(), got, f, prefix);  // the folder, strict
+    CHECK(r.missing.empty());
+    CHECK(snapshot(got) == snapshot(want));
+    MoEFFN<float> again(cfg, 5);
+    load_family_checkpoint(index, again, f, prefix);  // the index file
+    CHECK(snapshot(again) == snapshot(want));
+  }
+}
+
+TEST_CASE("a rejected sharded family load leaves the layer as it was", "[families][checkpoint][sharded][sweeps]") {
+  for (MoEFamily f : test::kFamilies) {
+    const safetensors::Reader src = fixture(f);
+    const std::string prefix = src.metadata().at("prefix");
+    const MoEConfig cfg = test::fixture_config(f, src);
+    const std::vector<test::TensorData> ts = layer_tensors(f);
+    for (const Spoil& s : spoils(f, ts, prefix)) {
+      INFO(family_name(f) << ": " << s.what);
+      test::TempDir dir;
+      test::write_sharded(reader(test::write_tensors(s.tensors)), dir.path, 2);
+      MoEFFN<float> moe(cfg, 11);
+      moe.balancer().set_bias(test::rnd<float>(1, cfg.n_experts, 12, 0.5));
+      const std::vector<unsigned char> before = snapshot(moe);
+      // The messages differ from a one-file load where the index speaks
+      // ("the index does not name" for a missing tensor); the type does not.
+      test::expect(test::outcome([&] { load_family_checkpoint(dir.path.string(), moe, f, prefix); }), s.type, {});
+      CHECK(snapshot(moe) == before);
+    }
+  }
+  // Another family's folder.
+  const safetensors::Reader mixtral = fixture(MoEFamily::Mixtral);
+  test::TempDir dir;
+  test::write_sharded(reader(test::write_tensors(layer_tensors(MoEFamily::Mixtral))), dir.path, 2);
+  MoEFFN<float> moe(test::fixture_config(MoEFamily::Qwen3MoE, mixtral), 1);
+  LoadOptions lo;
+  lo.allow_unexpected = true;
+  test::expect(test::outcome([&] {
+                 load_family_checkpoint(dir.path.string(), moe, MoEFamily::Qwen3MoE, mixtral.metadata().at("prefix"), lo);
+               }),
+               "FormatError", {"model.safetensors.index.json", "qwen3_moe name map", "mixtral's"});
 }

@@ -4,6 +4,8 @@
 #include <apex/ffn/io/checkpoint.hpp>
 #include <apex/ffn/moe/moe_ffn.hpp>
 #include <apex/ffn/mpi/expert_parallel_checkpoint.hpp>
+#include <apex/ffn/mpi/family_checkpoint.hpp>
+#include <apex/ffn/io/name_maps.hpp>
 #include <apex/ffn/io/sharded_checkpoint.hpp>
 
 #include <catch2/catch.hpp>
@@ -16,6 +18,7 @@
 #include <string>
 
 #include "mpi_fixtures.hpp"
+#include "tensor_files.hpp"
 
 using namespace apex;
 using apex::mpi::Communicator;
@@ -309,4 +312,48 @@ TEST_CASE("A rejected load leaves every rank's layer as it was", "[mpi]") {
   comm.barrier();
   test::throws<FormatError>([&] { mpi::load_checkpoint(good, ep); });
   unchanged();
+}
+
+TEST_CASE("A family's Hugging Face checkpoint, one file or shards, loads into the expert-parallel layer", "[mpi][families]") {
+  SharedFolder dir;
+  const Communicator& comm = dir.comm;
+  const std::string prefix = "model.layers.2.";
+  for (MoEFamily f : {MoEFamily::DeepSeekV3, MoEFamily::Qwen2MoE, MoEFamily::Qwen3MoE, MoEFamily::OLMoE,
+                      MoEFamily::Mixtral}) {
+    INFO(family_name(f));
+    MoEConfig cfg = family_preset(f);
+    cfg.d_model = 6, cfg.d_ffn = 4, cfg.n_experts = 8, cfg.n_active = 2;
+    if (cfg.n_shared) cfg.d_shared_ffn = 5;
+    if (f == MoEFamily::DeepSeekV3) cfg.routing.n_groups = 4, cfg.routing.topk_group = 2;
+    MoEFFN<double> single(cfg, 3);  // the same on every rank
+    single.balancer().set_bias(test::random_matrix(1, cfg.n_experts, 9, 0.3));
+    const std::string file = dir.path + "/" + family_name(f) + ".safetensors";
+    const std::string folder = dir.path + "/" + family_name(f) + "-hf";
+    if (comm.rank() == 0) {
+      save_family_checkpoint(file, single, f, prefix);
+      fs::create_directories(folder);
+      test::write_sharded(safetensors::Reader(file), folder, 3);
+    }
+    comm.barrier();
+    const auto all = values_of(single.params());
+    for (const std::string& path : {file, folder}) {
+      INFO(path);
+      EP ep(cfg, comm, 42);
+      const LoadResult r = mpi::load_family_checkpoint(path, ep, f, prefix);
+      // This rank read its own tensors only: its experts and the replicated ones.
+      CHECK(r.loaded.size() == ep.param_values().size() + (f == MoEFamily::DeepSeekV3 ? 1 : 0));
+      for (const auto& [name, value] : values_of(ep.params())) CHECK(all.at(name) == value);
+      if (f == MoEFamily::DeepSeekV3) CHECK(ep.balancer().bias() == single.balancer().bias());
+      else CHECK(ep.balancer().bias().isZero());
+    }
+  }
+  // Another family's names: refused on every rank, the layer unchanged.
+  MoEConfig cfg = family_preset(MoEFamily::Qwen3MoE);
+  cfg.d_model = 6, cfg.d_ffn = 4, cfg.n_experts = 8, cfg.n_active = 2;
+  EP ep(cfg, comm, 42);
+  const auto before = values_of(ep.params());
+  test::throws<FormatError>(
+      [&] { mpi::load_family_checkpoint(dir.path + "/mixtral.safetensors", ep, MoEFamily::Qwen3MoE, prefix); },
+      {"load_family_checkpoint", "another family", "mixtral's"});
+  CHECK(values_of(ep.params()) == before);
 }

@@ -7,12 +7,15 @@
 // from one raised half-way.
 
 #include <apex/ffn/io/safetensors.hpp>
+#include <apex/ffn/io/shard_index.hpp>
 
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <set>
 #include <string>
@@ -115,6 +118,45 @@ inline std::set<std::string> tensors_read(const safetensors::Reader& file, const
     for (const auto& [off, n] : log)
       if (off < base + t.end && base + t.begin < off + n) names.insert(t.name);
   return names;
+}
+
+/// Writes the tensors of `file` into `folder` as a Hugging Face sharded
+/// checkpoint: `shards` files `model-0000i-of-0000n.safetensors`, tensor t
+/// in shard t mod n (so every shard holds routed experts, the router and
+/// shared experts land in different shards), as F64 (8-byte types as
+/// stored), and the index. Returns
+/// the index's path.
+inline std::string write_sharded(const safetensors::Reader& file, const std::filesystem::path& folder, int shards) {
+  auto parts = std::vector<std::vector<TensorData>>(std::size_t(shards));
+  ShardIndex index;
+  std::vector<TensorData> all;  // 8-byte types keep their bytes and label (a spoiled I64 stays I64)
+  for (const auto& t : file.tensors()) {
+    TensorData d{t.name, t.shape, std::vector<double>(std::size_t(t.numel())), "F64"};
+    if (safetensors::dtype_size(t.dtype) == 8) {
+      file.read_bytes(t, d.values.data());
+      d.dtype = safetensors::dtype_name(t.dtype);
+    } else {
+      file.read(t, d.values.data());
+    }
+    all.push_back(std::move(d));
+  }
+  auto name = [&](int i) {
+    const std::string n = std::to_string(shards), k = std::to_string(i + 1);
+    return "model-" + std::string(5 - k.size(), '0') + k + "-of-" + std::string(5 - n.size(), '0') + n + ".safetensors";
+  };
+  for (std::size_t t = 0; t < all.size(); ++t) {
+    parts[t % std::size_t(shards)].push_back(all[t]);
+    index.weight_map[all[t].name] = name(int(t % std::size_t(shards)));
+    index.total_size += 8 * all[t].values.size();
+  }
+  for (int i = 0; i < shards; ++i) {
+    const std::vector<unsigned char> bytes = write_tensors(parts[std::size_t(i)]);
+    std::ofstream((folder / name(i)).string(), std::ios::binary)
+        .write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+  }
+  const std::string index_path = (folder / kShardIndexName).string();
+  write_shard_index(index_path, index);
+  return index_path;
 }
 
 }  // namespace apex::test

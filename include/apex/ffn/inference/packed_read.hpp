@@ -168,7 +168,7 @@ struct FileNames {
   std::string prefix;
   std::optional<MoEFamily> family;
   std::string operator()(const std::string& internal) const {
-    return prefix + (family ? apex::detail::family_tensor_name(*family, internal) : internal);
+    return prefix + (family ? apex::family_tensor_name(*family, internal) : internal);
   }
 };
 
@@ -216,9 +216,9 @@ MoEPlan plan_moe(const std::string& where, const safetensors::Reader& file, cons
     apex::detail::require_config(!Layer::kKappa, where.c_str(),
                                  std::string("the ") + family_name(f) +
                                      " name map has no names for kappa-SwiGLU parameters (kappa_alpha, kappa_bias)");
-    apex::detail::check_family_fit(where.c_str(), config, f);
+    apex::check_family_fit(where.c_str(), config, f);
     apex::detail::check_family_file(where, file, f, p);
-    plan.bias_name = apex::detail::family_bias_name(f, p);  // required by DeepSeek-V3's names
+    plan.bias_name = apex::family_bias_name(f, p);  // required by DeepSeek-V3's names
   } else if (!options.bias_name.empty() && file.header().find(p + options.bias_name)) {
     plan.bias_name = p + options.bias_name;  // optional under the library's names
   }

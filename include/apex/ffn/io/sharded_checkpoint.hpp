@@ -28,6 +28,15 @@
 namespace apex {
 namespace detail {
 
+/// Whether `path` names a sharded checkpoint (its folder or its index file)
+/// rather than one safetensors file: the rule of every sharded loader.
+inline bool is_sharded_path(const std::string& path) {
+  std::error_code ec;
+  return std::filesystem::is_directory(path, ec) ||
+         (path.size() >= 5 && path.compare(path.size() - 5, 5, ".json") == 0);
+}
+
+
 /// Reads every parameter of `params` from its shard, file by file, straight
 /// into the parameters (no staging: a failure can leave earlier shards
 /// loaded). The checks of load_sharded_checkpoint.

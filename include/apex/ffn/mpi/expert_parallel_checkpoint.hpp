@@ -32,6 +32,7 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <set>
 #include <string>
@@ -216,6 +217,59 @@ void save_checkpoint(const std::string& folder, ExpertParallelMoE<T, Expert>& la
   }
 }
 
+namespace detail {
+
+/// What a load reads: this rank's tensors under the file's names, the
+/// balancing bias's name in the file ("" for none), and the check of the
+/// file's names that runs before any tensor is read (a family's rule, or
+/// none). load_checkpoint and load_family_checkpoint differ only in this.
+struct NamedLoad {
+  std::function<void(const std::string& where, const safetensors::Reader&)> check_file = nullptr;
+  std::function<void(const std::string& where, const ShardIndex&)> check_index = nullptr;
+};
+
+/// The collective, all-or-nothing load of `params` (this rank's tensors, as
+/// the file names them, viewing the layer) and of the bias `bias_name`.
+template <class T, class Expert>
+LoadResult load_named(const char* where, const std::string& path, ExpertParallelMoE<T, Expert>& layer,
+                      const ParamList<T>& params, const std::string& bias_name, const NamedLoad& checks,
+                      const LoadOptions& options) {
+  RowVector<T> bias = layer.balancer().bias();
+  LoadResult result;
+  std::optional<apex::detail::Staged<T>> staged;
+  bool has_bias = false;
+  layer.comm().step(where, [&] {
+    ParamList<T> wanted = params;
+    if (apex::detail::is_sharded_path(path)) {
+      const std::string index_path = shard_index_path(path);
+      const ShardIndex index = read_shard_index(index_path, options.limits);
+      if (checks.check_index) checks.check_index(std::string(where) + "('" + index_path + "')", index);
+      has_bias = !bias_name.empty() && index.weight_map.count(bias_name) > 0;
+      if (has_bias) wanted.push_back(Param<T>{bias_name, bias.data(), nullptr, 1, bias.cols()});
+      staged.emplace(wanted);
+      result = apex::detail::load_shards_into(index_path, index, staged->views, options);
+    } else {
+      const safetensors::Reader file(path, options.limits);
+      if (checks.check_file) checks.check_file(std::string(where) + "(" + file.source().description() + ")", file);
+      has_bias = !bias_name.empty() && file.header().find(bias_name) != nullptr;
+      if (has_bias) wanted.push_back(Param<T>{bias_name, bias.data(), nullptr, 1, bias.cols()});
+      staged.emplace(wanted);
+      LoadOptions o = options;
+      o.allow_unexpected = true;  // the other ranks' experts
+      result = apex::load_checkpoint(file, staged->views, o);
+    }
+    if (has_bias) apex::detail::check_finite(where, bias_name.c_str(), staged->values.back());
+  });
+  // Every rank has its tensors staged: commit.
+  ParamList<T> target = params;
+  if (has_bias) target.push_back(Param<T>{bias_name, bias.data(), nullptr, 1, bias.cols()});
+  staged->commit(target, result.loaded);
+  if (has_bias) layer.balancer().set_bias(bias);
+  return result;
+}
+
+}  // namespace detail
+
 /// Loads `layer` from `path`: a sharded checkpoint (its folder or index,
 /// written by any number of ranks) or one safetensors file (a single-process
 /// save, every rank reading the tensors it holds). `expert_bias`, if
@@ -226,42 +280,8 @@ void save_checkpoint(const std::string& folder, ExpertParallelMoE<T, Expert>& la
 template <class T, class Expert>
 LoadResult load_checkpoint(const std::string& path, ExpertParallelMoE<T, Expert>& layer,
                            const LoadOptions& options = {}) {
-  namespace fs = std::filesystem;
-  constexpr const char* where = "apex::mpi::load_checkpoint";
-  RowVector<T> bias = layer.balancer().bias();
-  ParamList<T> params = layer.param_values();
-  LoadResult result;
-  std::optional<apex::detail::Staged<T>> staged;
-  bool has_bias = false;
-  layer.comm().step(where, [&] {
-    std::error_code ec;
-    const bool sharded =
-        fs::is_directory(path, ec) || (path.size() >= 5 && path.compare(path.size() - 5, 5, ".json") == 0);
-    ParamList<T> wanted = params;
-    if (sharded) {
-      const std::string index_path = shard_index_path(path);
-      const ShardIndex index = read_shard_index(index_path, options.limits);
-      has_bias = index.weight_map.count("expert_bias") > 0;
-      if (has_bias) wanted.push_back(Param<T>{"expert_bias", bias.data(), nullptr, 1, bias.cols()});
-      staged.emplace(wanted);
-      result = apex::detail::load_shards_into(index_path, index, staged->views, options);
-    } else {
-      const safetensors::Reader file(path, options.limits);
-      has_bias = file.header().find("expert_bias") != nullptr;
-      if (has_bias) wanted.push_back(Param<T>{"expert_bias", bias.data(), nullptr, 1, bias.cols()});
-      staged.emplace(wanted);
-      LoadOptions o = options;
-      o.allow_unexpected = true;  // the other ranks' experts
-      result = apex::load_checkpoint(file, staged->views, o);
-    }
-    if (has_bias) apex::detail::check_finite(where, "expert_bias", staged->values.back());
-  });
-  // Every rank has its tensors staged: commit.
-  ParamList<T> target = params;
-  if (has_bias) target.push_back(Param<T>{"expert_bias", bias.data(), nullptr, 1, bias.cols()});
-  staged->commit(target, result.loaded);
-  if (has_bias) layer.balancer().set_bias(bias);
-  return result;
+  return detail::load_named("apex::mpi::load_checkpoint", path, layer, layer.param_values(), "expert_bias", {},
+                            options);
 }
 
 }  // namespace apex::mpi
