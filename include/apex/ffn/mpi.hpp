@@ -15,8 +15,9 @@
 ///     expert_parallel_moe.hpp ExpertParallelMoE<T, Expert>
 ///     kappa_regulariser.hpp   κ-SwiGLU's layer-wide regulariser across ranks
 ///
-/// Sharded checkpoints (mpi/expert_parallel_checkpoint.hpp) also need apex::checkpoint
-/// and are not included here.
+/// Sharded checkpoints (mpi/expert_parallel_checkpoint.hpp) and the open
+/// families' Hugging Face checkpoints (mpi/family_checkpoint.hpp) also need
+/// apex::checkpoint and are not included here.
 
 #include "mpi/alltoallv.hpp"
 #include "mpi/communicator.hpp"
