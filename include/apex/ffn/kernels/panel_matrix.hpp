@@ -59,6 +59,9 @@ class PanelMatrix {
     return m;
   }
 
+  /// Bytes of one panel's codes and of its scales.
+  Index panel_code_bytes() const { return panel_bytes_; }
+  Index panel_scale_bytes() const { return scale_bytes_; }
   /// Bytes of the code array and of the scale array (panel order, all panels).
   Index codes_bytes() const { return panels_ * panel_bytes_; }
   Index scales_bytes() const { return panels_ * scale_bytes_; }
