@@ -70,6 +70,8 @@ class PanelMatrix {
   const std::byte* scales_data() const { return scales_.data(); }
   /// True if the bytes are a view into a mapped file (mutators then throw).
   bool mapped() const { return codes_.mapped() || scales_.mapped(); }
+  /// The mapping a mapped matrix holds (null for owned storage).
+  const std::shared_ptr<const io::MappedFile>& mapping() const { return codes_.mapping(); }
   /// The same matrix in owned storage (a copy of a mapped one's bytes).
   PanelMatrix to_owned() const {
     PanelMatrix m = *this;
