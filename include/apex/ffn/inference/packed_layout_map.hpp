@@ -77,10 +77,12 @@ inline std::vector<packed::PackedExpert> layout_experts(const std::string& where
     const safetensors::TensorInfo* t = file.header().find(name);
     return t ? file.header().data_offset() + t->begin : 0;  // absent scales: 0 bytes
   };
+  std::map<std::string, packed::Dtype> dtypes;  // name → type, one lookup a matrix
+  for (const auto& p : panels) dtypes.emplace(p.name, p.dtype);
   const auto dtype_of = [&](const std::string& name) {
-    for (const auto& p : panels)
-      if (p.name == name) return p.dtype;
-    throw FormatError(where + ": no panel array " + name);  // unreachable: checked by check_layout_tensors
+    const auto it = dtypes.find(name);
+    if (it == dtypes.end()) throw FormatError(where + ": no panel array " + name);  // checked before: unreachable
+    return it->second;
   };
   std::vector<packed::PackedExpert> out;
   out.reserve(std::size_t(count));
