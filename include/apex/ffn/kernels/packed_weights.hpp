@@ -65,7 +65,9 @@ inline std::string dtypes_name(ExpertDtypes t) {
 }
 
 /// One SwiGLU expert, y = (SiLU(x·W_gateᵀ) ⊙ x·W_upᵀ)·W_downᵀ, packed.
-/// Immutable once built: to follow changed float weights, pack again.
+/// Immutable once built: to follow changed float weights, pack again. The
+/// weights are owned, or read-only views into a mapped pack-once file
+/// (from_panels; inference/packed_layout_file.hpp), which copies share.
 class PackedExpert {
  public:
   /// Number of hidden units per gate/up panel (the other 16 lanes are up).
@@ -106,6 +108,35 @@ class PackedExpert {
     for (Index i = 0; i < d; ++i) e.down_.put_row(i / kOutPerPanel, i % kOutPerPanel, down + i * down_row);
     return e;
   }
+  /// An expert over matrices already in panel order (owned or views into a
+  /// mapped file: PanelMatrix::view), taken as they are. ShapeError naming
+  /// `where` unless gate_up is ⌈f/16⌉ panels of K = d and down ⌈d/32⌉ panels
+  /// of K = f; ConfigError for a d or f below 1.
+  static PackedExpert from_panels(const char* where, Index d, Index f, PanelMatrix gate_up, PanelMatrix down) {
+    const auto check = [&](const char* what, const PanelMatrix& m, Index k, Index panels) {
+      if (m.k() != k || m.panels() != panels)
+        throw ShapeError(std::string(where) + ": " + what + " has " + std::to_string(m.panels()) + " panels of K = " +
+                         std::to_string(m.k()) + "; a d_model " + std::to_string(d) + ", d_ffn " + std::to_string(f) +
+                         " expert needs " + std::to_string(panels) + " of K = " + std::to_string(k));
+    };
+    PackedExpert e(where, d, f);
+    check("gate_up", gate_up, d, (f + kHiddenPerPanel - 1) / kHiddenPerPanel);
+    check("down", down, f, (d + kOutPerPanel - 1) / kOutPerPanel);
+    e.dtypes_ = {gate_up.dtype(), down.dtype()};
+    e.gate_up_ = std::move(gate_up);
+    e.down_ = std::move(down);
+    return e;
+  }
+  /// True if the weights are views into a mapped file.
+  bool mapped() const { return gate_up_.mapped() || down_.mapped(); }
+  /// The same expert in owned storage (a copy of mapped weights).
+  PackedExpert to_owned() const {
+    PackedExpert e = *this;
+    e.gate_up_ = gate_up_.to_owned();
+    e.down_ = down_.to_owned();
+    return e;
+  }
+
   /// The three tensors in file form (the inverse of from_file_rows): gate and
   /// up f × gate_up().row_bytes() bytes, down d × down().row_bytes().
   void file_rows(std::byte* gate, std::byte* up, std::byte* down) const {
@@ -152,11 +183,15 @@ class PackedExpert {
   }
 
  private:
-  PackedExpert(const char* where, Index d, Index f, ExpertDtypes dtypes) : d_(d), f_(f), dtypes_(dtypes) {
+  // d and f checked, no storage yet (from_panels adds views).
+  PackedExpert(const char* where, Index d, Index f) : d_(d), f_(f) {
     if (d_ < 1 || f_ < 1) {
       throw ConfigError(std::string(where) + ": argument 'w_gate' has shape [" + std::to_string(f_) + " x " +
                         std::to_string(d_) + "], d_model and d_ffn must be at least 1");
     }
+  }
+  PackedExpert(const char* where, Index d, Index f, ExpertDtypes dtypes) : PackedExpert(where, d, f) {
+    dtypes_ = dtypes;
     gate_up_ = PanelMatrix(dtypes.gate_up, d_, (f_ + kHiddenPerPanel - 1) / kHiddenPerPanel);
     down_ = PanelMatrix(dtypes.down, f_, (d_ + kOutPerPanel - 1) / kOutPerPanel);
   }

@@ -3,7 +3,9 @@
 /// `PanelMatrix`: K × 32 lanes per panel, in the layout of its type's entry
 /// of the weight-type table (kernels/packed_weights.hpp explains the panel
 /// order; kernels/quant_layout.hpp the block formats'), with the type's
-/// per-block scale array beside the codes.
+/// per-block scale array beside the codes. The bytes are owned or a
+/// read-only view into a mapped file (kernels/panel_bytes.hpp); the kernels
+/// read both through the same panel(p) and scales(p).
 
 #include <cstddef>
 #include <cstring>
@@ -13,6 +15,7 @@
 #include "../core/errors.hpp"
 #include "../core/types.hpp"
 #include "aligned_array.hpp"
+#include "panel_bytes.hpp"
 #include "weight_types.hpp"
 
 namespace apex::packed {
@@ -36,18 +39,45 @@ class PanelMatrix {
   }
 
   PanelMatrix() = default;
-  PanelMatrix(Dtype dtype, Index k, Index panels) : dtype_(dtype), k_(k), panels_(panels) {
-    constexpr const char* where = "PanelMatrix";
-    bytes_for(where, "packed weights (panels x K x 32 lanes x bytes)", dtype, k, panels);  // fits, checked
-    visit_dtype(dtype, [&](auto tag) {
-      using W = WeightType<decltype(tag)::value>;
-      kpad_ = detail::padded_k<decltype(tag)::value>(where, k);
-      const Index blocks = kpad_ / W::kBlockWeights;  // per lane
-      panel_bytes_ = blocks * kLanes * (W::kBlockBytes - W::kScaleBytes);
-      scale_bytes_ = blocks * kLanes * W::kScaleBytes;
-    });
-    codes_ = detail::AlignedArray<std::byte>(panels_ * panel_bytes_);
-    scales_ = detail::AlignedArray<std::byte>(panels_ * scale_bytes_);
+  /// Owned, zeroed storage for `panels` panels of reduction length k.
+  PanelMatrix(Dtype dtype, Index k, Index panels) : PanelMatrix(Geometry{}, dtype, k, panels) {
+    codes_ = PanelBytes(panels_ * panel_bytes_);
+    scales_ = PanelBytes(panels_ * scale_bytes_);
+  }
+
+  /// A read-only view of a matrix stored in panel order inside `file`: its
+  /// codes_bytes() bytes at `codes_offset`, its scales_bytes() at
+  /// `scales_offset`, each 64-byte aligned (FormatError naming `where` and
+  /// `what` otherwise, or if a range is past the file's end). No byte is
+  /// read or copied; the matrix holds the mapping.
+  static PanelMatrix view(Dtype dtype, Index k, Index panels, const std::shared_ptr<const io::MappedFile>& file,
+                          std::uint64_t codes_offset, std::uint64_t scales_offset, const std::string& where,
+                          const std::string& what) {
+    PanelMatrix m(Geometry{}, dtype, k, panels);
+    m.codes_ = PanelBytes::view(file, codes_offset, m.codes_bytes(), where, what + " codes");
+    m.scales_ = PanelBytes::view(file, scales_offset, m.scales_bytes(), where, what + " scales");
+    return m;
+  }
+
+  /// Bytes of one panel's codes and of its scales.
+  Index panel_code_bytes() const { return panel_bytes_; }
+  Index panel_scale_bytes() const { return scale_bytes_; }
+  /// Bytes of the code array and of the scale array (panel order, all panels).
+  Index codes_bytes() const { return panels_ * panel_bytes_; }
+  Index scales_bytes() const { return panels_ * scale_bytes_; }
+  /// The code and scale arrays, for a writer of the panel order.
+  const std::byte* codes_data() const { return codes_.data(); }
+  const std::byte* scales_data() const { return scales_.data(); }
+  /// True if the bytes are a view into a mapped file (mutators then throw).
+  bool mapped() const { return codes_.mapped() || scales_.mapped(); }
+  /// The mapping a mapped matrix holds (null for owned storage).
+  const std::shared_ptr<const io::MappedFile>& mapping() const { return codes_.mapping(); }
+  /// The same matrix in owned storage (a copy of a mapped one's bytes).
+  PanelMatrix to_owned() const {
+    PanelMatrix m = *this;
+    m.codes_ = codes_.to_owned();
+    m.scales_ = scales_.to_owned();
+    return m;
   }
 
   Dtype dtype() const { return dtype_; }
@@ -100,7 +130,7 @@ class PanelMatrix {
       for (Index b = 0; b < kpad_ / W::kBlockWeights; ++b) {
         typename W::Block blk;
         std::memcpy(&blk, row + b * Index(sizeof blk), sizeof blk);
-        W::put_block(blk, b, lane, codes(p, tag), scales_.data() + p * scale_bytes_);
+        W::put_block(blk, b, lane, codes(p, tag, "PanelMatrix::put_row"), mutable_scales(p, "PanelMatrix::put_row"));
       }
     });
   }
@@ -130,7 +160,7 @@ class PanelMatrix {
   void pack_row(Index p, Index lane, const float* w) {
     visit_dtype(dtype_, [&](auto tag) {
       using W = WeightType<decltype(tag)::value>;
-      W::pack_row(w, k_, lane, codes(p, tag), scales_.data() + p * scale_bytes_);
+      W::pack_row(w, k_, lane, codes(p, tag, "PanelMatrix::pack_row"), mutable_scales(p, "PanelMatrix::pack_row"));
     });
   }
   /// The stored weight (k, lane) of panel p, as float.
@@ -141,16 +171,31 @@ class PanelMatrix {
   }
 
  private:
-  template <class Tag>
-  typename WeightType<Tag::value>::Element* codes(Index p, Tag) {
-    return reinterpret_cast<typename WeightType<Tag::value>::Element*>(codes_.data() + p * panel_bytes_);
+  struct Geometry {};
+  /// The sizes of a matrix, no storage (the constructors add it).
+  PanelMatrix(Geometry, Dtype dtype, Index k, Index panels) : dtype_(dtype), k_(k), panels_(panels) {
+    constexpr const char* where = "PanelMatrix";
+    bytes_for(where, "packed weights (panels x K x 32 lanes x bytes)", dtype, k, panels);  // fits, checked
+    visit_dtype(dtype, [&](auto tag) {
+      using W = WeightType<decltype(tag)::value>;
+      kpad_ = detail::padded_k<decltype(tag)::value>(where, k);
+      const Index blocks = kpad_ / W::kBlockWeights;  // per lane
+      panel_bytes_ = blocks * kLanes * (W::kBlockBytes - W::kScaleBytes);
+      scale_bytes_ = blocks * kLanes * W::kScaleBytes;
+    });
   }
+  // Writable panel p: ConfigError naming `where` for a mapped matrix.
+  template <class Tag>
+  typename WeightType<Tag::value>::Element* codes(Index p, Tag, const char* where) {
+    return reinterpret_cast<typename WeightType<Tag::value>::Element*>(codes_.mutable_data(where) + p * panel_bytes_);
+  }
+  std::byte* mutable_scales(Index p, const char* where) { return scales_.mutable_data(where) + p * scale_bytes_; }
 
   Dtype dtype_ = Dtype::f32;
   Index k_ = 0, kpad_ = 0, panels_ = 0;
   Index panel_bytes_ = 0, scale_bytes_ = 0;  // per panel
-  detail::AlignedArray<std::byte> codes_;    // panels × panel_bytes_
-  detail::AlignedArray<std::byte> scales_;   // panels × scale_bytes_
+  PanelBytes codes_;                         // panels × panel_bytes_, owned or mapped
+  PanelBytes scales_;                        // panels × scale_bytes_
 };
 
 }  // namespace apex::packed

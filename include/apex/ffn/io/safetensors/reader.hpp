@@ -19,6 +19,7 @@
 
 #include "../../core/errors.hpp"
 #include "../../core/types.hpp"
+#include "../mapped_file.hpp"
 #include "bytes.hpp"
 #include "codec.hpp"
 #include "header.hpp"
@@ -40,6 +41,28 @@ class Reader {
   /// Validates `size` bytes at `data`, which must outlive the reader.
   static Reader from_memory(const void* data, std::size_t size, const Limits& limits = {}) {
     return Reader(std::make_unique<MemorySource>(data, size), limits);
+  }
+
+  /// Maps `path` read-only (io/mapped_file.hpp) and validates it: the
+  /// header is read out of the mapping, tensors are not read at all until
+  /// asked for, and mapped_bytes() hands out a tensor's bytes without a copy.
+  /// FormatError as the constructor (a FIFO or device at once).
+  static Reader map(const std::string& path, const Limits& limits = {}) {
+    return Reader(std::make_unique<io::MappedSource>(path), limits);
+  }
+
+  /// The mapping under this reader (null unless it was opened by map() or
+  /// over an io::MappedSource).
+  std::shared_ptr<const io::MappedFile> mapping() const {
+    const auto* m = dynamic_cast<const io::MappedSource*>(src_.get());
+    return m ? m->file() : nullptr;
+  }
+  /// The stored bytes of `t` inside the mapping, without a copy (valid while
+  /// the mapping lives: hold mapping()); nullptr for a reader that does not
+  /// read through a mapping (the pread and memory sources).
+  const unsigned char* mapped_bytes(const TensorInfo& t) const {
+    const auto* m = dynamic_cast<const io::MappedSource*>(src_.get());
+    return m ? m->bytes(header_.data_offset() + t.begin, t.nbytes()) : nullptr;
   }
 
   const Header& header() const { return header_; }

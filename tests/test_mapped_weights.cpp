@@ -1,0 +1,216 @@
+// Memory-mapped packed weights and the pack-once file
+// (inference/packed_layout_file.hpp): a mapped layer computes the owned
+// layer's bits on every storage type and kernel path, shares its mapping
+// when copied, outlives its path, refuses writes, and a malformed file is a
+// FormatError that leaves the caller's layer as it was.
+#include <catch2/catch.hpp>
+
+#include <sys/stat.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <apex/ffn/inference.hpp>
+#include <apex/ffn/inference/packed_layout_file.hpp>
+#include <apex/ffn/inference/packed_load.hpp>
+#include <apex/ffn/inference/packed_save.hpp>
+#include <apex/ffn/layers/kappa_swiglu.hpp>
+
+#include "fixtures.hpp"
+#include "packed_layers.hpp"
+#include "temp_dir.hpp"
+
+using namespace apex;
+using apex::packed::Dtype;
+using apex::test::bitwise_equal;
+
+namespace {
+
+/// A layer with every part the file stores: 2 shared experts of their own
+/// width under a gate. d and f are whole blocks of 256 for the k-quants.
+MoEConfig block_config() {
+  MoEConfig c = test::moe_config(4, 2, 2, 256, 256);
+  c.d_shared_ffn = 512;
+  c.shared_expert_gate = true;
+  return c;
+}
+
+/// Forward of `layer` on x under every kernel path the CPU has; the paths
+/// it lacks are reported once.
+template <class Layer>
+void check_all_paths(Layer& mapped, Layer& owned, const Matrix<float>& x) {
+  for (packed::Isa isa : packed::kAllIsas) {
+    if (!packed::cpu_supports(isa)) {
+      static bool said[std::size(packed::kAllIsas)] = {};
+      if (!std::exchange(said[std::size_t(isa)], true)) WARN("kernel path " << packed::isa_name(isa) << " skipped: this CPU lacks it");
+      continue;
+    }
+    INFO("path " << packed::isa_name(isa) << ", rows " << x.rows());
+    mapped.set_kernel_options({isa, packed::Bf16Products::automatic});
+    owned.set_kernel_options({isa, packed::Bf16Products::automatic});
+    CHECK(bitwise_equal(mapped.forward(x), owned.forward(x)));
+  }
+}
+
+std::vector<unsigned char> file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+void write_bytes(const std::string& path, const std::vector<unsigned char>& b) {
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(b.data()), std::streamsize(b.size()));
+}
+
+/// The file at `path` with its header JSON changed by `edit`, padded so
+/// the data starts on a page as the writer places it, plus `extra` spaces
+/// (which shift every tensor by that much).
+template <class Edit>
+void rewrite_header(const std::string& path, const std::string& out, Edit edit, std::size_t extra = 0) {
+  const auto b = file_bytes(path);
+  std::uint64_t n = 0;
+  std::memcpy(&n, b.data(), 8);
+  nlohmann::json h = nlohmann::json::parse(b.begin() + 8, b.begin() + 8 + std::ptrdiff_t(n));
+  edit(h);
+  std::string text = h.dump();
+  text.append((4096 - (8 + text.size()) % 4096) % 4096 + extra, ' ');
+  std::vector<unsigned char> o(8);
+  const std::uint64_t len = text.size();
+  std::memcpy(o.data(), &len, 8);
+  o.insert(o.end(), text.begin(), text.end());
+  o.insert(o.end(), b.begin() + 8 + std::ptrdiff_t(n), b.end());
+  write_bytes(out, o);
+}
+
+}  // namespace
+
+TEST_CASE("a mapped layer computes the owned layer's bits on every type and kernel path", "[mapped]") {
+  test::TempDir dir;
+  const PackedTypes all[] = {Dtype::f32, Dtype::bf16, Dtype::q8_0, Dtype::q4_0, Dtype::q4_k, Dtype::q6_k,
+                             Dtype::mxfp4, PackedTypes({Dtype::q4_k, Dtype::q6_k}, {Dtype::q8_0, Dtype::mxfp4})};
+  const MoEConfig c = block_config();
+  const MoEFFN<float> moe(c, 7);
+  for (const PackedTypes& t : all) {
+    INFO("types " << packed_types_name(t));
+    auto owned = PackedMoE<float>::from(moe, t);
+    save_packed_layout(dir / "layer.safetensors", owned);
+    auto mapped = map_packed_moe<float>(dir / "layer.safetensors", c);
+    CHECK(mapped.types() == t);
+    CHECK(mapped.experts()[0].mapped());
+    CHECK(mapped.shared_experts()[1].mapped());
+    CHECK_FALSE(owned.experts()[0].mapped());
+    for (Index n : {Index(1), Index(3), Index(40)}) check_all_paths(mapped, owned, test::rnd<float>(n, 256, 90 + n));
+  }
+}
+
+TEST_CASE("odd widths and kappa experts map with the owned layer's bits", "[mapped]") {
+  test::TempDir dir;
+  const MoEConfig c = test::full_config(2, 29, Scoring::SoftmaxAll, 0.0);
+  MoEFFN<float, KappaSwiGLU<float>> kmoe(c, 15);
+  test::perturb_kappa(kmoe, 40);
+  for (Dtype t : {Dtype::f32, Dtype::bf16}) {
+    auto owned = PackedMoE<float, KappaSwiGLU<float>>::from(kmoe, t);
+    save_packed_layout(dir / "k.safetensors", owned);
+    PackedLoadOptions o;
+    o.kappa = kmoe.experts()[0].options();
+    auto mapped = map_packed_moe<float, KappaSwiGLU<float>>(dir / "k.safetensors", c, o);
+    check_all_paths(mapped, owned, test::rnd<float>(5, c.d_model, 3));
+    // A plain SwiGLU map of a κ file is refused by its recorded shape.
+    CHECK_THROWS_AS(map_packed_moe<float>(dir / "k.safetensors", c), FormatError);
+  }
+}
+
+TEST_CASE("a copy of a mapped layer shares the mapping, which outlives the path", "[mapped]") {
+  test::TempDir dir;
+  const MoEConfig c = block_config();
+  const auto owned = PackedMoE<float>::from(MoEFFN<float>(c, 3), Dtype::q4_k);
+  save_packed_layout(dir / "a.safetensors", owned);
+  const Matrix<float> x = test::rnd<float>(2, 256, 5);
+  const Matrix<float> want = owned.forward(x);
+  std::optional<PackedMoE<float>> copy;
+  {
+    const auto mapped = map_packed_moe<float>(dir / "a.safetensors", c);
+    copy.emplace(mapped);
+    CHECK(copy->experts()[0].gate_up().codes_data() == mapped.experts()[0].gate_up().codes_data());
+  }
+  std::filesystem::remove(dir / "a.safetensors");
+  CHECK(bitwise_equal(copy->forward(x), want));
+  // A saved copy of a mapped layer saves from its mapping: same bits again.
+  save_packed_layout(dir / "b.safetensors", *copy);
+  CHECK(bitwise_equal(map_packed_moe<float>(dir / "b.safetensors", c).forward(x), want));
+}
+
+TEST_CASE("writes to mapped panels are refused; to_owned makes the copy", "[mapped]") {
+  test::TempDir dir;
+  const MoEConfig c = block_config();
+  save_packed_layout(dir / "a.safetensors", PackedMoE<float>::from(MoEFFN<float>(c, 3), Dtype::q8_0));
+  const auto mapped = map_packed_moe<float>(dir / "a.safetensors", c);
+  packed::PanelMatrix m = mapped.experts()[0].gate_up();
+  std::vector<std::byte> row(std::size_t(m.row_bytes()));
+  m.get_row(0, 0, row.data());
+  std::vector<float> w(std::size_t(m.k()), 0.5f);
+  CHECK_THROWS_WITH(m.put_row(0, 0, row.data()), Catch::Contains("read-only view of the mapped file"));
+  CHECK_THROWS_AS(m.pack_row(0, 0, w.data()), ConfigError);
+  const float stored = m.get(0, 0, 0);
+  REQUIRE(std::abs(stored - 0.5f) > 0.01f);
+  packed::PanelMatrix o = m.to_owned();
+  CHECK_FALSE(o.mapped());
+  CHECK(o.get(0, 0, 0) == stored);
+  o.pack_row(0, 0, w.data());
+  CHECK(o.get(0, 0, 0) == Approx(0.5f).margin(1e-3));  // q8_0 of a row of 0.5
+  CHECK(m.get(0, 0, 0) == stored);                      // the mapping is unchanged
+}
+
+TEST_CASE("malformed pack-once files are FormatErrors and leave the layer unchanged", "[mapped]") {
+  test::TempDir dir;
+  const MoEConfig c = block_config();
+  const std::string good = dir / "good.safetensors", bad = dir / "bad.safetensors";
+  save_packed_layout(good, PackedMoE<float>::from(MoEFFN<float>(c, 3), Dtype::q4_0));
+  auto dst = map_packed_moe<float>(good, c);
+  const Matrix<float> x = test::rnd<float>(1, 256, 8);
+  const Matrix<float> want = dst.forward(x);
+  const auto refused = [&](const std::string& what) {
+    INFO(what);
+    CHECK_THROWS_AS(dst = map_packed_moe<float>(bad, c), FormatError);
+    CHECK(bitwise_equal(dst.forward(x), want));
+  };
+  rewrite_header(good, bad, [](nlohmann::json& h) { h["__metadata__"]["apex.layout.version"] = "2"; });
+  refused("version 2");
+  CHECK_THROWS_WITH(map_packed_moe<float>(bad, c), Catch::Contains("apex.layout.version"));
+  rewrite_header(good, bad, [](nlohmann::json& h) { h["__metadata__"]["apex.layout"] = "rows"; });
+  refused("layout 'rows'");
+  rewrite_header(good, bad, [](nlohmann::json& h) { h["__metadata__"]["apex.layout.lanes"] = "16"; });
+  CHECK_THROWS_WITH(map_packed_moe<float>(bad, c), Catch::Contains("'16' in the file but '32' in this build"));
+  // The header grown by 16 bytes: every tensor 16 bytes off its boundary.
+  rewrite_header(good, bad, [](nlohmann::json&) {}, 16);
+  refused("misaligned");
+  CHECK_THROWS_WITH(map_packed_moe<float>(bad, c), Catch::Contains("not on a 64-byte boundary"));
+  rewrite_header(good, bad, [](nlohmann::json& h) {
+    auto& t = h["experts.1.down.codes"];
+    t["shape"][1] = t["shape"][1].get<int>() / 2;
+    t["shape"][0] = t["shape"][0].get<int>() * 2;
+  });
+  refused("codes of another shape");
+  auto b = file_bytes(good);
+  b.resize(b.size() - 100);
+  write_bytes(bad, b);
+  refused("truncated");
+  save_packed_moe(bad, PackedMoE<float>::from(MoEFFN<float>(c, 3), Dtype::q4_0));
+  refused("a quantized checkpoint (file rows)");
+  std::filesystem::remove(bad);
+  REQUIRE(::mkfifo(bad.c_str(), 0600) == 0);
+  refused("a FIFO");
+  std::filesystem::remove(bad);
+  // Another config: its shape is refused, naming both.
+  MoEConfig other = c;
+  other.n_experts = 5;
+  CHECK_THROWS_WITH(map_packed_moe<float>(good, other), Catch::Contains("the config asks for"));
+  PackedLoadOptions o;
+  o.types = PackedTypes(Dtype::q8_0);
+  CHECK_THROWS_AS(map_packed_moe<float>(good, c, o), ConfigError);
+}
