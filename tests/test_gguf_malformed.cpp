@@ -151,6 +151,7 @@ TEST_CASE("gguf malformed tensor infos are a FormatError naming the tensor", "[g
              Catch::Contains("tensor 'a' [33, 2] of type q8_0 has rows of 33 elements, not a multiple of its block of 32"));
   CHECK_THAT(rejection(with_info(tensor_info("a", {2}, 0, 0) + tensor_info("a", {2}, 0, 32), 2)),
              Catch::Contains("tensor 'a' appears twice"));
+  CHECK_THAT(rejection(with_info(tensor_info("", {2}, 0, 0))), Catch::Contains("tensor 0 has an empty name"));
   CHECK_THAT(rejection(with_info(tensor_info(std::string(64, 'n'), {2}, 0, 0))),
              Catch::Contains("has 64 bytes, above the limit of 63"));
   // An empty tensor (an extent 0) is valid whatever the other extents are.
