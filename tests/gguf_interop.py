@@ -108,7 +108,12 @@ def check(path):
     if bad:
         print("FAIL:\n  " + "\n  ".join(bad))
         return 1
-    print(f"OK: gguf-py {getattr(gguf, '__version__', '?')} read {path} identically")
+    try:
+        from importlib.metadata import version
+        ver = version("gguf")
+    except Exception:  # pragma: no cover - an unpackaged checkout
+        ver = "?"
+    print(f"OK: gguf-py {ver} read {path} identically")
     return 0
 
 
