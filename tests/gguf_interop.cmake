@@ -6,6 +6,7 @@
 #   gguf.interop.apex_reads     apex_ffn_tests "[.gguf_interop_read]": gguf::File reads it, values and bytes
 #   gguf.interop.apex_writes    apex_ffn_tests "[.gguf_interop_write]": gguf::Writer saves from_apex.gguf
 #   gguf.interop.py_reads       gguf_interop.py check: GGUFReader reads it back identically
+#   gguf.interop.py_type_sizes  gguf_interop.py types: gguf-py's type size table agrees with ours
 #
 # Registered only when test_gguf.cpp is part of the build and a Python
 # interpreter can `import gguf` at configure time. APEX_FFN_GGUF_PYTHON names
@@ -59,4 +60,9 @@ set_tests_properties(gguf.interop.apex_writes PROPERTIES
 add_test(NAME gguf.interop.py_reads
   COMMAND "${_apex_gguf_python}" "${_apex_gguf_script}" check "${_apex_gguf_dir}/from_apex.gguf")
 set_tests_properties(gguf.interop.py_reads PROPERTIES
+  FIXTURES_REQUIRED apex_ffn_gguf_from_apex LABELS interop FAIL_REGULAR_EXPRESSION "FAIL")
+
+add_test(NAME gguf.interop.py_type_sizes
+  COMMAND "${_apex_gguf_python}" "${_apex_gguf_script}" types "${_apex_gguf_dir}/types.gguf")
+set_tests_properties(gguf.interop.py_type_sizes PROPERTIES
   FIXTURES_REQUIRED apex_ffn_gguf_from_apex LABELS interop FAIL_REGULAR_EXPRESSION "FAIL")

@@ -5,6 +5,10 @@
     gguf_interop.py check PATH   gguf.GGUFReader reads PATH (written by
                                  apex-ffn's gguf::Writer) and compares it
                                  with the reference content
+    gguf_interop.py types PATH   gguf.GGUFReader reads PATH, one tensor of
+                                 each ggml type written by gguf::Writer: its
+                                 size table (GGML_QUANT_SIZES) must agree
+                                 with the sizes and offsets apex-ffn wrote
 
 The reference content is stated here and, independently, in
 tests/test_gguf.cpp (interop_spec / check_interop_spec): the same keys,
@@ -117,7 +121,33 @@ def check(path):
     return 0
 
 
+def types(path):
+    """Each tensor is named by its type, filled with its type id, and its
+    byte size is stored under "size.<name>"; gguf-py must find the same
+    size from its own table and the bytes where apex-ffn put them."""
+    r = gguf.GGUFReader(path)
+    bad, seen = [], 0
+    for t in r.tensors:
+        block, nbytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        n = int(np.prod([int(x) for x in t.shape]))
+        want = r.fields["size." + t.name].contents()
+        if n // block * nbytes != want or t.n_bytes != want:
+            bad.append(f"{t.name}: gguf-py size {t.n_bytes}, apex-ffn {want}")
+        elif t.tensor_type.name.lower() != t.name.lower():
+            bad.append(f"{t.name}: gguf-py calls type {t.tensor_type.value} {t.tensor_type.name}")
+        elif np.asarray(t.data).tobytes() != bytes([t.tensor_type.value]) * want:
+            bad.append(f"{t.name}: bytes differ")
+        seen += 1
+    if bad or seen < 30:
+        print(f"FAIL ({seen} tensors):\n  " + "\n  ".join(bad))
+        return 1
+    print(f"OK: gguf-py agrees with apex-ffn on the size of {seen} tensor types")
+    return 0
+
+
 if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "types":
+        sys.exit(types(sys.argv[2]))
     if len(sys.argv) != 3 or sys.argv[1] not in ("write", "check"):
         print(__doc__)
         sys.exit(2)

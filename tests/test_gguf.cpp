@@ -454,4 +454,21 @@ TEST_CASE("gguf writes the file gguf-py reads", "[.gguf_interop_write]") {
   gguf::Writer w;
   interop_spec(w, t);
   w.save(std::string(dir) + "/from_apex.gguf");
+
+  // One tensor of each type gguf-py 0.19 knows, two blocks a row and three
+  // rows, filled with its type id, its size under "size.<name>". Left out:
+  // Q8_1, which gguf-py sizes 40 bytes (an old float layout; ggml's
+  // block_q8_1 is 2 halves + 32 = 36), and Q2_0, which it does not know.
+  gguf::Writer types;
+  std::vector<std::vector<unsigned char>> keep;
+  for (std::uint32_t id = 0; id < gguf::kTensorTypeCount; ++id) {
+    if (!gguf::is_known(id) || id == 9 || id == 42) continue;
+    const auto& tr = gguf::traits(TensorType(id));
+    std::string name = tr.name;
+    for (char& c : name) c = char(std::toupper(static_cast<unsigned char>(c)));
+    keep.emplace_back(6u * tr.block_bytes, static_cast<unsigned char>(id));
+    types.set_u64("size." + name, keep.back().size());
+    types.add_tensor(name, TensorType(id), {2u * tr.block_elems, 3}, keep.back().data(), keep.back().size());
+  }
+  types.save(std::string(dir) + "/types.gguf");
 }
