@@ -11,7 +11,7 @@
 # Registered only when test_gguf.cpp is part of the build and a Python
 # interpreter can `import gguf` at configure time. APEX_FFN_GGUF_PYTHON names
 # the interpreter; empty = search python3 on the PATH, then
-# /root/.pyenv/shims/python3 and /usr/bin/python3 (the first that imports gguf).
+# /usr/bin/python3 (the first that imports gguf).
 
 if(NOT "${CMAKE_CURRENT_SOURCE_DIR}/test_gguf.cpp" IN_LIST APEX_FFN_TEST_SOURCES)
   return()
@@ -21,7 +21,7 @@ set(APEX_FFN_GGUF_PYTHON "" CACHE FILEPATH "Python with gguf-py for the GGUF int
 if(NOT APEX_FFN_GGUF_PYTHON AND NOT DEFINED CACHE{APEX_FFN_GGUF_PYTHON_FOUND})
   find_program(_apex_gguf_path_python NAMES python3 NO_CACHE)
   set(_apex_found "")
-  foreach(_py IN ITEMS "${_apex_gguf_path_python}" /root/.pyenv/shims/python3 /usr/bin/python3)
+  foreach(_py IN ITEMS "${_apex_gguf_path_python}" /usr/bin/python3)
     if(_py AND EXISTS "${_py}" AND NOT _apex_found)
       execute_process(COMMAND "${_py}" -c "import gguf, numpy" RESULT_VARIABLE _rc OUTPUT_QUIET ERROR_QUIET TIMEOUT 120)
       if(_rc EQUAL 0)
