@@ -145,7 +145,7 @@ TEST_CASE("a copy of a mapped layer shares the mapping, which outlives the path"
   CHECK(bitwise_equal(map_packed_moe<float>(dir / "b.safetensors", c).forward(x), want));
 }
 
-TEST_CASE("writes to mapped panels are refused; to_owned makes the copy", "[mapped]") {
+TEST_CASE("writes to mapped panels are refused and to_owned makes the copy", "[mapped]") {
   test::TempDir dir;
   const MoEConfig c = block_config();
   save_packed_layout(dir / "a.safetensors", PackedMoE<float>::from(MoEFFN<float>(c, 3), Dtype::q8_0));
