@@ -1,0 +1,40 @@
+# GGUF MoE blocks written by llama.cpp's own Python writer (PyPI gguf), live:
+# tests/gguf_moe_reference.py writes one block per architecture and tensor
+# type with a numpy reference output of llama.cpp's routing, then
+# apex_ffn_tests "[gguf_moe][python]" loads each and matches it
+# (APEX_FFN_GGUF_PY_DIR). Registered only when test_gguf_moe_python.cpp is
+# part of the build and a Python interpreter can `import gguf, numpy`
+# (APEX_FFN_GGUF_PYTHON, else python3 on the PATH, the pyenv shim,
+# /usr/bin/python3); otherwise a status message says why, and the C++ test
+# itself skips with a message when the directory is not given.
+
+if(NOT "${CMAKE_CURRENT_SOURCE_DIR}/test_gguf_moe_python.cpp" IN_LIST APEX_FFN_TEST_SOURCES)
+  return()
+endif()
+set(APEX_FFN_GGUF_PYTHON "" CACHE FILEPATH "Python with the PyPI gguf package for the GGUF interop test (empty: search)")
+set(_apex_gguf_python "${APEX_FFN_GGUF_PYTHON}")
+if(NOT _apex_gguf_python)
+  find_program(_apex_gguf_path_python NAMES python3 NO_CACHE)
+  foreach(_py IN ITEMS "${_apex_gguf_path_python}" /root/.pyenv/shims/python3 /usr/bin/python3)
+    if(_py AND EXISTS "${_py}" AND NOT _apex_gguf_python)
+      execute_process(COMMAND "${_py}" -c "import gguf, numpy" RESULT_VARIABLE _rc OUTPUT_QUIET ERROR_QUIET TIMEOUT 120)
+      if(_rc EQUAL 0)
+        set(_apex_gguf_python "${_py}")
+      endif()
+    endif()
+  endforeach()
+endif()
+if(NOT _apex_gguf_python)
+  message(STATUS "apex-ffn: no Python with the gguf package; GGUF interop test not registered")
+  return()
+endif()
+
+set(_apex_gguf_dir "${CMAKE_CURRENT_BINARY_DIR}/interop/gguf")
+add_test(NAME gguf.interop.python_writer
+  COMMAND "${_apex_gguf_python}" "${CMAKE_CURRENT_SOURCE_DIR}/gguf_moe_reference.py" "${_apex_gguf_dir}")
+set_tests_properties(gguf.interop.python_writer PROPERTIES FIXTURES_SETUP apex_ffn_gguf_py LABELS interop)
+add_test(NAME gguf.interop.apex_loads_python
+  COMMAND apex_ffn_tests "[gguf_moe][python]" --warn NoTests)
+set_tests_properties(gguf.interop.apex_loads_python PROPERTIES
+  ENVIRONMENT "APEX_FFN_GGUF_PY_DIR=${_apex_gguf_dir}"
+  FIXTURES_REQUIRED apex_ffn_gguf_py LABELS interop)
