@@ -36,12 +36,17 @@ namespace apex {
 
 namespace detail::gguf_moe {
 
+/// The first byte of tensor t in the file (the mapping).
+inline const std::byte* bytes_of(const gguf::File& file, const Tensor& t) {
+  return reinterpret_cast<const std::byte*>(file.data(*t.info));
+}
+
 /// `rows` rows × `cols` of tensor t as floats (rows × cols, row-major),
 /// starting at row `row0` of its flattened rows.
 inline Matrix<float> decode(const gguf::File& file, const Tensor& t, Index row0, Index rows, Index cols) {
   Matrix<float> m(rows, cols);
   const std::size_t row_bytes = std::size_t(t.info->nbytes / t.info->rows());
-  decode_rows(t.info->type, file.data(*t.info) + std::size_t(row0) * row_bytes, rows, cols, m.data());
+  decode_rows(t.info->type, bytes_of(file, t) + std::size_t(row0) * row_bytes, rows, cols, m.data());
   return m;
 }
 
@@ -65,7 +70,7 @@ inline std::pair<Matrix<float>, RowVector<float>> router_and_bias(const std::str
 inline const std::byte* file_rows(const gguf::File& file, const Tensor& t, Index r0, Index n, Index cols,
                                   std::vector<float>& staging) {
   const std::size_t row_bytes = std::size_t(t.info->nbytes / t.info->rows());
-  const std::byte* src = file.data(*t.info) + std::size_t(r0) * row_bytes;
+  const std::byte* src = bytes_of(file, t) + std::size_t(r0) * row_bytes;
   if (!t.widened) return src;
   staging.resize(std::size_t(n * cols));
   decode_rows(t.info->type, src, n, cols, staging.data());

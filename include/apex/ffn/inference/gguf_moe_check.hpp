@@ -32,7 +32,7 @@ inline Index count_key(const std::string& where, const gguf::File& file, const s
     if (required) throw FormatError(where + ": the file has no metadata key '" + k + "'");
     return fallback;
   }
-  const std::uint64_t v = file.get_uint(k);
+  const auto v = file.get<std::uint64_t>(k);
   if (v > std::uint64_t(1) << 40)
     throw ConfigError(where + ": metadata key '" + k + "' = " + std::to_string(v) + " is too large for a layer");
   return Index(v);
@@ -42,8 +42,9 @@ inline Index count_key(const std::string& where, const gguf::File& file, const s
 /// array for llama's feed_forward_length.
 inline Index width_key(const std::string& where, const gguf::File& file, const gguf::Architecture& a, Index layer) {
   const std::string k = a.key(a.width_key);
-  if (a.width_per_layer && file.find(k) && file.is_array(k)) {
-    const std::vector<std::uint64_t> v = file.get_uint_array(k);
+  const gguf::Value* value = file.find(k);
+  if (a.width_per_layer && value && value->type() == gguf::ValueType::array) {
+    const std::vector<std::uint64_t> v = value->as_vector<std::uint64_t>();
     if (Index(v.size()) <= layer)
       throw FormatError(where + ": metadata key '" + k + "' has " + std::to_string(v.size()) +
                         " entries, block " + std::to_string(layer) + " has none");
@@ -70,10 +71,10 @@ inline void deepseek_routing(const std::string& where, const gguf::File& file, c
                         std::to_string(gating) + " is no gating function the library computes (1 softmax, 2 sigmoid, "
                         "3 softmax over the selected)");
   }
-  r.renormalize = file.find(a.key(gguf::keys::kWeightsNorm)) ? file.get_bool(a.key(gguf::keys::kWeightsNorm)) : false;
+  r.renormalize = file.find(a.key(gguf::keys::kWeightsNorm)) ? file.get<bool>(a.key(gguf::keys::kWeightsNorm)) : false;
   const std::string scale = a.key(gguf::keys::kWeightsScale);
   if (!file.find(scale)) throw FormatError(where + ": the file has no metadata key '" + scale + "'");
-  r.routed_scale = file.get_float(scale);
+  r.routed_scale = file.get<double>(scale);
   const Index groups = count_key(where, file, a.key(gguf::keys::kGroupCount), false, 0);
   r.n_groups = groups > 1 ? groups : 1;
   r.topk_group = r.n_groups > 1 ? count_key(where, file, a.key(gguf::keys::kGroupUsed), true) : 1;
@@ -118,7 +119,7 @@ inline void plan_config(const std::string& where, const gguf::File& file, Index 
   }
   c.validate_for<float>(where.c_str());
   const std::string eps = a.key(gguf::keys::kRmsEps);
-  p.rms_eps = file.find(eps) ? file.get_float(eps) : 0.0;
+  p.rms_eps = file.find(eps) ? file.get<double>(eps) : 0.0;
 }
 
 /// "[2048, 768, 128]": ggml ne order.
@@ -126,6 +127,13 @@ inline std::string ne_string(const std::vector<std::uint64_t>& ne) {
   std::string s = "[";
   for (std::size_t i = 0; i < ne.size(); ++i) s += (i ? ", " : "") + std::to_string(ne[i]);
   return s + "]";
+}
+
+/// "'a', 'b'": names for messages.
+inline std::string names(const std::vector<std::string>& list) {
+  std::string s;
+  for (std::size_t i = 0; i < list.size(); ++i) s += (i ? ", '" : "'") + list[i] + "'";
+  return s;
 }
 
 /// Looks up one tensor (step 5), recording what is wrong in the lists.
@@ -150,9 +158,9 @@ struct TensorChecks {
     return t;
   }
   void report(const std::string& where) const {
-    if (!missing.empty()) throw FormatError(where + ": the file has no tensor " + apex::detail::name_list(missing));
+    if (!missing.empty()) throw FormatError(where + ": the file has no tensor " + names(missing));
     if (!bad_type.empty())
-      throw FormatError(where + ": no storage for the tensor type of " + apex::detail::name_list(bad_type) +
+      throw FormatError(where + ": no storage for the tensor type of " + names(bad_type) +
                         " (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K, MXFP4)");
     if (!bad_shape.empty()) {
       std::string msg = where + ": shape mismatch (ggml ne order):";

@@ -66,7 +66,10 @@ inline void check_expressible(const char* where, const gguf::Architecture& a, co
                                              "renormalised, the layer's are " + (r.renormalize ? "" : "not"));
     need(r.n_groups == 1 && r.routed_scale == 1.0, "it has no expert groups and no routed scale");
     need(all_zero(b), "it has no selection bias (exp_probs_b), the layer's balancing bias is not zero");
-    apex::detail::check_family_fit(where, c, a.family);
+    if (a.shared == FamilySharedLayout::OneGated)
+      need(c.n_shared == 1 && c.shared_expert_gate, "it has exactly one sigmoid-gated shared expert");
+    else
+      need(c.n_shared == 0 && !c.shared_expert_gate, "it has no shared experts");
     return;
   }
   need(!c.shared_expert_gate, "its shared expert has no sigmoid gate");
@@ -92,14 +95,14 @@ inline const gguf::Architecture& choose(const char* where, const MoEConfig& c, c
 /// The metadata of block `layer` of a layer of `c` as architecture `a`.
 inline void write_keys(gguf::Writer& w, const gguf::Architecture& a, const MoEConfig& c, const GgufSaveOptions& o) {
   namespace k = gguf::keys;
-  const auto u32 = [&](const char* key, Index v) { w.set_uint32(a.key(key), std::uint32_t(v)); };
+  const auto u32 = [&](const char* key, Index v) { w.set_u32(a.key(key), std::uint32_t(v)); };
   w.set_string(k::kArchitecture, a.name);
   u32(k::kBlockCount, o.layer + 1);
   u32(k::kEmbedding, c.d_model);
   u32(a.width_key, c.d_ffn);
   u32(k::kExpertCount, c.n_experts);
   u32(k::kExpertUsed, c.n_active);
-  w.set_float32(a.key(k::kRmsEps), float(o.rms_eps));
+  w.set_f32(a.key(k::kRmsEps), float(o.rms_eps));
   if (a.shared == FamilySharedLayout::OneGated) u32(k::kSharedFeedForward, c.shared_ffn());
   if (!a.reads_routing_keys) return;
   const RoutingConfig& r = c.routing;
@@ -110,7 +113,7 @@ inline void write_keys(gguf::Writer& w, const gguf::Architecture& a, const MoECo
                                                                 : gguf::GatingFunc::softmax_weight;
   u32(k::kGatingFunc, Index(g));
   w.set_bool(a.key(k::kWeightsNorm), r.scoring != Scoring::SoftmaxSelected && r.renormalize);
-  w.set_float32(a.key(k::kWeightsScale), float(r.routed_scale));
+  w.set_f32(a.key(k::kWeightsScale), float(r.routed_scale));
   u32(k::kGroupCount, r.n_groups);
   u32(k::kGroupUsed, r.topk_group);
 }
