@@ -213,19 +213,25 @@ TEST_CASE("gguf_moe: mixed types, the sublayer with ffn_norm, APEX-1 as deepseek
     CHECK(test::same_bits(load_gguf_moe(gguf::File::open(path), kBlock).forward(xt),
                           PackedMoE<float>::from(biased).forward(xt)));
   }
-  SECTION("two shared experts are written as one MLP twice as wide, the same function") {
-    MoEConfig c = ModelPreset::tiny().moe();
+  SECTION("shared experts are written as one MLP of whole d_ffn, zero-padded: the same function") {
+    MoEConfig c = ModelPreset::tiny().moe();  // d_ffn 128
     c.n_shared = 2;
-    const MoEFFN<float> moe(c, 14);
-    save_gguf_moe(path, moe, packed::Dtype::f32, at_block());
-    const gguf::File file = gguf::File::open(path);
-    CHECK(file.get<std::uint32_t>("deepseek2.expert_shared_count") == 2);
-    const auto loaded = load_gguf_moe(file, kBlock);
-    CHECK(loaded.config().n_shared == 1);
-    CHECK(loaded.config().shared_ffn() == 2 * c.d_ffn);
-    const Matrix<float> xt = test::rnd<float>(7, 64, 15);
-    const Matrix<float> y = loaded.forward(xt), want = moe.forward(xt);
-    CHECK((y - want).norm() <= 1e-5 * want.norm());
+    for (Index fs : {Index(128), Index(96)})  // 2 x 128 = 2 d_ffn; 2 x 96 = 192, padded to 256
+      for (packed::Dtype t : {packed::Dtype::f32, packed::Dtype::q8_0}) {
+        INFO("d_shared_ffn " << fs << " in " << packed::dtype_name(t));
+        c.d_shared_ffn = fs;
+        const MoEFFN<float> moe(c, 14);
+        const auto layer = PackedMoE<float>::from(moe, t);
+        save_gguf_moe(path, layer, at_block());
+        const gguf::File file = gguf::File::open(path);
+        CHECK(file.get<std::uint32_t>("deepseek2.expert_shared_count") == 2);
+        const auto loaded = load_gguf_moe(file, kBlock);
+        CHECK(loaded.config().n_shared == 1);
+        CHECK(loaded.config().shared_ffn() == 2 * c.d_ffn);
+        const Matrix<float> xt = test::rnd<float>(7, 64, 15);
+        const Matrix<float> y = loaded.forward(xt), want = layer.forward(xt);
+        CHECK((y - want).norm() <= 1e-5 * want.norm());
+      }
   }
   SECTION("what llama.cpp cannot express is refused before a byte is written") {
     MoEConfig c = arch_config(MoEFamily::Qwen3MoE);

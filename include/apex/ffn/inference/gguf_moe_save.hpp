@@ -15,9 +15,10 @@
 /// SOFTMAX_WEIGHT): exact while the weights come from the unbiased logits or
 /// the balancing bias is zero; a trained bias with weights from the biased
 /// logits has no llama.cpp form and is refused. S shared experts of width
-/// f_s are written as llama.cpp's one shared MLP of width S·f_s (the same
-/// function: the hidden units side by side) with `expert_shared_count` =
-/// S·f_s / f, which must be whole. Refused (ConfigError naming the reason):
+/// f_s are written as llama.cpp's one shared MLP (the hidden units side by
+/// side: the same function) of `expert_shared_count` = ⌈S·f_s / f⌉ times f
+/// units, the last ones zero (they add exact zeros); load_gguf_moe reads it
+/// back as one shared expert of that width. Refused (ConfigError naming the reason):
 /// a capacity factor (llama.cpp is dropless), a gated shared expert outside
 /// qwen2moe's routing, a family whose fixed routing differs from the layer's.
 ///
@@ -73,9 +74,6 @@ inline void check_expressible(const char* where, const gguf::Architecture& a, co
     return;
   }
   need(!c.shared_expert_gate, "its shared expert has no sigmoid gate");
-  need(c.n_shared == 0 || (c.n_shared * c.shared_ffn()) % c.d_ffn == 0,
-       "its shared MLP is expert_shared_count x d_ffn wide; " + std::to_string(c.n_shared) + " x " +
-           std::to_string(c.shared_ffn()) + " is not a multiple of d_ffn = " + std::to_string(c.d_ffn));
   need(r.scoring != Scoring::SoftmaxSelected || c.weights_from_unbiased || all_zero(b),
        "softmax over the selected (expert_gating_func 3) weighs the unbiased logits; the layer weighs the biased "
        "ones and its balancing bias is not zero");
@@ -90,6 +88,13 @@ inline const gguf::Architecture& choose(const char* where, const MoEConfig& c, c
   if (plain && c.n_shared == 0 && !c.shared_expert_gate) return gguf::architecture(r.renormalize ? "qwen3moe" : "olmoe", where);
   if (plain && c.n_shared == 1 && c.shared_expert_gate && !r.renormalize) return gguf::architecture("qwen2moe", where);
   return gguf::architecture("deepseek2", where);
+}
+
+/// deepseek2's `expert_shared_count`: the S shared experts side by side,
+/// S·f_s hidden units, in whole d_ffn (padded with zero units).
+inline Index shared_count(const MoEConfig& c) {
+  const Index w = c.n_shared * c.shared_ffn();
+  return w / c.d_ffn + (w % c.d_ffn != 0);
 }
 
 /// The metadata of block `layer` of a layer of `c` as architecture `a`.
@@ -107,7 +112,7 @@ inline void write_keys(gguf::Writer& w, const gguf::Architecture& a, const MoECo
   if (!a.reads_routing_keys) return;
   const RoutingConfig& r = c.routing;
   u32(k::kLeadingDense, 0);
-  u32(k::kSharedCount, c.n_shared * c.shared_ffn() / c.d_ffn);
+  u32(k::kSharedCount, shared_count(c));
   const gguf::GatingFunc g = r.scoring == Scoring::Sigmoid   ? gguf::GatingFunc::sigmoid
                              : r.scoring == Scoring::SoftmaxAll ? gguf::GatingFunc::softmax
                                                                 : gguf::GatingFunc::softmax_weight;
@@ -118,25 +123,30 @@ inline void write_keys(gguf::Writer& w, const gguf::Architecture& a, const MoECo
   u32(k::kGroupUsed, r.topk_group);
 }
 
-/// The file rows of `experts`, concatenated: by expert (a 3-D tensor,
-/// `fused` false) or the hidden units side by side (one fused MLP).
+/// The file rows of `experts`, concatenated: by expert (a 3-D tensor), or
+/// with `fused_width` > 0 the hidden units side by side as one MLP of that
+/// width, the units past the experts' zero (zero bytes are zero weights in
+/// every type: a zero scale). Zero units add exact zeros: the same function.
 struct ExpertBytes {
   std::vector<std::byte> gate, up, down;
 };
-inline ExpertBytes expert_bytes(const std::vector<packed::PackedExpert>& experts, bool fused) {
+inline ExpertBytes expert_bytes(const std::vector<packed::PackedExpert>& experts, Index fused_width = 0) {
   ExpertBytes out;
   if (experts.empty()) return out;
   const Index d = experts[0].d_model(), f = experts[0].d_ffn();
   const std::size_t gu_row = std::size_t(experts[0].gate_up().row_bytes()), dn_row = std::size_t(experts[0].down().row_bytes());
-  const std::size_t n = experts.size();
-  out.gate.resize(n * std::size_t(f) * gu_row), out.up.resize(out.gate.size()), out.down.resize(n * std::size_t(d) * dn_row);
+  const std::size_t n = experts.size(), units = fused_width > 0 ? std::size_t(fused_width) : n * std::size_t(f);
+  // down rows of the fused MLP: `units` weights, i.e. units / f expert rows' bytes
+  const std::size_t fused_row = fused_width > 0 ? dn_row * units / std::size_t(f) : 0;
+  out.gate.assign(units * gu_row, std::byte{0}), out.up.assign(out.gate.size(), std::byte{0});
+  out.down.assign(fused_width > 0 ? std::size_t(d) * fused_row : n * std::size_t(d) * dn_row, std::byte{0});
   std::vector<std::byte> down(std::size_t(d) * dn_row);
   for (std::size_t e = 0; e < n; ++e) {
-    std::byte* dst = fused ? down.data() : out.down.data() + e * down.size();
+    std::byte* dst = fused_width > 0 ? down.data() : out.down.data() + e * down.size();
     experts[e].file_rows(out.gate.data() + e * std::size_t(f) * gu_row, out.up.data() + e * std::size_t(f) * gu_row, dst);
-    if (fused)  // row i of the fused down matrix: expert 0's row i, then expert 1's, …
+    if (fused_width > 0)  // row i of the fused down matrix: expert 0's row i, then expert 1's, …, then zeros
       for (Index i = 0; i < d; ++i)
-        std::memcpy(out.down.data() + (std::size_t(i) * n + e) * dn_row, down.data() + std::size_t(i) * dn_row, dn_row);
+        std::memcpy(out.down.data() + std::size_t(i) * fused_row + e * dn_row, down.data() + std::size_t(i) * dn_row, dn_row);
   }
   return out;
 }
@@ -167,13 +177,15 @@ void save_gguf_moe(const std::string& path, const PackedMoE<Storage>& layer, con
   f32(tn::kRouter, router.data(), {d, e}, std::size_t(router.size()));
   if (!g::all_zero(layer.bias())) f32(tn::kProbsBias, layer.bias().data(), {e}, std::size_t(e));
   const packed::ExpertDtypes rt = layer.types().routed, st = layer.types().shared;
-  const g::ExpertBytes routed = g::expert_bytes(layer.experts(), false);
+  const g::ExpertBytes routed = g::expert_bytes(layer.experts());
   w.add_tensor(name(tn::kGateExps), g::file_type_of(rt.gate_up), {d, f, e}, routed.gate.data(), routed.gate.size());
   w.add_tensor(name(tn::kUpExps), g::file_type_of(rt.gate_up), {d, f, e}, routed.up.data(), routed.up.size());
   w.add_tensor(name(tn::kDownExps), g::file_type_of(rt.down), {f, d, e}, routed.down.data(), routed.down.size());
-  const g::ExpertBytes shared = g::expert_bytes(layer.shared_experts(), true);
+  // deepseek2: count × f units; qwen2moe: its one expert as it is
+  const Index fused = a.reads_routing_keys ? g::shared_count(c) * c.d_ffn : c.shared_ffn();
+  const g::ExpertBytes shared = g::expert_bytes(layer.shared_experts(), fused);
   if (c.n_shared > 0) {
-    const auto fs = std::uint64_t(c.n_shared * c.shared_ffn());
+    const auto fs = std::uint64_t(fused);
     w.add_tensor(name(tn::kGateShexp), g::file_type_of(st.gate_up), {d, fs}, shared.gate.data(), shared.gate.size());
     w.add_tensor(name(tn::kUpShexp), g::file_type_of(st.gate_up), {d, fs}, shared.up.data(), shared.up.size());
     w.add_tensor(name(tn::kDownShexp), g::file_type_of(st.down), {fs, d}, shared.down.data(), shared.down.size());
