@@ -275,6 +275,25 @@ TEST_CASE("gguf_moe: F16 experts widen to f32 exactly", "[gguf_moe]") {
   CHECK(e.w_up()(3, 7) == quant::fp16_to_fp32(quant::fp32_to_fp16(w)));
 }
 
+TEST_CASE("gguf_moe: llama's feed_forward_length may be a per-block array", "[gguf_moe]") {
+  test::TempDir dir;
+  const MoEFFN<float> moe = arch_layer(MoEFamily::Mixtral, 22);
+  const auto layer = PackedMoE<float>::from(moe, packed::Dtype::q4_0);
+  save_gguf_moe(dir / "scalar.gguf", layer, at_block(MoEFamily::Mixtral));  // unnamed, it would be qwen3moe
+  Edit e;
+  e.key = [](const std::string& k, gguf::Value& v) {
+    if (k == "llama.feed_forward_length") v = gguf::Value::array_of(std::vector<std::uint32_t>{14336, 0, 7, kF});
+    return true;
+  };
+  rewrite(dir / "scalar.gguf", dir / "array.gguf", e);
+  const gguf::File file = gguf::File::open(dir / "array.gguf");
+  REQUIRE(file.at("llama.feed_forward_length").type() == gguf::ValueType::array);
+  const Matrix<float> x = test::rnd<float>(4, kD, 23);
+  CHECK(test::same_bits(load_gguf_moe(file, kBlock).forward(x), layer.forward(x)));
+  CHECK_THROWS_AS(load_gguf_moe(file, 1), ConfigError);  // block 1 has width 0
+  CHECK_THROWS_AS(load_gguf_moe(file, 2), FormatError);  // block 2 has no tensors
+}
+
 TEST_CASE("gguf_moe: bad files are typed errors that leave the destination unchanged", "[gguf_moe]") {
   test::TempDir dir;
   const std::string good = dir / "good.gguf", bad = dir / "bad.gguf";

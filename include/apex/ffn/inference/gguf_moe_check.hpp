@@ -15,6 +15,7 @@
 ///     metadata implies (ShapeError naming both shapes);
 ///  6. gate and up share a type (ConfigError), and the layer fits in memory.
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -206,7 +207,8 @@ inline Plan plan(const std::string& where, const gguf::File& file, Index layer, 
   const packed::ExpertDtypes routed = expert_types(where, p.gate, p.up, p.down);
   p.types = PackedTypes(routed, c.n_shared > 0 ? expert_types(where, p.shared_gate_w, p.shared_up, p.shared_down) : routed);
   // also refuses widths that are not whole blocks of their type
-  PackedMoE<float>::check_fits(where.c_str(), c, std::uint64_t(checked_product(where.c_str(), "staging", {3, std::max(f, fs) > 0 ? Index(std::max(f, fs)) : 1, c.d_model, 4})), p.types);
+  const Index staging = checked_product(where.c_str(), "staging bytes", {3, Index(std::max(f, fs)), c.d_model, 4});
+  PackedMoE<float>::check_fits(where.c_str(), c, std::uint64_t(staging), p.types);
   return p;
 }
 
