@@ -25,6 +25,14 @@
 
 namespace apex::detail::gguf_moe {
 
+/// `v` of key `k` as an Index; ConfigError past 2^40, which no layer has
+/// (and which would overflow the byte counts).
+inline Index checked_count(const std::string& where, const std::string& k, std::uint64_t v) {
+  if (v > std::uint64_t(1) << 40)
+    throw ConfigError(where + ": metadata key '" + k + "' = " + std::to_string(v) + " is too large for a layer");
+  return Index(v);
+}
+
 /// An unsigned count from key `k` of the architecture; `fallback` if absent
 /// and not `required` (FormatError naming the key if required).
 inline Index count_key(const std::string& where, const gguf::File& file, const std::string& k, bool required,
@@ -33,10 +41,7 @@ inline Index count_key(const std::string& where, const gguf::File& file, const s
     if (required) throw FormatError(where + ": the file has no metadata key '" + k + "'");
     return fallback;
   }
-  const auto v = file.get<std::uint64_t>(k);
-  if (v > std::uint64_t(1) << 40)
-    throw ConfigError(where + ": metadata key '" + k + "' = " + std::to_string(v) + " is too large for a layer");
-  return Index(v);
+  return checked_count(where, k, file.get<std::uint64_t>(k));
 }
 
 /// The routed experts' width: the architecture's width key, a per-block
@@ -49,7 +54,7 @@ inline Index width_key(const std::string& where, const gguf::File& file, const g
     if (Index(v.size()) <= layer)
       throw FormatError(where + ": metadata key '" + k + "' has " + std::to_string(v.size()) +
                         " entries, block " + std::to_string(layer) + " has none");
-    return Index(v[std::size_t(layer)]);
+    return checked_count(where, k, v[std::size_t(layer)]);
   }
   return count_key(where, file, k, true);
 }
