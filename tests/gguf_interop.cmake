@@ -1,40 +1,68 @@
-# GGUF MoE blocks written by llama.cpp's own Python writer (PyPI gguf), live:
-# tests/gguf_moe_reference.py writes one block per architecture and tensor
-# type with a numpy reference output of llama.cpp's routing, then
-# apex_ffn_tests "[gguf_moe][python]" loads each and matches it
-# (APEX_FFN_GGUF_PY_DIR). Registered only when test_gguf_moe_python.cpp is
-# part of the build and a Python interpreter can `import gguf, numpy`
-# (APEX_FFN_GGUF_PYTHON, else python3 on the PATH, the pyenv shim,
-# /usr/bin/python3); otherwise a status message says why, and the C++ test
-# itself skips with a message when the directory is not given.
+# GGUF interop with gguf-py (PyPI `gguf`, llama.cpp's Python package), both
+# directions, on the content tests/gguf_interop.py and tests/test_gguf.cpp
+# both state:
+#
+#   gguf.interop.py_writes      gguf_interop.py write: GGUFWriter writes from_py.gguf
+#   gguf.interop.apex_reads     apex_ffn_tests "[.gguf_interop_read]": gguf::File reads it, values and bytes
+#   gguf.interop.apex_writes    apex_ffn_tests "[.gguf_interop_write]": gguf::Writer saves from_apex.gguf
+#   gguf.interop.py_reads       gguf_interop.py check: GGUFReader reads it back identically
+#   gguf.interop.py_type_sizes  gguf_interop.py types: gguf-py's type size table agrees with ours
+#
+# Registered only when test_gguf.cpp is part of the build and a Python
+# interpreter can `import gguf` at configure time. APEX_FFN_GGUF_PYTHON names
+# the interpreter; empty = search python3 on the PATH, then
+# /root/.pyenv/shims/python3 and /usr/bin/python3 (the first that imports gguf).
 
-if(NOT "${CMAKE_CURRENT_SOURCE_DIR}/test_gguf_moe_python.cpp" IN_LIST APEX_FFN_TEST_SOURCES)
+if(NOT "${CMAKE_CURRENT_SOURCE_DIR}/test_gguf.cpp" IN_LIST APEX_FFN_TEST_SOURCES)
   return()
 endif()
-set(APEX_FFN_GGUF_PYTHON "" CACHE FILEPATH "Python with the PyPI gguf package for the GGUF interop test (empty: search)")
-set(_apex_gguf_python "${APEX_FFN_GGUF_PYTHON}")
-if(NOT _apex_gguf_python)
+
+set(APEX_FFN_GGUF_PYTHON "" CACHE FILEPATH "Python with gguf-py for the GGUF interop tests (empty: search)")
+if(NOT APEX_FFN_GGUF_PYTHON AND NOT DEFINED CACHE{APEX_FFN_GGUF_PYTHON_FOUND})
   find_program(_apex_gguf_path_python NAMES python3 NO_CACHE)
+  set(_apex_found "")
   foreach(_py IN ITEMS "${_apex_gguf_path_python}" /root/.pyenv/shims/python3 /usr/bin/python3)
-    if(_py AND EXISTS "${_py}" AND NOT _apex_gguf_python)
+    if(_py AND EXISTS "${_py}" AND NOT _apex_found)
       execute_process(COMMAND "${_py}" -c "import gguf, numpy" RESULT_VARIABLE _rc OUTPUT_QUIET ERROR_QUIET TIMEOUT 120)
       if(_rc EQUAL 0)
-        set(_apex_gguf_python "${_py}")
+        set(_apex_found "${_py}")
       endif()
     endif()
   endforeach()
+  set(APEX_FFN_GGUF_PYTHON_FOUND "${_apex_found}" CACHE INTERNAL "Python that imports gguf (searched once)")
+endif()
+set(_apex_gguf_python "${APEX_FFN_GGUF_PYTHON}")
+if(NOT _apex_gguf_python)
+  set(_apex_gguf_python "${APEX_FFN_GGUF_PYTHON_FOUND}")
 endif()
 if(NOT _apex_gguf_python)
-  message(STATUS "apex-ffn: no Python with the gguf package; GGUF interop test not registered")
+  message(STATUS "apex-ffn: no Python with gguf-py (pip install gguf); GGUF interop tests not registered")
   return()
 endif()
+message(STATUS "apex-ffn: GGUF interop tests use ${_apex_gguf_python}")
 
-set(_apex_gguf_dir "${CMAKE_CURRENT_BINARY_DIR}/interop/gguf")
-add_test(NAME gguf.interop.python_writer
-  COMMAND "${_apex_gguf_python}" "${CMAKE_CURRENT_SOURCE_DIR}/gguf_moe_reference.py" "${_apex_gguf_dir}")
-set_tests_properties(gguf.interop.python_writer PROPERTIES FIXTURES_SETUP apex_ffn_gguf_py LABELS interop)
-add_test(NAME gguf.interop.apex_loads_python
-  COMMAND apex_ffn_tests "[gguf_moe][python]" --warn NoTests)
-set_tests_properties(gguf.interop.apex_loads_python PROPERTIES
-  ENVIRONMENT "APEX_FFN_GGUF_PY_DIR=${_apex_gguf_dir}"
-  FIXTURES_REQUIRED apex_ffn_gguf_py LABELS interop)
+set(_apex_gguf_dir "${CMAKE_CURRENT_BINARY_DIR}/gguf_interop")
+set(_apex_gguf_script "${CMAKE_CURRENT_SOURCE_DIR}/gguf_interop.py")
+file(MAKE_DIRECTORY "${_apex_gguf_dir}")
+
+add_test(NAME gguf.interop.py_writes
+  COMMAND "${_apex_gguf_python}" "${_apex_gguf_script}" write "${_apex_gguf_dir}/from_py.gguf")
+set_tests_properties(gguf.interop.py_writes PROPERTIES FIXTURES_SETUP apex_ffn_gguf_from_py LABELS interop)
+
+add_test(NAME gguf.interop.apex_reads COMMAND apex_ffn_tests "[.gguf_interop_read]" --warn NoTests)
+set_tests_properties(gguf.interop.apex_reads PROPERTIES
+  ENVIRONMENT "APEX_GGUF_INTEROP_DIR=${_apex_gguf_dir}" FIXTURES_REQUIRED apex_ffn_gguf_from_py LABELS interop)
+
+add_test(NAME gguf.interop.apex_writes COMMAND apex_ffn_tests "[.gguf_interop_write]" --warn NoTests)
+set_tests_properties(gguf.interop.apex_writes PROPERTIES
+  ENVIRONMENT "APEX_GGUF_INTEROP_DIR=${_apex_gguf_dir}" FIXTURES_SETUP apex_ffn_gguf_from_apex LABELS interop)
+
+add_test(NAME gguf.interop.py_reads
+  COMMAND "${_apex_gguf_python}" "${_apex_gguf_script}" check "${_apex_gguf_dir}/from_apex.gguf")
+set_tests_properties(gguf.interop.py_reads PROPERTIES
+  FIXTURES_REQUIRED apex_ffn_gguf_from_apex LABELS interop FAIL_REGULAR_EXPRESSION "FAIL")
+
+add_test(NAME gguf.interop.py_type_sizes
+  COMMAND "${_apex_gguf_python}" "${_apex_gguf_script}" types "${_apex_gguf_dir}/types.gguf")
+set_tests_properties(gguf.interop.py_type_sizes PROPERTIES
+  FIXTURES_REQUIRED apex_ffn_gguf_from_apex LABELS interop FAIL_REGULAR_EXPRESSION "FAIL")

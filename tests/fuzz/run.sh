@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer targets — the safetensors loader (fuzz_safetensors)
-# and the shard-index parser (fuzz_shard_index) — and runs each for a
-# bounded time.
+# Builds the libFuzzer targets — the safetensors loader (fuzz_safetensors),
+# the shard-index parser (fuzz_shard_index) and the GGUF reader and writer
+# (fuzz_gguf) — and runs each for a bounded time.
 #
 #   tests/fuzz/run.sh [SECONDS]        (default 60; each target gets SECONDS)
 #
 # Needs clang++ with libFuzzer (Debian: clang, libclang-rt-14-dev), Eigen 3.4
 # and nlohmann-json3-dev. Environment: FUZZ_BUILD_DIR (default build-fuzz),
-# CXX_FUZZ (default clang++). The committed seeds (corpus/, corpus_index/)
-# and past crashes (regressions/, regressions_index/) are read, never
-# modified; new inputs go to $FUZZ_BUILD_DIR/corpus and corpus_index. A crash
-# leaves crash-* in $FUZZ_BUILD_DIR/artifacts (artifacts_index) and a
-# non-zero exit: copy that file into tests/fuzz/regressions/ (or
-# regressions_index/), where test_malformed_files.cpp (test_file_inputs.cpp)
-# replays it on every test run, then fix the reader.
+# CXX_FUZZ (default clang++). The committed seeds (corpus/, corpus_index/,
+# corpus_gguf/) and past crashes (regressions/, regressions_index/,
+# regressions_gguf/) are read, never modified; new inputs go to
+# $FUZZ_BUILD_DIR/corpus, corpus_index and corpus_gguf. A crash leaves
+# crash-* in $FUZZ_BUILD_DIR/artifacts (artifacts_index, artifacts_gguf) and
+# a non-zero exit: copy that file into tests/fuzz/regressions/ (or
+# regressions_index/, regressions_gguf/), where test_malformed_files.cpp
+# (test_file_inputs.cpp, test_gguf.cpp) replays it on every test run, then
+# fix the reader.
 set -euo pipefail
 seconds=${1:-60}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -47,5 +49,7 @@ fuzz() {
 mkdir -p "$out"
 build fuzz_safetensors
 build fuzz_shard_index
+build fuzz_gguf
 fuzz fuzz_safetensors "" safetensors.dict 16384
 fuzz fuzz_shard_index _index shard_index.dict 65536
+fuzz fuzz_gguf _gguf gguf.dict 16384

@@ -195,6 +195,9 @@ inline void Parser::alignment(Header& h) const {
 inline TensorInfo Parser::tensor(std::unordered_set<std::string>& names) {
   TensorInfo t;
   t.name = string("a tensor name", lim.max_string_bytes);
+  // ggml does not check this, but a tensor no name can find is no tensor
+  // (and gguf::Writer could not write it back).
+  if (t.name.empty()) throw fail("tensor " + std::to_string(names.size()) + " has an empty name");
   if (t.name.size() > lim.max_tensor_name_bytes)
     throw fail("tensor name '" + t.name.substr(0, 80) + "' has " + std::to_string(t.name.size()) +
                " bytes, above the limit of " + std::to_string(lim.max_tensor_name_bytes));
