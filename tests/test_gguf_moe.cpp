@@ -369,6 +369,29 @@ TEST_CASE("gguf_moe: bad files are typed errors that leave the destination uncha
     };
     expect(e, Is<ValueError>{}, "NaN");
   }
+  SECTION("gate and up of different types") {
+    const std::string f32 = dir / "f32.gguf";
+    save_gguf_moe(f32, arch_layer(MoEFamily::DeepSeekV3, 40), packed::Dtype::f32, at_block());
+    Edit e;
+    e.tensor = [](gguf::TensorInfo& t, std::vector<unsigned char>& bytes) {
+      if (t.name != gguf::block_tensor(kBlock, "ffn_up_exps.weight")) return true;
+      std::vector<unsigned char> h(bytes.size() / 2);  // the same weights as BF16
+      for (std::size_t i = 0; i < h.size() / 2; ++i) {
+        float v;
+        std::memcpy(&v, bytes.data() + 4 * i, 4);
+        const std::uint16_t b = packed::bf16_bits(v);
+        std::memcpy(h.data() + 2 * i, &b, 2);
+      }
+      bytes = std::move(h);
+      t.type = gguf::TensorType::BF16;
+      return true;
+    };
+    rewrite(f32, bad, e);
+    const gguf::File file = gguf::File::open(bad);
+    CHECK_THROWS_AS(layer = load_gguf_moe(file, kBlock), ConfigError);
+    CHECK_THROWS_WITH(load_gguf_moe(file, kBlock), Catch::Matchers::Contains("gate and up share one packed panel"));
+    CHECK(test::same_bits(layer.forward(x), before));
+  }
   SECTION("the sublayer without its norm") {
     rewrite(good, bad, Edit{});
     CHECK_THROWS_AS(load_gguf_sublayer(gguf::File::open(bad), kBlock), FormatError);
