@@ -1,0 +1,160 @@
+#pragma once
+/// \file inference/gguf_moe.hpp
+/// MoE layers straight from a llama.cpp GGUF model file
+/// (docs/model_files.md#moe-layers-from-gguf-files):
+///
+///     apex::gguf::File file = apex::gguf::File::open("Qwen3-30B-A3B-Q4_K_M.gguf");
+///     auto moe = apex::load_gguf_moe(file, 7);            // PackedMoE in the file's types
+///     auto sub = apex::load_gguf_sublayer(file, 7);       // with blk.7.ffn_norm
+///     auto ref = apex::load_gguf_moe_float<float>(file, 7);  // MoEFFN, dequantized
+///
+/// The architecture (io/gguf_architectures.hpp) gives the layer's keys,
+/// tensors and routing; every check (inference/gguf_moe_check.hpp) runs on
+/// metadata and tensor infos before the first weight is touched, and a
+/// loader returns a new layer, so a rejected load changes nothing the caller
+/// holds. The experts' bytes are moved from the mapping into packed panels
+/// of the file's types without re-quantization (F16: widened to f32,
+/// exactly). The router, selection bias, shared gate and norm are decoded to
+/// float, whatever their type. A router weight or bias with NaN or Inf is a
+/// ValueError (the float layer rejects the logits it would give).
+///
+/// The MoE pipeline knows nothing of GGUF: these loaders only assemble a
+/// PackedMoE / MoEFFN from parts.
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../core/errors.hpp"
+#include "../layers/ffn_sublayer.hpp"
+#include "../moe/moe_ffn.hpp"
+#include "gguf_moe_check.hpp"
+#include "packed_moe.hpp"
+#include "packed_sublayer.hpp"
+
+namespace apex {
+
+namespace detail::gguf_moe {
+
+/// The first byte of tensor t in the file (the mapping).
+inline const std::byte* bytes_of(const gguf::File& file, const Tensor& t) {
+  return reinterpret_cast<const std::byte*>(file.data(*t.info));
+}
+
+/// `rows` rows × `cols` of tensor t as floats (rows × cols, row-major),
+/// starting at row `row0` of its flattened rows.
+inline Matrix<float> decode(const gguf::File& file, const Tensor& t, Index row0, Index rows, Index cols) {
+  Matrix<float> m(rows, cols);
+  const std::size_t row_bytes = std::size_t(t.info->nbytes / t.info->rows());
+  decode_rows(t.info->type, bytes_of(file, t) + std::size_t(row0) * row_bytes, rows, cols, m.data());
+  return m;
+}
+
+/// The router weight (E × d) and selection bias (1 × E); ValueError for NaN or Inf.
+inline std::pair<Matrix<float>, RowVector<float>> router_and_bias(const std::string& where, const gguf::File& file,
+                                                                  const Plan& p) {
+  const MoEConfig& c = p.config;
+  Matrix<float> router = decode(file, p.router, 0, c.n_experts, c.d_model);
+  RowVector<float> bias = RowVector<float>::Zero(c.n_experts);
+  if (p.bias.info) bias = decode(file, p.bias, 0, 1, c.n_experts);
+  for (const auto& [name, ok] : {std::pair<const char*, bool>{gguf::tensor_names::kRouter, router.allFinite()},
+                                 {gguf::tensor_names::kProbsBias, bias.allFinite()}})
+    if (!ok)
+      throw ValueError(where + ": tensor '" + gguf::block_tensor(p.layer, name) +
+                       "' contains NaN or Inf (the float layer rejects the router logits it would give)");
+  return {std::move(router), std::move(bias)};
+}
+
+/// Rows r0 … r0 + n − 1 of tensor t in file form: a pointer into the
+/// mapping, or for F16 the rows widened to f32 (exact) in `staging`.
+inline const std::byte* file_rows(const gguf::File& file, const Tensor& t, Index r0, Index n, Index cols,
+                                  std::vector<float>& staging) {
+  const std::size_t row_bytes = std::size_t(t.info->nbytes / t.info->rows());
+  const std::byte* src = bytes_of(file, t) + std::size_t(r0) * row_bytes;
+  if (!t.widened) return src;
+  staging.resize(std::size_t(n * cols));
+  decode_rows(t.info->type, src, n, cols, staging.data());
+  return reinterpret_cast<const std::byte*>(staging.data());
+}
+
+/// Expert `e` (d × width) of a gate/up/down triple (3-D; the 2-D shared
+/// one is e = 0), its rows moved into the panels as they are.
+inline packed::PackedExpert expert(const gguf::File& file, const Tensor& g, const Tensor& u, const Tensor& dn, Index e,
+                                   Index d, Index width) {
+  std::vector<float> sg, su, sd;  // F16 staging only
+  return packed::PackedExpert::from_file_rows(d, width, {g.dtype, dn.dtype},
+                                              file_rows(file, g, e * width, width, d, sg),
+                                              file_rows(file, u, e * width, width, d, su),
+                                              file_rows(file, dn, e * d, d, width, sd));
+}
+
+}  // namespace detail::gguf_moe
+
+/// The MoE layer of block `layer` of `file` as a PackedMoE in the file's
+/// types (layer.types()): see the file comment. `Storage` is only the layer's
+/// default type for from(); the experts keep the file's.
+template <class Storage = float>
+PackedMoE<Storage> load_gguf_moe(const gguf::File& file, Index layer) {
+  namespace g = detail::gguf_moe;
+  const std::string where = "load_gguf_moe(" + file.description() + ", block " + std::to_string(layer) + ")";
+  const g::Plan p = g::plan(where, file, layer, false);
+  const MoEConfig& c = p.config;
+  auto [router, bias] = g::router_and_bias(where, file, p);
+  std::vector<packed::PackedExpert> experts, shared;
+  experts.reserve(std::size_t(c.n_experts));
+  for (Index e = 0; e < c.n_experts; ++e) experts.push_back(g::expert(file, p.gate, p.up, p.down, e, c.d_model, c.d_ffn));
+  if (c.n_shared > 0) shared.push_back(g::expert(file, p.shared_gate_w, p.shared_up, p.shared_down, 0, c.d_model, c.shared_ffn()));
+  Matrix<float> shared_gate;  // 1 × d, or empty
+  if (c.shared_expert_gate) shared_gate = g::decode(file, p.shared_gate, 0, 1, c.d_model);
+  return PackedMoE<Storage>(c, router, bias, std::move(experts), {}, std::move(shared), std::move(shared_gate));
+}
+
+/// The same block as a float MoEFFN<T>: every weight decoded to float (a
+/// quantized file's through ggml's dequantizers), then converted to T.
+template <class T = float>
+MoEFFN<T> load_gguf_moe_float(const gguf::File& file, Index layer) {
+  namespace g = detail::gguf_moe;
+  const std::string where = "load_gguf_moe_float(" + file.description() + ", block " + std::to_string(layer) + ")";
+  const g::Plan p = g::plan(where, file, layer, false);
+  const MoEConfig& c = p.config;
+  auto [router, bias] = g::router_and_bias(where, file, p);
+  MoEFFN<T> out(c);
+  out.router().weight() = router.cast<T>();
+  out.balancer().set_bias(bias.cast<T>());
+  const Index d = c.d_model, f = c.d_ffn;
+  for (Index e = 0; e < c.n_experts; ++e) {
+    auto& x = out.experts()[std::size_t(e)];
+    x.w_gate() = g::decode(file, p.gate, e * f, f, d).cast<T>();
+    x.w_up() = g::decode(file, p.up, e * f, f, d).cast<T>();
+    x.w_down() = g::decode(file, p.down, e * d, d, f).cast<T>();
+  }
+  if (c.n_shared > 0) {
+    auto& s = out.shared_experts()[0];
+    const Index fs = c.shared_ffn();
+    s.w_gate() = g::decode(file, p.shared_gate_w, 0, fs, d).cast<T>();
+    s.w_up() = g::decode(file, p.shared_up, 0, fs, d).cast<T>();
+    s.w_down() = g::decode(file, p.shared_down, 0, d, fs).cast<T>();
+  }
+  if (c.shared_expert_gate)
+    for (auto& q : out.param_values())
+      if (q.name == state_names::kSharedGate) q.value() = g::decode(file, p.shared_gate, 0, 1, d).cast<T>();
+  return out;
+}
+
+/// The FFN sublayer of block `layer`: RMSNorm with gain `blk.N.ffn_norm.weight`
+/// and ε `<arch>.attention.layer_norm_rms_epsilon` (FormatError if either is
+/// absent), around load_gguf_moe, in inference mode.
+template <class Storage = float>
+PackedSublayer<PackedMoE<Storage>> load_gguf_sublayer(const gguf::File& file, Index layer) {
+  namespace g = detail::gguf_moe;
+  const std::string where = "load_gguf_sublayer(" + file.description() + ", block " + std::to_string(layer) + ")";
+  const g::Plan p = g::plan(where, file, layer, true);
+  RMSNorm<float> norm(p.config.d_model, p.rms_eps);
+  norm.gain() = g::decode(file, p.norm, 0, 1, p.config.d_model);
+  PackedSublayer<PackedMoE<Storage>> out(p.config.d_model, load_gguf_moe<Storage>(file, layer));
+  out.norm() = std::move(norm);
+  out.set_mode(SublayerMode::inference);
+  return out;
+}
+
+}  // namespace apex

@@ -1,0 +1,39 @@
+# GGUF MoE blocks written by llama.cpp's own Python writer (PyPI gguf), live:
+# tests/gguf_moe_reference.py writes one block per architecture and tensor
+# type with a numpy reference output of llama.cpp's routing, then
+# apex_ffn_tests "[gguf_moe][python]" loads each and matches it
+# (APEX_FFN_GGUF_PY_DIR). Registered only when test_gguf_moe_python.cpp is
+# part of the build and a Python interpreter can `import gguf, numpy`
+# (APEX_FFN_GGUF_PYTHON, else python3 on the PATH, then
+# /usr/bin/python3); otherwise a status message says why, and the C++ test
+# itself skips with a message when the directory is not given.
+
+if(NOT "${CMAKE_CURRENT_SOURCE_DIR}/test_gguf_moe_python.cpp" IN_LIST APEX_FFN_TEST_SOURCES)
+  return()
+endif()
+set(_apex_ggufmoe_python "${APEX_FFN_GGUF_PYTHON}")
+if(NOT _apex_ggufmoe_python)
+  find_program(_apex_ggufmoe_path_python NAMES python3 NO_CACHE)
+  foreach(_py IN ITEMS "${_apex_ggufmoe_path_python}" /usr/bin/python3)
+    if(_py AND EXISTS "${_py}" AND NOT _apex_ggufmoe_python)
+      execute_process(COMMAND "${_py}" -c "import gguf, numpy" RESULT_VARIABLE _rc OUTPUT_QUIET ERROR_QUIET TIMEOUT 120)
+      if(_rc EQUAL 0)
+        set(_apex_ggufmoe_python "${_py}")
+      endif()
+    endif()
+  endforeach()
+endif()
+if(NOT _apex_ggufmoe_python)
+  message(STATUS "apex-ffn: no Python with the gguf package; GGUF interop test not registered")
+  return()
+endif()
+
+set(_apex_ggufmoe_dir "${CMAKE_CURRENT_BINARY_DIR}/interop/gguf_moe")
+add_test(NAME gguf_moe.interop.python_writer
+  COMMAND "${_apex_ggufmoe_python}" "${CMAKE_CURRENT_SOURCE_DIR}/gguf_moe_reference.py" "${_apex_ggufmoe_dir}")
+set_tests_properties(gguf_moe.interop.python_writer PROPERTIES FIXTURES_SETUP apex_ffn_gguf_moe_py LABELS interop)
+add_test(NAME gguf_moe.interop.apex_loads_python
+  COMMAND apex_ffn_tests "[gguf_moe][python]" --warn NoTests)
+set_tests_properties(gguf_moe.interop.apex_loads_python PROPERTIES
+  ENVIRONMENT "APEX_FFN_GGUF_PY_DIR=${_apex_ggufmoe_dir}"
+  FIXTURES_REQUIRED apex_ffn_gguf_moe_py LABELS interop)

@@ -1,0 +1,399 @@
+// MoE layers from and to GGUF files (inference/gguf_moe.hpp,
+// inference/gguf_moe_save.hpp): every architecture of the table in every
+// storage type round-trips to the same bits; the packed layer loaded from a
+// file matches the float layer dequantized from the same file within the
+// type's error; F16 widens exactly; APEX-1's router and fused shared experts
+// are written as deepseek2; and every kind of bad file is a typed error that
+// leaves the destination as it was.
+#include <catch2/catch.hpp>
+
+#include <apex/ffn/inference.hpp>
+#include <apex/ffn/inference/gguf_moe.hpp>
+#include <apex/ffn/inference/gguf_moe_save.hpp>
+#include <apex/ffn/io/gguf.hpp>
+#include <apex/ffn/quant/half.hpp>
+
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bits.hpp"
+#include "fixtures.hpp"
+#include "temp_dir.hpp"
+
+using namespace apex;
+
+namespace {
+
+constexpr Index kD = 256, kF = 256;  // whole Q4_K / Q6_K super-blocks
+constexpr Index kBlock = 3;          // the block index written and read
+
+/// One test layer per architecture: llama.cpp's routing of the family at test sizes.
+MoEConfig arch_config(MoEFamily fam) {
+  MoEConfig c;
+  c.d_model = kD, c.d_ffn = kF, c.n_experts = 8, c.n_active = 2;
+  c.routing = family_routing(fam);
+  if (fam == MoEFamily::Qwen2MoE) c.n_shared = 1, c.d_shared_ffn = 512, c.shared_expert_gate = true;
+  if (fam == MoEFamily::DeepSeekV3) {
+    c.n_experts = 16, c.routing.n_groups = 4, c.routing.topk_group = 2;
+    c.n_shared = 1, c.d_shared_ffn = 512;  // expert_shared_count 2
+  }
+  return c;
+}
+
+MoEFFN<float> arch_layer(MoEFamily fam, std::uint64_t seed) {
+  MoEFFN<float> m(arch_config(fam), seed);
+  if (fam == MoEFamily::DeepSeekV3) m.balancer().set_bias(test::rnd<float>(1, 16, seed + 7, 0.1));
+  return m;
+}
+
+const packed::Dtype kTypes[] = {packed::Dtype::f32,  packed::Dtype::bf16, packed::Dtype::q8_0, packed::Dtype::q4_0,
+                                packed::Dtype::q4_k, packed::Dtype::q6_k, packed::Dtype::mxfp4};
+
+/// The relative error bound of a type against the float layer (docs/quantized_formats.md, with margin).
+double type_bound(packed::Dtype t) {
+  switch (t) {
+    case packed::Dtype::f32: return 1e-5;
+    case packed::Dtype::bf16: return 6e-3;
+    case packed::Dtype::q8_0: return 2.5e-2;
+    case packed::Dtype::q6_k: return 5e-2;
+    case packed::Dtype::q4_k: return 1.5e-1;
+    case packed::Dtype::q4_0: return 1.7e-1;
+    case packed::Dtype::mxfp4: return 4e-1;
+  }
+  return 0;
+}
+
+GgufSaveOptions at_block(std::optional<MoEFamily> fam = {}) {
+  GgufSaveOptions o;
+  o.layer = kBlock;
+  o.family = fam;
+  return o;
+}
+
+/// A copy of `src` with edits: `key` may replace or drop a metadata value
+/// (return false to drop), `tensor` may drop one (false) or change its type,
+/// shape and bytes.
+struct Edit {
+  std::function<bool(const std::string&, gguf::Value&)> key;
+  std::function<bool(gguf::TensorInfo&, std::vector<unsigned char>&)> tensor;
+};
+void rewrite(const std::string& src, const std::string& dst, const Edit& e) {
+  const gguf::File in = gguf::File::open(src);
+  gguf::Writer w;
+  for (const gguf::Value& v0 : in.metadata()) {
+    gguf::Value v = v0;
+    const std::string k = v0.key();
+    if (k == "general.alignment") continue;
+    if (!e.key || e.key(k, v)) w.set(k, v);
+  }
+  std::vector<std::vector<unsigned char>> keep;
+  keep.reserve(in.tensors().size());
+  for (const gguf::TensorInfo& t0 : in.tensors()) {
+    gguf::TensorInfo t = t0;
+    keep.emplace_back(in.data(t0), in.data(t0) + t0.nbytes);
+    if (e.tensor && !e.tensor(t, keep.back())) continue;
+    w.add_tensor(t.name, t.type, t.ne, keep.back().data(), keep.back().size());
+  }
+  w.save(dst);
+}
+
+/// An exception type as a value, for a lambda that expects it.
+template <class T>
+struct Is {
+  using type = T;
+};
+
+std::string blk(const char* name) { return gguf::block_tensor(kBlock, name); }
+
+}  // namespace
+
+TEST_CASE("gguf_moe: every architecture round-trips in every storage type to the same bits", "[gguf_moe]") {
+  test::TempDir dir;
+  const Matrix<float> x = test::rnd<float>(9, kD, 5);
+  std::uint64_t seed = 10;
+  for (MoEFamily fam : kAllFamilies) {
+    const MoEFFN<float> moe = arch_layer(fam, seed++);
+    for (packed::Dtype t : kTypes) {
+      INFO(family_name(fam) << " in " << packed::dtype_name(t));
+      const auto layer = PackedMoE<float>::from(moe, t);
+      const std::string path = dir / "layer.gguf";
+      save_gguf_moe(path, layer, at_block(fam));
+      const gguf::File file = gguf::File::open(path);
+      CHECK(file.architecture() == gguf::architecture_of(fam).name);
+      const auto loaded = load_gguf_moe(file, kBlock);
+      CHECK(loaded.types() == layer.types());
+      const MoEConfig& a = loaded.config();
+      const MoEConfig& b = layer.config();
+      CHECK(a.n_experts == b.n_experts);
+      CHECK(a.n_shared == b.n_shared);
+      CHECK(a.shared_ffn() == b.shared_ffn());
+      CHECK(a.routing.scoring == b.routing.scoring);
+      CHECK(a.routing.renormalize == b.routing.renormalize);
+      CHECK(a.routing.n_groups == b.routing.n_groups);
+      CHECK(a.routing.routed_scale == b.routing.routed_scale);
+      CHECK(test::same_bits(loaded.bias(), layer.bias()));
+      CHECK(test::same_bits(loaded.forward(x), layer.forward(x)));
+    }
+  }
+}
+
+TEST_CASE("gguf_moe: the packed layer matches the float layer dequantized from the same file", "[gguf_moe]") {
+  test::TempDir dir;
+  const Matrix<float> x = test::rnd<float>(13, kD, 6);
+  std::uint64_t seed = 30;
+  for (MoEFamily fam : kAllFamilies) {
+    const MoEFFN<float> moe = arch_layer(fam, seed++);
+    for (packed::Dtype t : kTypes) {
+      INFO(family_name(fam) << " in " << packed::dtype_name(t));
+      const std::string path = dir / "layer.gguf";
+      save_gguf_moe(path, moe, t, at_block());
+      const gguf::File file = gguf::File::open(path);
+      const auto packed = load_gguf_moe(file, kBlock);
+      const auto fl = load_gguf_moe_float<float>(file, kBlock);
+      const auto dbl = load_gguf_moe_float<double>(file, kBlock);
+      const Matrix<float> y = packed.forward(x), y_float = fl.forward(x);
+      const Matrix<double> y_double = dbl.forward(x.cast<double>());
+      // The packed layer of the dequantized weights, packed again in the type.
+      const Matrix<float> y_repacked = PackedMoE<float>::from(fl, t).forward(x);
+      const auto rel = [](const Matrix<double>& a, const Matrix<double>& b) { return (a - b).norm() / b.norm(); };
+      CHECK(rel(y.cast<double>(), y_double) < type_bound(t));
+      CHECK(rel(y_repacked.cast<double>(), y_double) < type_bound(t));
+      CHECK(rel(y_float.cast<double>(), y_double) < 1e-5);
+      // The f32 file holds the float layer's own weights: its output.
+      if (t == packed::Dtype::f32) CHECK(rel(y.cast<double>(), moe.forward(x).cast<double>()) < 1e-5);
+    }
+  }
+}
+
+TEST_CASE("gguf_moe: mixed types, the sublayer with ffn_norm, APEX-1 as deepseek2", "[gguf_moe]") {
+  test::TempDir dir;
+  const Matrix<float> x = test::rnd<float>(7, kD, 8);
+  const std::string path = dir / "layer.gguf";
+  SECTION("Q4_K_M-style: routed q4_k/q6_k, shared q8_0") {
+    const MoEFFN<float> moe = arch_layer(MoEFamily::Qwen2MoE, 3);
+    const PackedTypes types({packed::Dtype::q4_k, packed::Dtype::q6_k}, packed::Dtype::q8_0);
+    const auto layer = PackedMoE<float>::from(moe, types);
+    save_gguf_moe(path, layer, at_block());
+    const gguf::File file = gguf::File::open(path);
+    CHECK(file.tensor(blk("ffn_down_exps.weight")).type == gguf::TensorType::Q6_K);
+    CHECK(file.tensor(blk("ffn_up_shexp.weight")).type == gguf::TensorType::Q8_0);
+    const auto loaded = load_gguf_moe(file, kBlock);
+    CHECK(loaded.types() == types);
+    CHECK(test::same_bits(loaded.forward(x), layer.forward(x)));
+  }
+  SECTION("the sublayer: RMSNorm gain and epsilon from ffn_norm and the metadata") {
+    FFNSublayer<float, MoEFFN<float>> sub(kD, arch_layer(MoEFamily::Qwen3MoE, 4));
+    sub.norm().gain() = test::rnd<float>(1, kD, 9, 0.2).array() + 1.0f;
+    const auto packed = pack_sublayer<packed::q8_0>(sub);
+    save_gguf_sublayer(path, packed, at_block());
+    const gguf::File file = gguf::File::open(path);
+    const auto loaded = load_gguf_sublayer(file, kBlock);
+    CHECK(loaded.norm().eps() == packed.norm().eps());
+    CHECK(test::same_bits(loaded.forward(x), packed.forward(x)));
+  }
+  SECTION("APEX-1's router: deepseek2 with expert_gating_func 3, exact while the bias is zero") {
+    MoEConfig c = ModelPreset::tiny().moe();  // d 64, f 128, E 4, K 2, S 1, softmax over the selected
+    const MoEFFN<float> moe(c, 11);
+    const auto layer = PackedMoE<float>::from(moe);
+    save_gguf_moe(path, layer, at_block());
+    const gguf::File file = gguf::File::open(path);
+    CHECK(file.architecture() == "deepseek2");
+    CHECK(file.get<std::uint32_t>("deepseek2.expert_gating_func") == 3);
+    const Matrix<float> xt = test::rnd<float>(7, 64, 12);
+    CHECK(test::same_bits(load_gguf_moe(file, kBlock).forward(xt), layer.forward(xt)));
+    MoEFFN<float> biased(c, 11);
+    biased.balancer().set_bias(test::rnd<float>(1, 4, 13));
+    CHECK_THROWS_AS(save_gguf_moe(path, biased), ConfigError);
+    biased.set_weights_from_unbiased(true);  // then llama.cpp's softmax-weight rule is exact
+    save_gguf_moe(path, biased, packed::Dtype::f32, at_block());
+    CHECK(test::same_bits(load_gguf_moe(gguf::File::open(path), kBlock).forward(xt),
+                          PackedMoE<float>::from(biased).forward(xt)));
+  }
+  SECTION("shared experts are written as one MLP of whole d_ffn, zero-padded: the same function") {
+    MoEConfig c = ModelPreset::tiny().moe();  // d_ffn 128
+    c.n_shared = 2;
+    for (Index fs : {Index(128), Index(96)})  // 2 x 128 = 2 d_ffn; 2 x 96 = 192, padded to 256
+      for (packed::Dtype t : {packed::Dtype::f32, packed::Dtype::q8_0}) {
+        INFO("d_shared_ffn " << fs << " in " << packed::dtype_name(t));
+        c.d_shared_ffn = fs;
+        const MoEFFN<float> moe(c, 14);
+        const auto layer = PackedMoE<float>::from(moe, t);
+        save_gguf_moe(path, layer, at_block());
+        const gguf::File file = gguf::File::open(path);
+        CHECK(file.get<std::uint32_t>("deepseek2.expert_shared_count") == 2);
+        const auto loaded = load_gguf_moe(file, kBlock);
+        CHECK(loaded.config().n_shared == 1);
+        CHECK(loaded.config().shared_ffn() == 2 * c.d_ffn);
+        const Matrix<float> xt = test::rnd<float>(7, 64, 15);
+        const Matrix<float> y = loaded.forward(xt), want = layer.forward(xt);
+        CHECK((y - want).norm() <= 1e-5 * want.norm());
+      }
+  }
+  SECTION("what llama.cpp cannot express is refused before a byte is written") {
+    MoEConfig c = arch_config(MoEFamily::Qwen3MoE);
+    c.routing.capacity_factor = 1.25;
+    CHECK_THROWS_AS(save_gguf_moe(path, MoEFFN<float>(c, 1)), ConfigError);
+    CHECK_THROWS_AS(save_gguf_moe(path, MoEFFN<float>(arch_config(MoEFamily::OLMoE), 1), packed::Dtype::f32,
+                                  at_block(MoEFamily::Qwen3MoE)),
+                    ConfigError);  // qwen3moe renormalises, OLMoE does not
+    CHECK(dir.entries() == 0);
+  }
+}
+
+TEST_CASE("gguf_moe: F16 experts widen to f32 exactly", "[gguf_moe]") {
+  test::TempDir dir;
+  const MoEFFN<float> moe = arch_layer(MoEFamily::Mixtral, 21);
+  save_gguf_moe(dir / "f32.gguf", moe, packed::Dtype::f32, at_block());
+  Edit to_f16;
+  to_f16.tensor = [](gguf::TensorInfo& t, std::vector<unsigned char>& bytes) {
+    if (t.name.find("_exps") == std::string::npos) return true;
+    std::vector<unsigned char> h(bytes.size() / 2);
+    for (std::size_t i = 0; i < h.size() / 2; ++i) {
+      float v;
+      std::memcpy(&v, bytes.data() + 4 * i, 4);
+      const std::uint16_t b = quant::fp32_to_fp16(v);
+      std::memcpy(h.data() + 2 * i, &b, 2);
+    }
+    bytes = std::move(h);
+    t.type = gguf::TensorType::F16;
+    return true;
+  };
+  rewrite(dir / "f32.gguf", dir / "f16.gguf", to_f16);
+  const gguf::File file = gguf::File::open(dir / "f16.gguf");
+  const auto packed = load_gguf_moe(file, kBlock);
+  CHECK(packed.types() == PackedTypes(packed::Dtype::f32));
+  const auto fl = load_gguf_moe_float<float>(file, kBlock);
+  // The packed weights are the F16 values, exactly.
+  const auto& e = packed.experts()[5];
+  CHECK(test::same_bits(e.w_gate(), fl.experts()[5].w_gate()));
+  CHECK(test::same_bits(e.w_down(), fl.experts()[5].w_down()));
+  const float w = moe.experts()[5].w_up()(3, 7);
+  CHECK(e.w_up()(3, 7) == quant::fp16_to_fp32(quant::fp32_to_fp16(w)));
+}
+
+TEST_CASE("gguf_moe: llama's feed_forward_length may be a per-block array", "[gguf_moe]") {
+  test::TempDir dir;
+  const MoEFFN<float> moe = arch_layer(MoEFamily::Mixtral, 22);
+  const auto layer = PackedMoE<float>::from(moe, packed::Dtype::q4_0);
+  save_gguf_moe(dir / "scalar.gguf", layer, at_block(MoEFamily::Mixtral));  // unnamed, it would be qwen3moe
+  Edit e;
+  e.key = [](const std::string& k, gguf::Value& v) {
+    if (k == "llama.feed_forward_length") v = gguf::Value::array_of(std::vector<std::uint32_t>{14336, 0, 7, kF});
+    return true;
+  };
+  rewrite(dir / "scalar.gguf", dir / "array.gguf", e);
+  const gguf::File file = gguf::File::open(dir / "array.gguf");
+  REQUIRE(file.at("llama.feed_forward_length").type() == gguf::ValueType::array);
+  const Matrix<float> x = test::rnd<float>(4, kD, 23);
+  CHECK(test::same_bits(load_gguf_moe(file, kBlock).forward(x), layer.forward(x)));
+  CHECK_THROWS_AS(load_gguf_moe(file, 1), ConfigError);  // block 1 has width 0
+  CHECK_THROWS_AS(load_gguf_moe(file, 2), FormatError);  // block 2 has no tensors
+}
+
+TEST_CASE("gguf_moe: bad files are typed errors that leave the destination unchanged", "[gguf_moe]") {
+  test::TempDir dir;
+  const std::string good = dir / "good.gguf", bad = dir / "bad.gguf";
+  save_gguf_moe(good, arch_layer(MoEFamily::DeepSeekV3, 40), packed::Dtype::q8_0, at_block());
+  const Matrix<float> x = test::rnd<float>(5, kD, 41);
+  auto layer = load_gguf_moe(gguf::File::open(good), kBlock);
+  const Matrix<float> before = layer.forward(x);
+  const auto expect = [&](const Edit& e, auto tag, const char* text, Index block = kBlock) {
+    rewrite(good, bad, e);
+    using E = typename decltype(tag)::type;
+    const gguf::File file = gguf::File::open(bad);
+    CHECK_THROWS_AS(layer = load_gguf_moe(file, block), E);
+    CHECK_THROWS_WITH(load_gguf_moe(file, block), Catch::Matchers::Contains(text));
+    CHECK_THROWS_AS(load_gguf_moe_float<double>(file, block), E);
+    CHECK(test::same_bits(layer.forward(x), before));
+  };
+  const auto set_key = [](const char* key, gguf::Value v) {
+    Edit e;
+    e.key = [key, v](const std::string& k, gguf::Value& out) {
+      if (k == key) out = v;
+      return true;
+    };
+    return e;
+  };
+  const auto drop_tensor = [](std::string name) {
+    Edit e;
+    e.tensor = [name](gguf::TensorInfo& t, std::vector<unsigned char>&) { return t.name != name; };
+    return e;
+  };
+  SECTION("an architecture not in the table") {
+    expect(set_key("general.architecture", gguf::Value::of("gpt2")), Is<ConfigError>{}, "'gpt2'");
+  }
+  SECTION("a missing tensor") {
+    expect(drop_tensor(blk("ffn_up_exps.weight")), Is<FormatError>{}, "blk.3.ffn_up_exps.weight");
+  }
+  SECTION("a missing key") {
+    Edit e;
+    e.key = [](const std::string& k, gguf::Value&) { return k != "deepseek2.expert_used_count"; };
+    expect(e, Is<FormatError>{}, "deepseek2.expert_used_count");
+  }
+  SECTION("a key of the wrong type") {
+    expect(set_key("deepseek2.expert_count", gguf::Value::of("16")), Is<FormatError>{}, "expert_count");
+  }
+  SECTION("metadata that disagrees with the tensors: a wrong shape") {
+    expect(set_key("deepseek2.expert_count", gguf::Value::of(std::uint32_t(8))), Is<ShapeError>{},
+           "blk.3.ffn_gate_inp.weight is [256, 16], the metadata implies [256, 8]");
+  }
+  SECTION("a tensor type without storage") {
+    Edit e;
+    e.tensor = [](gguf::TensorInfo& t, std::vector<unsigned char>&) {
+      if (t.name == gguf::block_tensor(kBlock, "ffn_gate_inp.weight")) t.type = gguf::TensorType::I32;
+      return true;
+    };
+    expect(e, Is<FormatError>{}, "i32");
+  }
+  SECTION("a gating function the library lacks") {
+    expect(set_key("deepseek2.expert_gating_func", gguf::Value::of(std::uint32_t(7))), Is<ConfigError>{},
+           "expert_gating_func");
+  }
+  SECTION("a leading dense block, and a block past the end") {
+    expect(set_key("deepseek2.leading_dense_block_count", gguf::Value::of(std::uint32_t(4))), Is<ConfigError>{},
+           "dense FFN block");
+    expect(Edit{}, Is<ConfigError>{}, "does not exist", 9);
+  }
+  SECTION("a non-finite router weight") {
+    Edit e;
+    e.tensor = [](gguf::TensorInfo& t, std::vector<unsigned char>& b) {
+      if (t.name == gguf::block_tensor(kBlock, "ffn_gate_inp.weight")) {
+        const float nan = std::numeric_limits<float>::quiet_NaN();
+        std::memcpy(b.data() + 40, &nan, 4);
+      }
+      return true;
+    };
+    expect(e, Is<ValueError>{}, "NaN");
+  }
+  SECTION("gate and up of different types") {
+    const std::string f32 = dir / "f32.gguf";
+    save_gguf_moe(f32, arch_layer(MoEFamily::DeepSeekV3, 40), packed::Dtype::f32, at_block());
+    Edit e;
+    e.tensor = [](gguf::TensorInfo& t, std::vector<unsigned char>& bytes) {
+      if (t.name != gguf::block_tensor(kBlock, "ffn_up_exps.weight")) return true;
+      std::vector<unsigned char> h(bytes.size() / 2);  // the same weights as BF16
+      for (std::size_t i = 0; i < h.size() / 2; ++i) {
+        float v;
+        std::memcpy(&v, bytes.data() + 4 * i, 4);
+        const std::uint16_t b = packed::bf16_bits(v);
+        std::memcpy(h.data() + 2 * i, &b, 2);
+      }
+      bytes = std::move(h);
+      t.type = gguf::TensorType::BF16;
+      return true;
+    };
+    rewrite(f32, bad, e);
+    const gguf::File file = gguf::File::open(bad);
+    CHECK_THROWS_AS(layer = load_gguf_moe(file, kBlock), ConfigError);
+    CHECK_THROWS_WITH(load_gguf_moe(file, kBlock), Catch::Matchers::Contains("gate and up share one packed panel"));
+    CHECK(test::same_bits(layer.forward(x), before));
+  }
+  SECTION("the sublayer without its norm") {
+    rewrite(good, bad, Edit{});
+    CHECK_THROWS_AS(load_gguf_sublayer(gguf::File::open(bad), kBlock), FormatError);
+  }
+}
