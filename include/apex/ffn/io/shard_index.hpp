@@ -66,12 +66,14 @@ inline constexpr int kMaxShardIndexNesting = 16;
 
 namespace detail {
 
-/// Streaming checks while nlohmann/json parses an index: nesting beyond
-/// kMaxShardIndexNesting and duplicate keys, in any object. Throws
-/// FormatError starting with `where`.
+/// Streaming checks while nlohmann/json parses a small JSON file of a model
+/// folder (an index, a config.json): nesting beyond kMaxShardIndexNesting
+/// and duplicate keys, in any object. Throws FormatError starting with
+/// `where`; `what` names the file in messages ("the index").
 class ShardIndexGuard {
  public:
-  explicit ShardIndexGuard(std::string where) : where_(std::move(where)) {}
+  explicit ShardIndexGuard(std::string where, std::string what = "the index")
+      : where_(std::move(where)), what_(std::move(what)) {}
 
   bool operator()(int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
     using E = nlohmann::json::parse_event_t;
@@ -80,7 +82,7 @@ class ShardIndexGuard {
       case E::array_start:
         // `depth` counts the containers already open around this one.
         if (depth >= kMaxShardIndexNesting)
-          throw FormatError(where_ + ": the index nests arrays or objects deeper than " +
+          throw FormatError(where_ + ": " + what_ + " nests arrays or objects deeper than " +
                             std::to_string(kMaxShardIndexNesting) + " levels");
         open_.push_back({{}, open_.empty() ? std::string() : open_.back().name});
         break;
@@ -88,7 +90,7 @@ class ShardIndexGuard {
         Open& o = open_.back();
         o.name = parsed.get_ref<const std::string&>();
         if (!o.keys.insert(o.name).second)
-          throw FormatError(where_ + ": the index repeats the key " + safetensors::quote_name(o.name) +
+          throw FormatError(where_ + ": " + what_ + " repeats the key " + safetensors::quote_name(o.name) +
                             (open_.size() == 1 ? std::string(" at its top level")
                                                : " in " + safetensors::quote_name(open_[open_.size() - 2].name)));
         break;
@@ -108,7 +110,7 @@ class ShardIndexGuard {
     std::set<std::string> keys;  // of an object; empty for an array
     std::string name;            // the last key read in it, else the key it sits under
   };
-  std::string where_;
+  std::string where_, what_;
   std::vector<Open> open_;
 };
 

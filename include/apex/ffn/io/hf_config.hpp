@@ -1,0 +1,210 @@
+#pragma once
+/// \file io/hf_config.hpp
+/// A Hugging Face model folder's `config.json`, read into the MoE layer
+/// configuration of its family: `read_hf_config(folder or config.json)`
+/// gives the family, the MoEConfig of its MoE blocks, which blocks are MoE,
+/// the block count and the RMSNorm ε — what a loader needs beside the
+/// shards (io/name_maps.hpp, `load_family_checkpoint(folder, …)`).
+///
+/// The keys read, per `model_type` (the families' published configs and the
+/// defaults of transformers' configuration classes where a key is absent):
+///
+///     key                            deepseek_v3   mixtral            qwen2_moe   qwen3_moe   olmoe
+///     d_model                        hidden_size (all)
+///     d_ffn                          moe_intermediate_size  intermediate_size  moe_…  moe_…  intermediate_size
+///     n_experts                      n_routed_experts  num_local_experts  num_experts (qwen2/3, olmoe)
+///     n_active                       num_experts_per_tok (all)
+///     renormalise                    norm_topk_prob (default true)  always  norm_topk_prob (default false)
+///     shared experts                 n_shared_experts × moe_intermediate_size (one MLP)
+///                                                                     shared_expert_intermediate_size (gated)
+///     groups, scale                  n_group, topk_group, routed_scaling_factor
+///     MoE blocks                     first_k_dense_replace, moe_layer_freq
+///                                                                     decoder_sparse_step, mlp_only_layers
+///     ε                              rms_norm_eps (all)
+///
+/// Everything else of the family's block (scoring, group score, the bias)
+/// is the family's row (moe/families.hpp). A config the library cannot
+/// compute exactly is a ConfigError naming the key: DeepSeek-V3 with a
+/// `scoring_func` other than sigmoid or a `topk_method` other than
+/// noaux_tc, a Qwen2-MoE block without its shared expert. A missing key is a
+/// FormatError naming it; the file is read as the shard index is (regular
+/// files only, bounded size, bounded nesting, no repeated keys).
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "../core/errors.hpp"
+#include "../moe/config.hpp"
+#include "../moe/families.hpp"
+#include "safetensors/posix_file.hpp"
+#include "shard_index.hpp"
+
+namespace apex {
+
+/// What a family's config.json says of its MoE blocks.
+struct HfModelConfig {
+  MoEFamily family = MoEFamily::Qwen3MoE;
+  MoEConfig moe;              ///< every MoE block's layer configuration
+  Index n_layers = 0;         ///< num_hidden_layers
+  double rms_eps = 1e-6;      ///< rms_norm_eps
+  Index first_moe_layer = 0;  ///< blocks below are dense (DeepSeek-V3's first_k_dense_replace)
+  Index moe_every = 1;  ///< MoE every n-th block: (layer + 1) % n == 0 (Qwen's decoder_sparse_step), layer % n == 0 (DeepSeek-V3's moe_layer_freq)
+  std::vector<Index> dense_layers;  ///< blocks listed as dense (Qwen's mlp_only_layers)
+
+  /// Whether block `layer` (0-based) has an MoE FFN.
+  bool is_moe_layer(Index layer) const {
+    if (layer < 0 || layer >= n_layers || layer < first_moe_layer) return false;
+    for (Index d : dense_layers)
+      if (d == layer) return false;
+    return family == MoEFamily::DeepSeekV3 ? layer % moe_every == 0 : (layer + 1) % moe_every == 0;
+  }
+};
+
+namespace detail {
+
+/// Typed reads of config.json keys; every error names the key and the file.
+struct HfKeys {
+  const nlohmann::json& j;
+  const std::string& where;
+
+  const nlohmann::json* find(const char* key) const {
+    auto it = j.find(key);
+    return it == j.end() || it->is_null() ? nullptr : &*it;
+  }
+  Index count(const char* key) const {
+    const nlohmann::json* v = find(key);
+    if (!v) throw FormatError(where + ": config.json has no '" + key + "'");
+    return count_of(key, *v);
+  }
+  Index count_or(const char* key, Index fallback) const { return find(key) ? count(key) : fallback; }
+  Index count_of(const char* key, const nlohmann::json& v) const {
+    if (!v.is_number_integer() || v.get<std::int64_t>() < 0 || v.get<std::int64_t>() > (std::int64_t(1) << 40))
+      throw FormatError(where + ": config.json's '" + key + "' is " + v.dump().substr(0, 40) +
+                        ", expected an integer in [0, 2^40]");
+    return Index(v.get<std::int64_t>());
+  }
+  double number_or(const char* key, double fallback) const {
+    const nlohmann::json* v = find(key);
+    if (!v) return fallback;
+    if (!v->is_number()) throw FormatError(where + ": config.json's '" + key + "' is not a number");
+    return v->get<double>();
+  }
+  bool flag_or(const char* key, bool fallback) const {
+    const nlohmann::json* v = find(key);
+    if (!v) return fallback;
+    if (!v->is_boolean()) throw FormatError(where + ": config.json's '" + key + "' is not true or false");
+    return v->get<bool>();
+  }
+  std::string text_or(const char* key, const std::string& fallback) const {
+    const nlohmann::json* v = find(key);
+    if (!v) return fallback;
+    if (!v->is_string()) throw FormatError(where + ": config.json's '" + key + "' is not a string");
+    return v->get<std::string>();
+  }
+};
+
+/// The family-specific keys of `k` into `out` (the table in the file comment).
+inline void read_family_keys(const HfKeys& k, HfModelConfig& out) {
+  MoEConfig& c = out.moe;
+  const char* where = k.where.c_str();
+  switch (out.family) {
+    case MoEFamily::DeepSeekV3: {
+      c.d_ffn = k.count("moe_intermediate_size");
+      c.n_experts = k.count("n_routed_experts");
+      const Index shared = k.count_or("n_shared_experts", 0);
+      c.n_shared = shared > 0 ? 1 : 0;  // DeepSeek-V3 holds them as one MLP of the summed width
+      c.d_shared_ffn = shared * c.d_ffn;
+      c.routing.n_groups = k.count_or("n_group", c.routing.n_groups);
+      c.routing.topk_group = k.count_or("topk_group", c.routing.topk_group);
+      c.routing.routed_scale = k.number_or("routed_scaling_factor", c.routing.routed_scale);
+      c.routing.renormalize = k.flag_or("norm_topk_prob", true);
+      detail::require_config(k.text_or("scoring_func", "sigmoid") == "sigmoid", where,
+                             "config.json's 'scoring_func' must be \"sigmoid\" (DeepSeek-V3's router)");
+      detail::require_config(k.text_or("topk_method", "noaux_tc") == "noaux_tc", where,
+                             "config.json's 'topk_method' must be \"noaux_tc\" (bias-based selection)");
+      out.first_moe_layer = k.count_or("first_k_dense_replace", 0);
+      out.moe_every = k.count_or("moe_layer_freq", 1);
+      break;
+    }
+    case MoEFamily::Mixtral:
+      c.d_ffn = k.count("intermediate_size");
+      c.n_experts = k.count("num_local_experts");
+      break;
+    case MoEFamily::Qwen2MoE:
+    case MoEFamily::Qwen3MoE:
+      c.d_ffn = k.count("moe_intermediate_size");
+      c.n_experts = k.count("num_experts");
+      c.routing.renormalize = k.flag_or("norm_topk_prob", false);
+      out.moe_every = k.count_or("decoder_sparse_step", 1);
+      if (const nlohmann::json* dense = k.find("mlp_only_layers")) {
+        if (!dense->is_array()) throw FormatError(k.where + ": config.json's 'mlp_only_layers' is not a list");
+        for (const auto& v : *dense) out.dense_layers.push_back(k.count_of("mlp_only_layers", v));
+      }
+      if (out.family == MoEFamily::Qwen2MoE) {
+        c.d_shared_ffn = k.count("shared_expert_intermediate_size");
+        detail::require_config(c.d_shared_ffn > 0, where,
+                               "config.json's 'shared_expert_intermediate_size' is 0: the library's Qwen2-MoE block "
+                               "has its gated shared expert");
+      }
+      break;
+    case MoEFamily::OLMoE:
+      c.d_ffn = k.count("intermediate_size");
+      c.n_experts = k.count("num_experts");
+      c.routing.renormalize = k.flag_or("norm_topk_prob", false);
+      break;
+  }
+  detail::require_config(out.moe_every >= 1, where, "config.json's MoE block frequency must be at least 1");
+}
+
+}  // namespace detail
+
+/// Parses the text of a config.json; `where` starts every message.
+inline HfModelConfig parse_hf_config(std::string_view text, const std::string& where) {
+  nlohmann::json j;
+  try {
+    detail::ShardIndexGuard guard(where, "config.json");
+    j = nlohmann::json::parse(text.begin(), text.end(), std::ref(guard));
+  } catch (const nlohmann::json::exception& e) {
+    throw FormatError(where + ": not valid JSON: " + e.what());
+  }
+  if (!j.is_object()) throw FormatError(where + ": config.json is not a JSON object");
+  const detail::HfKeys k{j, where};
+  HfModelConfig out;
+  out.family = family_by_name(k.text_or("model_type", ""));  // ConfigError for another model_type
+  out.moe = family_preset(out.family);  // the family's routing and shared layout; shapes below
+  out.moe.d_model = k.count("hidden_size");
+  out.moe.n_active = k.count("num_experts_per_tok");
+  out.n_layers = k.count("num_hidden_layers");
+  out.rms_eps = k.number_or("rms_norm_eps", 1e-6);
+  detail::read_family_keys(k, out);
+  out.moe.validate(where.c_str());
+  return out;
+}
+
+/// Reads `path` (a model folder, or its config.json) as the shard index is
+/// read: a regular file, at most `limits.max_index_bytes`.
+inline HfModelConfig read_hf_config(const std::string& path, const safetensors::Limits& limits = {}) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const std::string file = fs::is_directory(path, ec) ? (fs::path(path) / "config.json").string() : path;
+  const std::string where = "read_hf_config('" + file + "')";
+  std::string text;
+  try {
+    const safetensors::FileSource source(file);
+    if (source.size() > limits.max_index_bytes)
+      throw FormatError("config.json has " + std::to_string(source.size()) + " bytes, more than the limit of " +
+                        std::to_string(limits.max_index_bytes));
+    text.resize(std::size_t(source.size()));
+    source.read(0, text.data(), text.size());
+  } catch (const FormatError& e) {
+    throw FormatError(where + ": " + e.what());
+  }
+  return parse_hf_config(text, where);
+}
+
+}  // namespace apex
