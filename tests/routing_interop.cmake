@@ -3,25 +3,13 @@
 # fresh set with other seeds, then apex_ffn_tests "[families][reference]"
 # matches them too (APEX_FFN_FAMILY_DIR). Registered only when
 # test_families.cpp is part of the build and a Python interpreter can
-# `import torch` (the one interop.cmake found, or APEX_FFN_TORCH_PYTHON).
+# `import torch` (APEX_FFN_TORCH_PYTHON, else tests/find_python.cmake's search).
 
 if(NOT "${CMAKE_CURRENT_SOURCE_DIR}/test_families.cpp" IN_LIST APEX_FFN_TEST_SOURCES)
   return()
 endif()
-set(_apex_family_python "${APEX_FFN_TORCH_PYTHON}")
-if(NOT _apex_family_python AND DEFINED CACHE{APEX_FFN_TORCH_PYTHON_FOUND})
-  set(_apex_family_python "${APEX_FFN_TORCH_PYTHON_FOUND}")
-endif()
-if(NOT _apex_family_python)
-  foreach(_py IN ITEMS /usr/bin/python3)
-    if(EXISTS "${_py}" AND NOT _apex_family_python)
-      execute_process(COMMAND "${_py}" -c "import torch" RESULT_VARIABLE _rc OUTPUT_QUIET ERROR_QUIET TIMEOUT 120)
-      if(_rc EQUAL 0)
-        set(_apex_family_python "${_py}")
-      endif()
-    endif()
-  endforeach()
-endif()
+set(APEX_FFN_TORCH_PYTHON "" CACHE FILEPATH "Python with torch for the checkpoint interop tests (empty: search)")
+apex_ffn_python_with(_apex_family_python torch APEX_FFN_TORCH_PYTHON)
 if(NOT _apex_family_python)
   message(STATUS "apex-ffn: no Python with torch; live MoE family references not registered")
   return()

@@ -41,7 +41,6 @@
 #include "../core/errors.hpp"
 #include "../moe/config.hpp"
 #include "../moe/families.hpp"
-#include "safetensors/posix_file.hpp"
 #include "shard_index.hpp"
 
 namespace apex {
@@ -193,17 +192,7 @@ inline HfModelConfig read_hf_config(const std::string& path, const safetensors::
   std::error_code ec;
   const std::string file = fs::is_directory(path, ec) ? (fs::path(path) / "config.json").string() : path;
   const std::string where = "read_hf_config('" + file + "')";
-  std::string text;
-  try {
-    const safetensors::FileSource source(file);
-    if (source.size() > limits.max_index_bytes)
-      throw FormatError("config.json has " + std::to_string(source.size()) + " bytes, more than the limit of " +
-                        std::to_string(limits.max_index_bytes));
-    text.resize(std::size_t(source.size()));
-    source.read(0, text.data(), text.size());
-  } catch (const FormatError& e) {
-    throw FormatError(where + ": " + e.what());
-  }
+  const std::string text = detail::read_small_file(where, file, "config.json", limits);
   return parse_hf_config(text, where);
 }
 

@@ -139,6 +139,29 @@ inline void parse_index_metadata(const std::string& where, const nlohmann::json&
   }
 }
 
+/// The text of a small JSON file of a model folder (an index, a
+/// config.json), read as the safetensors reader opens a shard
+/// (safetensors::FileSource: non-blocking, then fstat on the descriptor),
+/// so a FIFO, device, folder or socket is a FormatError at once instead of
+/// a hang or a read without end, and one larger than
+/// `limits.max_index_bytes` is refused before a byte is read. Messages
+/// start with `where`; `what` names the file ("the index").
+inline std::string read_small_file(const std::string& where, const std::string& path, const std::string& what,
+                                   const safetensors::Limits& limits) {
+  std::string text;
+  try {
+    const safetensors::FileSource file(path);
+    if (file.size() > limits.max_index_bytes)
+      throw FormatError(what + " has " + std::to_string(file.size()) + " bytes, more than the limit of " +
+                        std::to_string(limits.max_index_bytes) + " (Limits::max_index_bytes)");
+    text.resize(std::size_t(file.size()));
+    file.read(0, text.data(), text.size());
+  } catch (const FormatError& e) {
+    throw FormatError(where + ": " + e.what());
+  }
+  return text;
+}
+
 }  // namespace detail
 
 /// The index path of `path`: `path` itself if it names a file, else
@@ -183,18 +206,7 @@ inline ShardIndex parse_shard_index(std::string_view text, const std::string& wh
 /// byte is read.
 inline ShardIndex read_shard_index(const std::string& path, const safetensors::Limits& limits = {}) {
   const std::string where = "read_shard_index('" + path + "')";
-  std::string text;
-  try {
-    const safetensors::FileSource file(path);
-    if (file.size() > limits.max_index_bytes)
-      throw FormatError("the index has " + std::to_string(file.size()) + " bytes, more than the limit of " +
-                        std::to_string(limits.max_index_bytes) + " (Limits::max_index_bytes)");
-    text.resize(std::size_t(file.size()));
-    file.read(0, text.data(), text.size());
-  } catch (const FormatError& e) {
-    throw FormatError(where + ": " + e.what());
-  }
-  return parse_shard_index(text, where);
+  return parse_shard_index(detail::read_small_file(where, path, "the index", limits), where);
 }
 
 /// The JSON text of `index`, as write_shard_index writes it. FormatError for
