@@ -28,6 +28,7 @@
 /// on any rank's failure every rank throws the same type and no layer changes.
 
 #include <cstddef>
+#include <cstdio>
 #include <optional>
 #include <string>
 #include <utility>
@@ -37,7 +38,6 @@
 #include "../core/param.hpp"
 #include "../inference/gguf_moe.hpp"
 #include "../io/gguf.hpp"
-#include "config_agreement.hpp"
 #include "expert_parallel_moe.hpp"
 
 namespace apex::mpi {
@@ -59,6 +59,13 @@ struct GgufLoadResult {
 
 namespace detail {
 
+/// `v` to 17 significant digits: equal texts iff equal values, readable in a message.
+inline std::string round_trip(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
 /// The fields of a layer that a GGUF block determines, as name and value.
 inline std::vector<std::pair<std::string, std::string>> gguf_fields(const MoEConfig& c) {
   const RoutingConfig& r = c.routing;
@@ -73,7 +80,7 @@ inline std::vector<std::pair<std::string, std::string>> gguf_fields(const MoECon
           {"weights_from_unbiased", c.weights_from_unbiased ? "1" : "0"},
           {"routing.scoring", scoring_name(r.scoring)},
           {"routing.renormalize", r.renormalize ? "1" : "0"},
-          {"routing.routed_scale", exact(r.routed_scale)},
+          {"routing.routed_scale", round_trip(r.routed_scale)},
           {"routing.n_groups", std::to_string(r.n_groups)},
           {"routing.topk_group", std::to_string(r.topk_group)},
           {"routing.group_score", r.group_score == GroupScore::Top2Sum ? "top2_sum" : "max"}};
@@ -89,7 +96,7 @@ inline void check_gguf_config(const std::string& where, const MoEConfig& file_cf
               " in the layer";
   if (!diff.empty())
     throw ConfigError(where + ": the file's MoE block is not this layer's configuration:" + diff +
-                      " (build the layer with the file's configuration, e.g. load_gguf_moe_float(file, block).config())");
+                      " (build the layer with the configuration the file implies)");
 }
 
 /// This rank's staged load: plan, check, decode (no collective; runs inside a step).
