@@ -17,7 +17,8 @@
 ///
 /// Sharded checkpoints (mpi/expert_parallel_checkpoint.hpp) and the open
 /// families' Hugging Face checkpoints (mpi/family_checkpoint.hpp) also need
-/// apex::checkpoint and are not included here.
+/// apex::checkpoint and are not included here; nor is a GGUF model file's
+/// MoE block into the layer (mpi/gguf_checkpoint.hpp, load_gguf_moe).
 
 #include "mpi/alltoallv.hpp"
 #include "mpi/communicator.hpp"

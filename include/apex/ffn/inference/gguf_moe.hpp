@@ -21,11 +21,13 @@
 /// The MoE pipeline knows nothing of GGUF: these loaders only assemble a
 /// PackedMoE / MoEFFN from parts.
 
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "../core/errors.hpp"
+#include "../core/state_names.hpp"
 #include "../layers/ffn_sublayer.hpp"
 #include "../moe/moe_ffn.hpp"
 #include "gguf_moe_check.hpp"
@@ -63,6 +65,57 @@ inline std::pair<Matrix<float>, RowVector<float>> router_and_bias(const std::str
       throw ValueError(where + ": tensor '" + gguf::block_tensor(p.layer, name) +
                        "' contains NaN or Inf (the float layer rejects the router logits it would give)");
   return {std::move(router), std::move(bias)};
+}
+
+/// The rows of one tensor that hold one parameter: rows row0 … row0 + rows − 1
+/// of its flattened rows (cols weights each), decoded as rows × cols.
+struct Slice {
+  const Tensor* tensor = nullptr;
+  Index row0 = 0, rows = 0, cols = 0;
+  /// Its bytes in the tensor's data: [offset, offset + bytes).
+  std::size_t offset() const { return std::size_t(row0) * row_bytes(); }
+  std::size_t bytes() const { return std::size_t(rows) * row_bytes(); }
+  std::size_t row_bytes() const { return std::size_t(tensor->info->nbytes / tensor->info->rows()); }
+};
+
+/// Where MoEFFN's parameter `name` (core/state_names.hpp) lies in the file:
+/// routed expert e is the contiguous slice e of each 3-D tensor (ggml ne
+/// [d, f, E]: rows e·f … of gate and up, e·d … of down), the one shared
+/// expert the 2-D tensors. ConfigError for a name the block has no tensor
+/// for (a κ expert's gates, a second shared expert), naming it.
+inline Slice slice_of(const std::string& where, const Plan& p, const std::string& name) {
+  namespace sn = state_names;
+  const MoEConfig& c = p.config;
+  const Index d = c.d_model, f = c.d_ffn, fs = c.shared_ffn();
+  if (name == sn::kRouter) return {&p.router, 0, c.n_experts, d};
+  if (name == sn::kSharedGate && c.shared_expert_gate) return {&p.shared_gate, 0, 1, d};
+  const auto projection = [&](const std::string& w, const Tensor& g, const Tensor& u, const Tensor& dn, Index e,
+                              Index width) -> Slice {
+    if (w == sn::kGate) return {&g, e * width, width, d};
+    if (w == sn::kUp) return {&u, e * width, width, d};
+    if (w == sn::kDown) return {&dn, e * d, d, width};
+    return {};
+  };
+  Slice s;
+  if (name.rfind(sn::kRoutedPrefix, 0) == 0) {
+    const std::size_t dot = name.find('.', std::strlen(sn::kRoutedPrefix));
+    const std::string id = name.substr(std::strlen(sn::kRoutedPrefix), dot - std::strlen(sn::kRoutedPrefix));
+    const bool digits = !id.empty() && id.size() < 12 && id.find_first_not_of("0123456789") == std::string::npos;
+    const Index e = digits ? Index(std::stoll(id)) : -1;
+    if (dot != std::string::npos && e >= 0 && e < c.n_experts)
+      s = projection(name.substr(dot + 1), p.gate, p.up, p.down, e, f);
+  } else if (c.n_shared > 0 && name.rfind(sn::shared_expert(0), 0) == 0) {
+    s = projection(name.substr(sn::shared_expert(0).size()), p.shared_gate_w, p.shared_up, p.shared_down, 0, fs);
+  }
+  if (!s.tensor)
+    throw ConfigError(where + ": the layer's parameter '" + name + "' has no tensor in a GGUF block (which holds a "
+                      "router, SwiGLU experts, one shared expert and its gate)");
+  return s;
+}
+
+/// Slice s decoded to float (s.rows × s.cols).
+inline Matrix<float> decode(const gguf::File& file, const Slice& s) {
+  return decode(file, *s.tensor, s.row0, s.rows, s.cols);
 }
 
 /// Rows r0 … r0 + n − 1 of tensor t in file form: a pointer into the
@@ -119,25 +172,11 @@ MoEFFN<T> load_gguf_moe_float(const gguf::File& file, Index layer) {
   const MoEConfig& c = p.config;
   auto [router, bias] = g::router_and_bias(where, file, p);
   MoEFFN<T> out(c);
-  out.router().weight() = router.cast<T>();
   out.balancer().set_bias(bias.cast<T>());
-  const Index d = c.d_model, f = c.d_ffn;
-  for (Index e = 0; e < c.n_experts; ++e) {
-    auto& x = out.experts()[std::size_t(e)];
-    x.w_gate() = g::decode(file, p.gate, e * f, f, d).cast<T>();
-    x.w_up() = g::decode(file, p.up, e * f, f, d).cast<T>();
-    x.w_down() = g::decode(file, p.down, e * d, d, f).cast<T>();
+  for (auto& q : out.param_values()) {  // by name: the expert-parallel loader (mpi/gguf_checkpoint.hpp) reads the same slices
+    const Matrix<float> m = q.name == state_names::kRouter ? router : g::decode(file, g::slice_of(where, p, q.name));
+    q.value() = m.cast<T>();
   }
-  if (c.n_shared > 0) {
-    auto& s = out.shared_experts()[0];
-    const Index fs = c.shared_ffn();
-    s.w_gate() = g::decode(file, p.shared_gate_w, 0, fs, d).cast<T>();
-    s.w_up() = g::decode(file, p.shared_up, 0, fs, d).cast<T>();
-    s.w_down() = g::decode(file, p.shared_down, 0, d, fs).cast<T>();
-  }
-  if (c.shared_expert_gate)
-    for (auto& q : out.param_values())
-      if (q.name == state_names::kSharedGate) q.value() = g::decode(file, p.shared_gate, 0, 1, d).cast<T>();
   return out;
 }
 

@@ -185,7 +185,10 @@ inline packed::ExpertDtypes expert_types(const std::string& where, const Tensor&
 }
 
 /// Every check of the file comment; reads metadata and tensor infos only.
-inline Plan plan(const std::string& where, const gguf::File& file, Index layer, bool need_norm) {
+/// `whole_layer` false skips the memory check of step 6: an expert-parallel
+/// rank holds only its experts (mpi/gguf_checkpoint.hpp).
+inline Plan plan(const std::string& where, const gguf::File& file, Index layer, bool need_norm,
+                 bool whole_layer = true) {
   Plan p;
   plan_config(where, file, layer, p);
   const MoEConfig& c = p.config;
@@ -211,6 +214,7 @@ inline Plan plan(const std::string& where, const gguf::File& file, Index layer, 
                       "' (> 0), which the sublayer's RMSNorm needs");
   const packed::ExpertDtypes routed = expert_types(where, p.gate, p.up, p.down);
   p.types = PackedTypes(routed, c.n_shared > 0 ? expert_types(where, p.shared_gate_w, p.shared_up, p.shared_down) : routed);
+  if (!whole_layer) return p;
   // also refuses widths that are not whole blocks of their type
   const Index staging = checked_product(where.c_str(), "staging bytes", {3, Index(std::max(f, fs)), c.d_model, 4});
   PackedMoE<float>::check_fits(where.c_str(), c, std::uint64_t(staging), p.types);
