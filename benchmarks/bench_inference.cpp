@@ -321,7 +321,7 @@ double cold_read_seconds(double bytes, int threads) {
   return t * bytes / (double(chunk) * threads * sizeof(float));  // a clamped read scaled to the full count
 }
 
-constexpr packed::Dtype kAllTypes[] = {packed::Dtype::f32,  packed::Dtype::bf16, packed::Dtype::q8_0,
+constexpr packed::Dtype kAllTypes[] = {packed::Dtype::f32,  packed::Dtype::bf16, packed::Dtype::f16, packed::Dtype::q8_0,
                                        packed::Dtype::q4_0, packed::Dtype::q4_k, packed::Dtype::q6_k,
                                        packed::Dtype::mxfp4};
 // Weights per block of t (1 for f32 and bf16): both reduction lengths

@@ -108,7 +108,7 @@ TEST_CASE("a user-defined gated activation runs on the packed engine", "[custom_
     const GeGLU<double> ref_layer(d, f, 5);
     const SwiGLU<double>& m = ref_layer.mlp();
     const Matrix<float> wg = m.w_gate().cast<float>(), wu = m.w_up().cast<float>(), wd = m.w_down().cast<float>();
-    for (const packed::Dtype t : {packed::Dtype::f32, packed::Dtype::bf16}) {
+    for (const packed::Dtype t : {packed::Dtype::f32, packed::Dtype::bf16, packed::Dtype::f16}) {
       const packed::PackedExpert e(wg, wu, wd, t);
       // the reference on exactly the packed weights, in double
       GeGLU<double> exact(d, f, 5);

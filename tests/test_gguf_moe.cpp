@@ -2,7 +2,7 @@
 // inference/gguf_moe_save.hpp): every architecture of the table in every
 // storage type round-trips to the same bits; the packed layer loaded from a
 // file matches the float layer dequantized from the same file within the
-// type's error; F16 widens exactly; APEX-1's router and fused shared experts
+// type's error; F16 experts keep their bits in f16 panels; APEX-1's router and fused shared experts
 // are written as deepseek2; and every kind of bad file is a typed error that
 // leaves the destination as it was.
 #include <catch2/catch.hpp>
@@ -50,14 +50,15 @@ MoEFFN<float> arch_layer(MoEFamily fam, std::uint64_t seed) {
   return m;
 }
 
-const packed::Dtype kTypes[] = {packed::Dtype::f32,  packed::Dtype::bf16, packed::Dtype::q8_0, packed::Dtype::q4_0,
-                                packed::Dtype::q4_k, packed::Dtype::q6_k, packed::Dtype::mxfp4};
+const packed::Dtype kTypes[] = {packed::Dtype::f32,  packed::Dtype::bf16, packed::Dtype::f16,  packed::Dtype::q8_0,
+                                packed::Dtype::q4_0, packed::Dtype::q4_k, packed::Dtype::q6_k, packed::Dtype::mxfp4};
 
 /// The relative error bound of a type against the float layer (docs/quantized_formats.md, with margin).
 double type_bound(packed::Dtype t) {
   switch (t) {
     case packed::Dtype::f32: return 1e-5;
     case packed::Dtype::bf16: return 6e-3;
+    case packed::Dtype::f16: return 1e-3;  // 11 significant bits
     case packed::Dtype::q8_0: return 2.5e-2;
     case packed::Dtype::q6_k: return 5e-2;
     case packed::Dtype::q4_k: return 1.5e-1;
@@ -244,7 +245,7 @@ TEST_CASE("gguf_moe: mixed types, the sublayer with ffn_norm, APEX-1 as deepseek
   }
 }
 
-TEST_CASE("gguf_moe: F16 experts widen to f32 exactly", "[gguf_moe]") {
+TEST_CASE("gguf_moe: F16 experts load into f16 panels with the file's bits", "[gguf_moe]") {
   test::TempDir dir;
   const MoEFFN<float> moe = arch_layer(MoEFamily::Mixtral, 21);
   save_gguf_moe(dir / "f32.gguf", moe, packed::Dtype::f32, at_block());
@@ -265,7 +266,7 @@ TEST_CASE("gguf_moe: F16 experts widen to f32 exactly", "[gguf_moe]") {
   rewrite(dir / "f32.gguf", dir / "f16.gguf", to_f16);
   const gguf::File file = gguf::File::open(dir / "f16.gguf");
   const auto packed = load_gguf_moe(file, kBlock);
-  CHECK(packed.types() == PackedTypes(packed::Dtype::f32));
+  CHECK(packed.types() == PackedTypes(packed::Dtype::f16));
   const auto fl = load_gguf_moe_float<float>(file, kBlock);
   // The packed weights are the F16 values, exactly.
   const auto& e = packed.experts()[5];

@@ -91,7 +91,7 @@ void rewrite_header(const std::string& path, const std::string& out, Edit edit, 
 
 TEST_CASE("a mapped layer computes the owned layer's bits on every type and kernel path", "[mapped]") {
   test::TempDir dir;
-  const PackedTypes all[] = {Dtype::f32, Dtype::bf16, Dtype::q8_0, Dtype::q4_0, Dtype::q4_k, Dtype::q6_k,
+  const PackedTypes all[] = {Dtype::f32, Dtype::bf16, Dtype::f16, Dtype::q8_0, Dtype::q4_0, Dtype::q4_k, Dtype::q6_k,
                              Dtype::mxfp4, PackedTypes({Dtype::q4_k, Dtype::q6_k}, {Dtype::q8_0, Dtype::mxfp4})};
   const MoEConfig c = block_config();
   const MoEFFN<float> moe(c, 7);

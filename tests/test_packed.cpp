@@ -307,7 +307,7 @@ TEST_CASE("rows do not depend on how a block is split across calls", "[packed]")
   const Index d = 33, f = 100, m = 129;
   const Expert w = random_expert(d, f, 21);
   const Matrix<float> x = test::random_matrix(m, d, 22).cast<float>();
-  for (const Dtype dtype : {Dtype::f32, Dtype::bf16}) {
+  for (const Dtype dtype : {Dtype::f32, Dtype::bf16, Dtype::f16}) {
     const PackedExpert e(w.wg, w.wu, w.wd, dtype);
     for (const Isa isa : supported_isas()) {
       for (const Bf16Products products : {Bf16Products::widened, Bf16Products::paired}) {
@@ -394,4 +394,55 @@ TEST_CASE("packed experts reject bad input with typed errors", "[packed][errors]
     if (!cpu_supports(isa)) CHECK_THROWS_AS(forward(e, x, {isa}), ConfigError);
   // Zero rows are fine and write nothing.
   CHECK(forward(e, Matrix<float>(0, 3)).rows() == 0);
+}
+
+namespace {
+/// w with every entry rounded to binary16 and widened back (exact).
+Matrix<float> round_to_f16(const Matrix<float>& w) {
+  return w.unaryExpr([](float v) { return quant::fp16_to_fp32(quant::fp32_to_fp16(v)); });
+}
+}  // namespace
+
+TEST_CASE("f16 weights: every path gives the f32 kernel's bits on the rounded weights", "[packed][f16]") {
+  // The f16 tiles widen exactly (vcvtph2ps) and then run the f32 tiles'
+  // fma order, so on every path an f16 expert equals the f32 expert of its
+  // rounded weights bit for bit, on odd shapes and row counts too.
+  for (const Isa isa : kAllIsas)
+    if (!cpu_supports(isa)) WARN("f16: kernel path " << isa_name(isa) << " skipped (this CPU lacks it)");
+  for (const auto& [d, f] : {std::pair<Index, Index>{37, 53}, {64, 128}, {5, 200}}) {
+    const Expert w = random_expert(d, f, 31);
+    const PackedExpert e16(w.wg, w.wu, w.wd, Dtype::f16);
+    const PackedExpert e32(round_to_f16(w.wg), round_to_f16(w.wu), round_to_f16(w.wd), Dtype::f32);
+    CHECK(e16.dtype() == Dtype::f16);
+    CHECK(e16.w_up() == round_to_f16(w.wu));  // widened back, exactly
+    for (const Index m : {1, 3, 6, 37}) {
+      const Matrix<float> x = test::random_matrix(m, d, 32 + m).cast<float>();
+      for (const Isa isa : supported_isas()) {
+        INFO("d " << d << " f " << f << " rows " << m << " path " << isa_name(isa));
+        CHECK(forward(e16, x, {isa}) == forward(e32, x, {isa}));
+      }
+    }
+  }
+}
+
+TEST_CASE("f16 weights: file rows move unchanged, and out-of-range weights are refused", "[packed][f16]") {
+  const Index d = 32, f = 48;
+  const Expert w = random_expert(d, f, 41);
+  const PackedExpert e(w.wg, w.wu, w.wd, Dtype::f16);
+  std::vector<std::byte> g(std::size_t(f * d * 2)), u(g.size()), dn(std::size_t(d * f * 2));
+  e.file_rows(g.data(), u.data(), dn.data());
+  // A file row is the binary16 bits of the weights, row-major (GGUF's F16).
+  std::uint16_t h = 0;
+  std::memcpy(&h, g.data() + 2 * (3 * d + 7), 2);
+  CHECK(h == quant::fp32_to_fp16(w.wg(3, 7)));
+  const PackedExpert back = PackedExpert::from_file_rows(d, f, ExpertDtypes(Dtype::f16), g.data(), u.data(), dn.data());
+  CHECK(back.w_gate() == e.w_gate());
+  CHECK(back.w_down() == e.w_down());
+  // 65504 is the largest half; 65520 and beyond would round to Inf.
+  Matrix<float> big = w.wg;
+  big(2, 5) = 65504.0f;
+  CHECK_NOTHROW(PackedExpert(big, w.wu, w.wd, Dtype::f16));
+  big(2, 5) = -70000.0f;
+  CHECK_THROWS_WITH(PackedExpert(big, w.wu, w.wd, Dtype::f16),
+                    Catch::Contains("beyond the binary16 range") && Catch::Contains("f32 or bf16"));
 }

@@ -32,16 +32,18 @@ static_assert(complete<WeightType<Dtype::f32>>::value && complete<WeightType<Dty
 static_assert(complete<apex::packed::detail::Tiles<Dtype::f32, Isa::avx2>>::value &&
               complete<apex::packed::detail::Tiles<Dtype::bf16, Isa::avx512>>::value);
 #endif
-static_assert(dtype_of<float>() == Dtype::f32 && dtype_of<bf16>() == Dtype::bf16);
+static_assert(dtype_of<float>() == Dtype::f32 && dtype_of<bf16>() == Dtype::bf16 && dtype_of<f16>() == Dtype::f16);
 static_assert(packed_dtype<float>() == Dtype::f32 && packed_dtype<bf16>() == Dtype::bf16);
 static_assert(std::is_same_v<WeightType<Dtype::bf16>::Element, bf16>);
 
 TEST_CASE("weight-type table entries: names and bytes per weight", "[weight_types]") {
   CHECK(std::string(dtype_name(Dtype::f32)) == "f32");
   CHECK(std::string(dtype_name(Dtype::bf16)) == "bf16");
-  CHECK(dtype_names() == "f32, bf16, q8_0, q4_0, q4_k, q6_k, mxfp4");
+  CHECK(std::string(dtype_name(Dtype::f16)) == "f16");
+  CHECK(dtype_names() == "f32, bf16, q8_0, q4_0, q4_k, q6_k, mxfp4, f16");
   CHECK(bytes_per_weight(Dtype::f32) == 4.0);
   CHECK(bytes_per_weight(Dtype::bf16) == 2.0);
+  CHECK(bytes_per_weight(Dtype::f16) == 2.0);
   CHECK(file_dtypes().size() == 2);
 }
 

@@ -13,8 +13,7 @@
 /// metadata and tensor infos before the first weight is touched, and a
 /// loader returns a new layer, so a rejected load changes nothing the caller
 /// holds. The experts' bytes are moved from the mapping into packed panels
-/// of the file's types without re-quantization (F16: widened to f32,
-/// exactly). The router, selection bias, shared gate and norm are decoded to
+/// of the file's types without re-quantization. The router, selection bias, shared gate and norm are decoded to
 /// float, whatever their type. A router weight or bias with NaN or Inf is a
 /// ValueError (the float layer rejects the logits it would give).
 ///
@@ -118,27 +117,18 @@ inline Matrix<float> decode(const gguf::File& file, const Slice& s) {
   return decode(file, *s.tensor, s.row0, s.rows, s.cols);
 }
 
-/// Rows r0 … r0 + n − 1 of tensor t in file form: a pointer into the
-/// mapping, or for F16 the rows widened to f32 (exact) in `staging`.
-inline const std::byte* file_rows(const gguf::File& file, const Tensor& t, Index r0, Index n, Index cols,
-                                  std::vector<float>& staging) {
+/// Rows r0 … r0 + n − 1 of tensor t in file form: a pointer into the mapping.
+inline const std::byte* file_rows(const gguf::File& file, const Tensor& t, Index r0) {
   const std::size_t row_bytes = std::size_t(t.info->nbytes / t.info->rows());
-  const std::byte* src = bytes_of(file, t) + std::size_t(r0) * row_bytes;
-  if (!t.widened) return src;
-  staging.resize(std::size_t(n * cols));
-  decode_rows(t.info->type, src, n, cols, staging.data());
-  return reinterpret_cast<const std::byte*>(staging.data());
+  return bytes_of(file, t) + std::size_t(r0) * row_bytes;
 }
 
 /// Expert `e` (d × width) of a gate/up/down triple (3-D; the 2-D shared
 /// one is e = 0), its rows moved into the panels as they are.
 inline packed::PackedExpert expert(const gguf::File& file, const Tensor& g, const Tensor& u, const Tensor& dn, Index e,
                                    Index d, Index width) {
-  std::vector<float> sg, su, sd;  // F16 staging only
-  return packed::PackedExpert::from_file_rows(d, width, {g.dtype, dn.dtype},
-                                              file_rows(file, g, e * width, width, d, sg),
-                                              file_rows(file, u, e * width, width, d, su),
-                                              file_rows(file, dn, e * d, d, width, sd));
+  return packed::PackedExpert::from_file_rows(d, width, {g.dtype, dn.dtype}, file_rows(file, g, e * width),
+                                              file_rows(file, u, e * width), file_rows(file, dn, e * d));
 }
 
 }  // namespace detail::gguf_moe

@@ -156,7 +156,7 @@ struct TensorChecks {
       if (required) missing.push_back(name);
       return t;
     }
-    if (!packed_type_of(t.info->type, t.dtype, t.widened))
+    if (!packed_type_of(t.info->type, t.dtype))
       bad_type.push_back(name + " (" + type_label(t.info->type) + ")");
     std::vector<std::uint64_t> have(t.info->ne.begin(), t.info->ne.end());
     while (have.size() > ne.size() && have.back() == 1) have.pop_back();  // ggml pads ne with 1
@@ -215,9 +215,9 @@ inline Plan plan(const std::string& where, const gguf::File& file, Index layer, 
   const packed::ExpertDtypes routed = expert_types(where, p.gate, p.up, p.down);
   p.types = PackedTypes(routed, c.n_shared > 0 ? expert_types(where, p.shared_gate_w, p.shared_up, p.shared_down) : routed);
   if (!whole_layer) return p;
-  // also refuses widths that are not whole blocks of their type
-  const Index staging = checked_product(where.c_str(), "staging bytes", {3, Index(std::max(f, fs)), c.d_model, 4});
-  PackedMoE<float>::check_fits(where.c_str(), c, std::uint64_t(staging), p.types);
+  // The rows move from the mapping into the panels: no staging. Also refuses
+  // widths that are not whole blocks of their type.
+  PackedMoE<float>::check_fits(where.c_str(), c, 0, p.types);
   return p;
 }
 

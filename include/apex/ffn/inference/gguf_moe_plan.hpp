@@ -6,10 +6,9 @@
 /// ggml shape, the storage types the experts go into, and memory. Also the
 /// row decoder that widens any supported tensor type to float.
 ///
-/// Storage of the file's types: F32, BF16, Q8_0, Q4_0, Q4_K, Q6_K and MXFP4
-/// experts are moved into packed panels of that type byte for byte. F16 has
-/// no packed type: its experts are widened to f32, which is exact (every
-/// binary16 value is a binary32 value). Gate and up share one packed panel
+/// Storage of the file's types: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K and
+/// MXFP4 experts are moved into packed panels of that type byte for byte
+/// (kernels/weight_types.hpp has an entry for each). Gate and up share one packed panel
 /// (kernels/packed_weights.hpp), so they must have one type; down may differ,
 /// and the shared expert has its own pair.
 
@@ -32,12 +31,11 @@ using gguf::TensorInfo;
 using gguf::TensorType;
 
 /// The packed type a GGUF tensor type goes into, or false for a type the
-/// library has no storage for (F16 → f32: widened exactly, `widened`).
-inline bool packed_type_of(TensorType t, packed::Dtype& out, bool& widened) {
-  widened = false;
+/// library has no storage for.
+inline bool packed_type_of(TensorType t, packed::Dtype& out) {
   switch (t) {
     case TensorType::F32: out = packed::Dtype::f32; return true;
-    case TensorType::F16: out = packed::Dtype::f32; widened = true; return true;
+    case TensorType::F16: out = packed::Dtype::f16; return true;
     case TensorType::BF16: out = packed::Dtype::bf16; return true;
     case TensorType::Q8_0: out = packed::Dtype::q8_0; return true;
     case TensorType::Q4_0: out = packed::Dtype::q4_0; return true;
@@ -53,6 +51,7 @@ inline TensorType file_type_of(packed::Dtype t) {
   switch (t) {
     case packed::Dtype::f32: return TensorType::F32;
     case packed::Dtype::bf16: return TensorType::BF16;
+    case packed::Dtype::f16: return TensorType::F16;
     case packed::Dtype::q8_0: return TensorType::Q8_0;
     case packed::Dtype::q4_0: return TensorType::Q4_0;
     case packed::Dtype::q4_k: return TensorType::Q4_K;
@@ -110,7 +109,6 @@ inline void decode_rows(TensorType t, const std::byte* src, Index rows, Index co
 struct Tensor {
   const TensorInfo* info = nullptr;
   packed::Dtype dtype = packed::Dtype::f32;
-  bool widened = false;  ///< F16 read as f32
 };
 
 /// Everything a load needs, checked: the architecture, the configuration,

@@ -41,22 +41,28 @@ inline constexpr const char* kQuantKey = "apex.quant.";
 inline constexpr const char* kQuantVersionKey = "apex.quant.version";
 inline constexpr const char* kQuantVersion = "1";
 
-/// The block format named `name` (packed::dtype_name's spelling); empty for
-/// f32, bf16 or an unknown name: only block formats are stored as U8.
+/// Whether a matrix of type `T` is stored as U8 rows with its type in the
+/// metadata: every type safetensors has no dtype of its own for here (the
+/// block formats, and f16, which the safetensors codec does not convert).
+template <packed::Dtype T>
+inline constexpr bool kStoredAsBytes = packed::WeightType<T>::kFileDtype == nullptr;
+
+/// The type named `name` (packed::dtype_name's spelling) among those stored
+/// as U8; empty for f32, bf16 or an unknown name.
 inline std::optional<packed::Dtype> block_dtype_named(const std::string& name) {
 #define APEX_PACKED_BLOCK_NAMED(t)                                                                  \
-  if (packed::WeightType<packed::Dtype::t>::kQuantized && name == packed::WeightType<packed::Dtype::t>::kName) \
+  if (kStoredAsBytes<packed::Dtype::t> && name == packed::WeightType<packed::Dtype::t>::kName) \
     return packed::Dtype::t;
   APEX_PACKED_WEIGHT_TYPES(APEX_PACKED_BLOCK_NAMED)
 #undef APEX_PACKED_BLOCK_NAMED
   return std::nullopt;
 }
 
-/// "q8_0, q4_0, …": the block formats, for error messages.
+/// "q8_0, q4_0, …": the types stored as U8, for error messages.
 inline std::string block_dtype_names() {
   std::string s;
 #define APEX_PACKED_BLOCK_NAME(t)                   \
-  if (packed::WeightType<packed::Dtype::t>::kQuantized) \
+  if (kStoredAsBytes<packed::Dtype::t>) \
     s += std::string(s.empty() ? "" : ", ") + packed::WeightType<packed::Dtype::t>::kName;
   APEX_PACKED_WEIGHT_TYPES(APEX_PACKED_BLOCK_NAME)
 #undef APEX_PACKED_BLOCK_NAME
@@ -216,7 +222,7 @@ inline std::optional<PackedTypes> file_types(const std::string& where, const saf
       const auto b = block_dtype_named(key->second);
       if (!b)
         throw FormatError(where + ": tensor " + quote_name(w.name) + " has type " + quote_name(key->second) +
-                          " in the metadata, which is not a block format (" + block_dtype_names() + ")");
+                          " in the metadata, which is not a type stored as U8 (" + block_dtype_names() + ")");
       type = *b;
       w.stored = true;
       check_stored_shape(where, *t, w, type);

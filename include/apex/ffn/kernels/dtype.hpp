@@ -14,7 +14,7 @@
 namespace apex::packed {
 
 /// Every storage type, in the order of the enum below.
-#define APEX_PACKED_WEIGHT_TYPES(X) X(f32) X(bf16) X(q8_0) X(q4_0) X(q4_k) X(q6_k) X(mxfp4)
+#define APEX_PACKED_WEIGHT_TYPES(X) X(f32) X(bf16) X(q8_0) X(q4_0) X(q4_k) X(q6_k) X(mxfp4) X(f16)
 
 /// Storage type of packed weights. Accumulation is fp32 for every type.
 enum class Dtype {

@@ -1,12 +1,18 @@
 #pragma once
 /// \file kernels/float_types.hpp
-/// The f32 and bf16 entries of the weight-type table (kernels/weight_types.hpp):
-/// one weight per block, no scale, activations multiplied in fp32.
+/// The f32, bf16 and f16 entries of the weight-type table
+/// (kernels/weight_types.hpp): one weight per block, no scale, activations
+/// multiplied in fp32.
 
+#include <cmath>
 #include <cstddef>
+#include <cstdint>
+#include <string>
 
 #include "bf16_vectors.hpp"
 #include "dtype.hpp"
+#include "../core/errors.hpp"
+#include "../quant/half.hpp"
 
 namespace apex::packed {
 
@@ -56,6 +62,49 @@ struct WeightType<Dtype::bf16> {
   }
   static void pack_row(const float* w, Index K, Index lane, Element* panel, std::byte*) {
     for (Index k = 0; k < K; ++k) panel[offset(k, lane)] = to_bf16(w[k]);
+  }
+  static void put_block(const Block& v, Index b, Index lane, Element* panel, std::byte*) { panel[offset(b, lane)] = v; }
+  static Block get_block(const Element* panel, const std::byte*, Index b, Index lane) { return panel[offset(b, lane)]; }
+};
+
+/// One IEEE binary16 value, stored as its bit pattern: the element of f16
+/// panels and the storage tag of `PackedMoE<packed::f16>`.
+struct f16 {
+  std::uint16_t bits;
+};
+static_assert(sizeof(f16) == 2, "f16 must be two bytes so arrays of it are raw F16 tensors");
+
+/// IEEE binary16 weights: panel[k·32 + lane], widened exactly to fp32 for
+/// the products (F16C `vcvtph2ps` on the SIMD paths). The form of F16 model
+/// files (llama.cpp's `--outtype f16`): their rows move in unchanged. From
+/// float, round to nearest even (quant/half.hpp, ggml's conversion); a
+/// finite weight beyond the binary16 range (|w| ≥ 65520, which would become
+/// ±Inf) is a ValueError, so packing never turns a weight into infinity.
+template <>
+struct WeightType<Dtype::f16> {
+  using Storage = f16;
+  using Element = f16;
+  static constexpr const char* kName = "f16";
+  static constexpr const char* kFileDtype = nullptr;  ///< held as U8 rows in the library's files
+  static constexpr Index kGroup = 1;
+  static constexpr Index kBlockWeights = 1;
+  static constexpr Index kBlockBytes = 2;
+  static constexpr Index kScaleBytes = 0;
+  static constexpr bool kQuantized = false;
+  using Block = f16;
+
+  static Index offset(Index k, Index lane) { return k * kPanelLanes + lane; }
+  static float weight(const Element* panel, const std::byte*, Index k, Index lane) {
+    return quant::fp16_to_fp32(panel[offset(k, lane)].bits);
+  }
+  static void pack_row(const float* w, Index K, Index lane, Element* panel, std::byte*) {
+    for (Index k = 0; k < K; ++k) {
+      const std::uint16_t h = quant::fp32_to_fp16(w[k]);
+      if (std::isfinite(w[k]) && (h & 0x7FFFu) == 0x7C00u)
+        throw ValueError("packed f16: weight " + std::to_string(w[k]) + " at k = " + std::to_string(k) +
+                         " is beyond the binary16 range (|w| < 65520); store this matrix as f32 or bf16");
+      panel[offset(k, lane)] = f16{h};
+    }
   }
   static void put_block(const Block& v, Index b, Index lane, Element* panel, std::byte*) { panel[offset(b, lane)] = v; }
   static Block get_block(const Element* panel, const std::byte*, Index b, Index lane) { return panel[offset(b, lane)]; }

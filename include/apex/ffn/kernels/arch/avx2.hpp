@@ -111,6 +111,33 @@ struct Tiles<Dtype::bf16, Isa::avx2> {
   }
 };
 
+/// f16 weights widened by F16C (`vcvtph2ps`, exact): then the f32 tile's
+/// fma(x_k, w_k, acc), k ascending, so the bits are the f32 kernel's on the
+/// widened weights.
+template <>
+struct Tiles<Dtype::f16, Isa::avx2> {
+  template <int R, class Epi>
+  APEX_TARGET_AVX2 static void tile(const f16* w, const std::byte*, Index K, const float* x, Index ldx, float* out,
+                                    Index ldo, Index ncols) {
+    __m256 acc[R][4];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
+    for (Index k = 0; k < K; ++k) {
+      prefetch_slab(w + 32 * k);
+      __m256 wv[4];  // lanes 8v … 8v + 7
+      for (int v = 0; v < 4; ++v)
+        wv[v] = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(w + 32 * k + 8 * v)));
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_set1_ps(x[r * ldx + k]);
+        for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_fmadd_ps(xv, wv[v], acc[r][v]);
+      }
+    }
+    for (int r = 0; r < R; ++r) store_row_avx2<Epi>(acc[r], out + r * ldo, ncols);
+  }
+};
+
 /// out (rows × ncols) = epilogue(x (rows × K) · panel), tiles of 3 rows.
 template <Dtype T, class Epi>
 APEX_TARGET_AVX2 void panel_avx2(const typename WeightType<T>::Element* w, const std::byte* scales, Index K,

@@ -86,6 +86,31 @@ struct Tiles<Dtype::f32, Isa::avx512> {
   }
 };
 
+/// f16 weights widened by `vcvtph2ps` (exact, AVX-512F): then the f32
+/// tile's fma(x_k, w_k, acc), k ascending.
+template <>
+struct Tiles<Dtype::f16, Isa::avx512> {
+  template <int R, class Epi>
+  APEX_TARGET_AVX512 static void tile(const f16* w, const std::byte*, Index K, const float* x, Index ldx,
+                                      float* out, Index ldo, Index ncols) {
+    __m512 a0[R], a1[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+    for (Index k = 0; k < K; ++k) {
+      prefetch_slab(w + 32 * k);
+      const __m512 w0 = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(w + 32 * k)));
+      const __m512 w1 = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(w + 32 * k + 16)));
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+        a0[r] = _mm512_fmadd_ps(xv, w0, a0[r]);
+        a1[r] = _mm512_fmadd_ps(xv, w1, a1[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) store_row_avx512<Epi>(a0[r], a1[r], out + r * ldo, ncols);
+  }
+};
+
 /// bf16 weights widened: even k by `<< 16`, odd k by masking the low half.
 template <>
 struct Tiles<Dtype::bf16, Isa::avx512> {
