@@ -11,6 +11,11 @@
 /// U8 expert tensors hold the blocks of the type its metadata names; they go
 /// into the panels bit for bit, and the layer's types are the file's.
 ///
+/// `path` may be one safetensors file or a Hugging Face sharded folder (or
+/// its `model.safetensors.index.json`), whose shards are mapped
+/// (io::MappedShards) and read only for the layer's tensors; the checks are
+/// the one file's, over the index's names (inference/packed_source.hpp).
+///
 /// Loading goes expert by expert: one expert's three matrices are decoded
 /// into a float staging buffer (3·max(f, f_s)·d floats, reused) and packed at
 /// once, so the process never holds a float copy of the whole model. BF16 tensors

@@ -87,7 +87,7 @@ inline std::string packed_file_dtype_names() {
   return s;
 }
 
-/// Checks `want` against the file as load_checkpoint does: names (missing,
+/// Checks `want` against the file (or folder) as load_checkpoint does: names (missing,
 /// and unexpected under `prefix` except `optional`), dtypes, shapes; the
 /// dtype and shape of a stored (U8) tensor were checked by file_types.
 inline void check_tensors(const std::string& where, const PackedSource& file, const std::vector<Expected>& want,
