@@ -69,7 +69,7 @@ namespace detail::inference {
 /// Calls `fn(source)` on the PackedSource of `path`: a sharded folder or its
 /// index (io/sharded_checkpoint.hpp's rule) opened through mappings
 /// (io::MappedShards: every shard mapped and its header validated, no
-/// weight read), else one safetensors file. Errors of opening as
+/// weight read), else one safetensors file, mapped as well (Reader::map). Errors of opening as
 /// MappedShards and safetensors::Reader report them (FormatError).
 template <class Fn>
 decltype(auto) with_packed_source(const std::string& path, const safetensors::Limits& limits, Fn&& fn) {
@@ -77,7 +77,10 @@ decltype(auto) with_packed_source(const std::string& path, const safetensors::Li
     const io::MappedShards shards(path, limits);
     return fn(PackedSource(shards, shard_index_path(path)));
   }
-  const safetensors::Reader file(path, limits);
+  // Mapped too: the header is read out of the mapping and each tensor
+  // decoded in place, with no chunk buffer; open_regular_file refuses a
+  // FIFO or device at once, as the pread reader does.
+  const safetensors::Reader file = safetensors::Reader::map(path, limits);
   return fn(PackedSource(file));
 }
 
