@@ -21,6 +21,7 @@
 #include "../io/safetensors.hpp"
 #include "packed_moe.hpp"
 #include "packed_save.hpp"
+#include "packed_source.hpp"
 
 namespace apex {
 
@@ -86,16 +87,16 @@ inline std::string packed_file_dtype_names() {
   return s;
 }
 
-/// Checks `want` against the file as load_checkpoint does: names (missing,
+/// Checks `want` against the file (or folder) as load_checkpoint does: names (missing,
 /// and unexpected under `prefix` except `optional`), dtypes, shapes; the
 /// dtype and shape of a stored (U8) tensor were checked by file_types.
-inline void check_tensors(const std::string& where, const safetensors::Reader& file, const std::vector<Expected>& want,
+inline void check_tensors(const std::string& where, const PackedSource& file, const std::vector<Expected>& want,
                           const std::string& prefix, const std::string& optional, bool allow_unexpected) {
   std::vector<std::string> missing, unexpected, bad_dtype, bad_shape;
   std::set<std::string> names;
   for (const auto& w : want) {
     names.insert(w.name);
-    const safetensors::TensorInfo* t = file.header().find(w.name);
+    const safetensors::TensorInfo* t = file.find(w.name);
     if (!t) {
       missing.push_back(w.name);
       continue;
@@ -108,9 +109,8 @@ inline void check_tensors(const std::string& where, const safetensors::Reader& f
       bad_shape.push_back(safetensors::quote_name(w.name) + " is " + safetensors::shape_string(t->shape) +
                           " in the file, the layer needs " + safetensors::shape_string(s));
   }
-  for (const auto& t : file.tensors())
-    if (t.name.compare(0, prefix.size(), prefix) == 0 && !names.count(t.name) && t.name != optional)
-      unexpected.push_back(t.name);
+  for (const std::string& n : file.names_under(prefix))
+    if (!names.count(n) && n != optional) unexpected.push_back(n);
   const bool unexpected_bad = !unexpected.empty() && !allow_unexpected;
   if (!missing.empty() || unexpected_bad) {
     std::string msg = where + ": the file does not match the layer:";
@@ -132,9 +132,9 @@ inline void check_tensors(const std::string& where, const safetensors::Reader& f
 /// Reads `name` into m (already of its shape); ValueError naming the tensor
 /// if `finite` and it holds NaN or Inf.
 template <class M>
-void read_into(const std::string& where, const safetensors::Reader& file, const std::string& name, M& m,
+void read_into(const std::string& where, const PackedSource& file, const std::string& name, M& m,
                bool finite) {
-  file.read(file.at(name), m.data());
+  file.read(name, m.data());
   if (finite && !m.allFinite())
     throw ValueError(where + ": tensor " + safetensors::quote_name(name) +
                      " contains NaN or Inf (the float layer rejects the router logits it would give)");
@@ -144,12 +144,12 @@ void read_into(const std::string& where, const safetensors::Reader& file, const 
 /// library's names to the file's) into the staging buffers (gu: 2f × d,
 /// gate rows first; down: d × f) and packs it.
 template <class Name>
-packed::PackedExpert read_expert(const std::string& where, const safetensors::Reader& file, const Name& name,
+packed::PackedExpert read_expert(const std::string& where, const PackedSource& file, const Name& name,
                                  const std::string& p, Matrix<float>& gu, Matrix<float>& down, packed::ExpertDtypes dtype,
                                  std::uint64_t& fp) {
   const Index f = gu.rows() / 2, d = gu.cols();
-  file.read(file.at(name(p + state_names::kGate)), gu.data());
-  file.read(file.at(name(p + state_names::kUp)), gu.data() + f * d);
+  file.read(name(p + state_names::kGate), gu.data());
+  file.read(name(p + state_names::kUp), gu.data() + f * d);
   read_into(where, file, name(p + state_names::kDown), down, false);
   fingerprint_add(fp, gu.data(), gu.size());
   fingerprint_add(fp, down.data(), down.size());
@@ -206,7 +206,7 @@ inline std::vector<Expected> moe_tensors(const MoEConfig& config, const FileName
 /// configuration, the family and κ options, names, dtypes and shapes, and
 /// memory. Reads no tensor.
 template <class Layer>
-MoEPlan plan_moe(const std::string& where, const safetensors::Reader& file, const MoEConfig& config,
+MoEPlan plan_moe(const std::string& where, const PackedSource& file, const MoEConfig& config,
                  const PackedLoadOptions& options) {
   config.validate(where.c_str());
   MoEPlan plan{FileNames{options.prefix, options.family}, {}, {}, {}};
@@ -217,9 +217,9 @@ MoEPlan plan_moe(const std::string& where, const safetensors::Reader& file, cons
                                  std::string("the ") + family_name(f) +
                                      " name map has no names for kappa-SwiGLU parameters (kappa_alpha, kappa_bias)");
     apex::check_family_fit(where.c_str(), config, f);
-    apex::detail::check_family_file(where, file, f, p);
+    file.check_family(where, f, p);
     plan.bias_name = apex::family_bias_name(f, p);  // required by DeepSeek-V3's names
-  } else if (!options.bias_name.empty() && file.header().find(p + options.bias_name)) {
+  } else if (!options.bias_name.empty() && file.find(p + options.bias_name)) {
     plan.bias_name = p + options.bias_name;  // optional under the library's names
   }
   if constexpr (Layer::kKappa) options.kappa.template validate_for<float>(where.c_str());
@@ -247,7 +247,7 @@ MoEPlan plan_moe(const std::string& where, const safetensors::Reader& file, cons
 /// Reads and packs the experts (routed, with κ's α and b; then shared) and
 /// the shared gate of a checked plan, adding them to the fingerprint `fp`.
 template <class Layer>
-Layer build_moe(const std::string& where, const safetensors::Reader& file, const MoEConfig& config,
+Layer build_moe(const std::string& where, const PackedSource& file, const MoEConfig& config,
                 const PackedLoadOptions& options, const MoEPlan& plan, const Matrix<float>& router,
                 const RowVector<float>& bias, std::uint64_t fp) {
   const Index d = config.d_model, f = config.d_ffn, fs = config.shared_ffn();
@@ -296,7 +296,7 @@ Layer build_moe(const std::string& where, const safetensors::Reader& file, const
 /// Reads in the order of PackedMoE::fingerprint: router, bias, experts,
 /// shared, gate.
 template <class Layer>
-Layer load_moe(const std::string& where, const safetensors::Reader& file, const MoEConfig& config,
+Layer load_moe(const std::string& where, const PackedSource& file, const MoEConfig& config,
                const PackedLoadOptions& options, const MoEPlan& plan) {
   Matrix<float> router(config.n_experts, config.d_model);
   read_into(where, file, plan.name(state_names::kRouter), router, true);

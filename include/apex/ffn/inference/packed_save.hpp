@@ -31,6 +31,7 @@
 #include "../io/safetensors.hpp"
 #include "../kernels/weight_types.hpp"
 #include "packed_moe.hpp"
+#include "packed_source.hpp"
 
 namespace apex {
 namespace detail::inference {
@@ -191,44 +192,43 @@ inline void check_stored_shape(const std::string& where, const safetensors::Tens
 /// "1", a U8 tensor without a block type, a type on a float tensor, and
 /// types that differ where the layer needs one (the routed experts' gate/up,
 /// their down; the same for the shared experts). Reads no tensor.
-inline std::optional<PackedTypes> file_types(const std::string& where, const safetensors::Reader& file,
+inline std::optional<PackedTypes> file_types(const std::string& where, const PackedSource& file,
                                              std::vector<Expected>& want) {
   using safetensors::DType;
   using safetensors::quote_name;
-  const safetensors::Metadata& meta = file.metadata();
-  const auto version = meta.find(kQuantVersionKey);
-  bool quant = version != meta.end();
+  const std::optional<std::string> version = file.metadata_value(kQuantVersionKey);
+  bool quant = version.has_value();
   for (const auto& w : want)
-    if (const auto* t = w.role >= 0 ? file.header().find(w.name) : nullptr) quant = quant || t->dtype == DType::U8;
+    if (const auto* t = w.role >= 0 ? file.find(w.name) : nullptr) quant = quant || t->dtype == DType::U8;
   if (!quant) return std::nullopt;
   const auto bad_version = [&] {
     return FormatError(where + ": metadata " + quote_name(kQuantVersionKey) + " is " +
-                       (version == meta.end() ? std::string("missing") : quote_name(version->second)) +
+                       (!version ? std::string("missing") : quote_name(*version)) +
                        "; quantized checkpoints of version " + kQuantVersion + " load");
   };
-  if (version != meta.end() && version->second != kQuantVersion) throw bad_version();
+  if (version && *version != kQuantVersion) throw bad_version();
   std::optional<packed::Dtype> types[4];
   std::string first[4];
   for (auto& w : want) {
-    const auto* t = w.role >= 0 ? file.header().find(w.name) : nullptr;
+    const auto* t = w.role >= 0 ? file.find(w.name) : nullptr;
     // missing, or of a dtype no loader takes: check_tensors names it
     if (!t || (t->dtype != DType::U8 && !safetensors::is_float_convertible(t->dtype))) continue;
-    const auto key = meta.find(kQuantKey + w.name);
+    const std::optional<std::string> key = file.metadata_value(kQuantKey + w.name);
     packed::Dtype type = t->dtype == DType::BF16 ? packed::Dtype::bf16 : packed::Dtype::f32;
     if (t->dtype == DType::U8) {
-      if (key == meta.end())
+      if (!key)
         throw FormatError(where + ": tensor " + quote_name(w.name) + " is U8 but the metadata names no type for it (" +
                           quote_name(kQuantKey + w.name) + ")");
-      const auto b = block_dtype_named(key->second);
+      const auto b = block_dtype_named(*key);
       if (!b)
-        throw FormatError(where + ": tensor " + quote_name(w.name) + " has type " + quote_name(key->second) +
+        throw FormatError(where + ": tensor " + quote_name(w.name) + " has type " + quote_name(*key) +
                           " in the metadata, which is not a type stored as U8 (" + block_dtype_names() + ")");
       type = *b;
       w.stored = true;
       check_stored_shape(where, *t, w, type);
-    } else if (key != meta.end()) {
+    } else if (key) {
       throw FormatError(where + ": tensor " + quote_name(w.name) + " is " + safetensors::dtype_name(t->dtype) +
-                        " but the metadata gives it the type " + quote_name(key->second) + "; blocks are stored as U8");
+                        " but the metadata gives it the type " + quote_name(*key) + "; blocks are stored as U8");
     }
     if (!types[w.role]) {
       types[w.role] = type;
@@ -239,7 +239,7 @@ inline std::optional<PackedTypes> file_types(const std::string& where, const saf
                         ": a layer's routed (and its shared) experts share one type per matrix, gate and up alike");
     }
   }
-  if (version == meta.end()) throw bad_version();
+  if (!version) throw bad_version();
   const auto pick = [&](int role, packed::Dtype fallback) { return types[role] ? *types[role] : fallback; };
   const packed::ExpertDtypes routed{pick(kRoutedGateUp, packed::Dtype::f32), pick(kRoutedDown, packed::Dtype::f32)};
   // Without shared experts the layer takes the routed types for them (PackedShared).
@@ -256,14 +256,14 @@ inline Index panel_row_bytes(packed::Dtype t, Index k) {
 /// `out`: a U8 tensor's blocks as they are, a float tensor's values in f32
 /// or bf16 (BF16 → bf16 is exact), bf16 rows padded with a zero weight as
 /// packing pads them. `staging` holds the floats of a float tensor.
-inline void read_stored(const safetensors::Reader& file, const std::string& name, packed::Dtype t, Index rows,
+inline void read_stored(const PackedSource& file, const std::string& name, packed::Dtype t, Index rows,
                         Index k, std::vector<std::byte>& out, std::vector<float>& staging) {
   const safetensors::TensorInfo& info = file.at(name);
   const Index row = panel_row_bytes(t, k);
   out.assign(std::size_t(rows * row), std::byte{0});
-  if (info.dtype == safetensors::DType::U8) return file.read_bytes(info, out.data());  // stored row = panel row
+  if (info.dtype == safetensors::DType::U8) return file.read_bytes(name, out.data());  // stored row = panel row
   staging.resize(std::size_t(rows * k));
-  file.read(info, staging.data());
+  file.read(name, staging.data());
   for (Index r = 0; r < rows; ++r)
     for (Index j = 0; j < k; ++j) {
       const float x = staging[std::size_t(r * k + j)];
@@ -285,7 +285,7 @@ struct StoredStaging {
 /// The expert at `p` of a quantized checkpoint (file_types checked it):
 /// its matrices' bits moved into the panels, not re-quantized.
 template <class Name>
-packed::PackedExpert read_stored_expert(const safetensors::Reader& file, const Name& name, const std::string& p,
+packed::PackedExpert read_stored_expert(const PackedSource& file, const Name& name, const std::string& p,
                                         Index d, Index f, packed::ExpertDtypes t, StoredStaging& s) {
   read_stored(file, name(p + state_names::kGate), t.gate_up, f, d, s.gate, s.floats);
   read_stored(file, name(p + state_names::kUp), t.gate_up, f, d, s.up, s.floats);
