@@ -17,42 +17,10 @@
 
 #include "fixtures.hpp"
 #include "packed_layers.hpp"
+#include "residency.hpp"
 #include "temp_dir.hpp"
 
 using namespace apex;
-
-namespace {
-
-/// Rss in bytes of this process's mapping that starts at `base`, from
-/// /proc/self/smaps, and the part of it mapped as huge pages (a tmpfs
-/// mounted huge=always maps file pages 2 MiB at a time); rss -1 if there is
-/// no such mapping (or no smaps: not Linux).
-struct Resident {
-  long long rss = -1, huge = 0;
-};
-Resident mapping_rss(const void* base) {
-  std::ifstream smaps("/proc/self/smaps");
-  std::string line;
-  bool in = false;
-  Resident r;
-  const auto kb = [&](std::size_t skip) { return std::stoll(line.substr(skip)) * 1024; };  // "Rss:   123 kB"
-  while (std::getline(smaps, line)) {
-    unsigned long long start = 0, end = 0;
-    char dash = 0;
-    std::istringstream head(line);
-    if (head >> std::hex >> start >> dash >> end && dash == '-') {
-      if (in) break;
-      in = start == reinterpret_cast<std::uintptr_t>(base);
-      continue;
-    }
-    if (!in) continue;
-    if (line.rfind("Rss:", 0) == 0) r.rss = kb(4);
-    if (line.rfind("FilePmdMapped:", 0) == 0 || line.rfind("ShmemPmdMapped:", 0) == 0) r.huge += kb(line.find(':') + 1);
-  }
-  return r;
-}
-
-}  // namespace
 
 TEST_CASE("the mapped reader gives the pread reader's bytes and values", "[mapped]") {
   test::TempDir dir;
@@ -109,7 +77,7 @@ TEST_CASE("a mapped layer's resident memory is the experts a forward touched", "
   save_packed_layout(dir / "r.safetensors", owned);
   const auto mapped = map_packed_moe<packed::bf16>(dir / "r.safetensors", c);
   const void* base = mapped.experts()[0].gate_up().mapping()->data();
-  const long long before = mapping_rss(base).rss;
+  const long long before = test::mapping_rss(base).rss;
   if (before < 0) {
     WARN("residency not checked: no /proc/self/smaps entry for the mapping");
     return;
@@ -119,7 +87,7 @@ TEST_CASE("a mapped layer's resident memory is the experts a forward touched", "
   CHECK(before < all / 64);  // the header and the float parts
   const Matrix<float> x = test::rnd<float>(1, 512, 4);
   const Matrix<float> y = mapped.forward(x);
-  const Resident after = mapping_rss(base);
+  const test::Resident after = test::mapping_rss(base);
   INFO("Rss after one token " << after.rss << ", of it huge pages " << after.huge);
   // 2 experts, their pages whole; slack: the float parts and the kernel's
   // fault-around (up to 64 KiB of already-cached neighbours per fault).

@@ -23,6 +23,7 @@
 #include "fixtures.hpp"
 #include "packed_layers.hpp"
 #include "sweep.hpp"
+#include "residency.hpp"
 #include "temp_dir.hpp"
 #include "tensor_files.hpp"
 
@@ -77,33 +78,6 @@ void write_raw_shards(const safetensors::Reader& file, const fs::path& folder, i
   write_shard_index((folder / kShardIndexName).string(), index);
 }
 
-/// Rss in bytes of this process's mapping that starts at `base`
-/// (/proc/self/smaps), -1 if there is none (not Linux), and the part of it
-/// mapped as huge pages (a tmpfs mounted huge=always maps 2 MiB at a time).
-struct Resident {
-  long long rss = -1, huge = 0;
-};
-Resident mapping_rss(const void* base) {
-  std::ifstream smaps("/proc/self/smaps");
-  std::string line;
-  bool in = false;
-  Resident r;
-  const auto kb = [&](std::size_t skip) { return std::stoll(line.substr(skip)) * 1024; };  // "Rss:   123 kB"
-  while (std::getline(smaps, line)) {
-    unsigned long long start = 0, end = 0;
-    char dash = 0;
-    std::istringstream head(line);
-    if (head >> std::hex >> start >> dash >> end && dash == '-') {
-      if (in) break;
-      in = start == reinterpret_cast<std::uintptr_t>(base);
-    } else if (in && line.rfind("Rss:", 0) == 0) {
-      r.rss = kb(4);
-    } else if (in && (line.rfind("FilePmdMapped:", 0) == 0 || line.rfind("ShmemPmdMapped:", 0) == 0)) {
-      r.huge += kb(line.find(':') + 1);
-    }
-  }
-  return r;
-}
 
 }  // namespace
 
@@ -294,7 +268,7 @@ TEST_CASE("bad sharded folders: typed errors naming the problem", "[sharded_pack
   }
 }
 
-TEST_CASE("opening a sharded folder reads no weight; the load reads the layer's", "[sharded_packed][mapped]") {
+TEST_CASE("opening a sharded folder reads no weight and the load reads the layer's", "[sharded_packed][mapped]") {
   MoEConfig c = test::moe_config(16, 2, 0, 256, 512);  // 50 MB of F64 shards: much more than a huge page each
   MoEFFN<float> moe(c, 51);
   test::TempDir dir, shards;
@@ -313,7 +287,7 @@ TEST_CASE("opening a sharded folder reads no weight; the load reads the layer's"
   REQUIRE(bases.size() == 3);
   long long before = 0, huge = 0;
   for (const void* b : bases) {
-    const Resident r = mapping_rss(b);
+    const test::Resident r = test::mapping_rss(b);
     if (r.rss < 0) {
       WARN("residency not checked: no /proc/self/smaps entry for a shard's mapping");
       return;
@@ -331,7 +305,7 @@ TEST_CASE("opening a sharded folder reads no weight; the load reads the layer's"
   const auto layer = detail::inference::load_packed_moe_from<PackedMoE<float>>(
       detail::inference::PackedSource(folder, index), c, PackedLoadOptions{});
   long long after = 0;
-  for (const void* b : bases) after += mapping_rss(b).rss;
+  for (const void* b : bases) after += test::mapping_rss(b).rss;
   INFO("after the load " << after);
   CHECK(after >= data * 9 / 10);  // every tensor is the layer's: all were read
   CHECK(bits(layer) == bits(PackedMoE<float>::from(moe)));
