@@ -32,6 +32,10 @@ struct MoEConfig {
   /// Qwen2-MoE's `shared_expert_gate`: the shared experts' sum is scaled per
   /// token by σ(x·w_gate) (w_gate: 1 × d, trained, no bias).
   bool shared_expert_gate = false;
+  /// gpt-oss's router `Linear(d, E)` with a bias: ℓ = X·W_routerᵀ + b_r, b_r
+  /// (1 × E, `router.bias`) trained with its gradient. Not the balancer's
+  /// selection bias, which it adds to.
+  bool router_bias = false;
 
   /// The shared experts' hidden width.
   Index shared_ffn() const { return d_shared_ffn > 0 ? d_shared_ffn : d_ffn; }

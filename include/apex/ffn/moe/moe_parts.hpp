@@ -43,7 +43,7 @@ struct MoEParts {
   /// The parts of a layer of `config` (validated by the caller), keeping the
   /// routed experts [first, last) of the E it draws.
   MoEParts(const MoEConfig& config, Rng& rng, Index first, Index last)
-      : router(config.d_model, config.n_experts, config.n_active, rng),
+      : router(config.d_model, config.n_experts, config.n_active, rng, config.router_bias),
         balancer(config.n_experts, config.n_active, config.balancer_alpha) {
     router.set_routing(config.routing);
     experts.reserve(std::size_t(last - first));

@@ -2,14 +2,15 @@
 /// \file moe/router.hpp
 /// Top-K router (docs/math.md#router).
 ///
-///     ℓ = X·W_routerᵀ          (N × E, no bias: the raw logits)
+///     ℓ = X·W_routerᵀ [+ b_r]  (N × E: the raw logits; b_r a trained bias,
+///                                gpt-oss's router, with `with_bias`)
 ///     r = ℓ + b                (b: the load balancer's bias, not trained)
 ///     (e_1..e_K) = top-K(r)    per token, ties to the lower expert index
 ///     g = softmax(r_{e_1..e_K})   — or softmax(ℓ_{e_1..e_K}) with
 ///                                   `weights_from_unbiased`
 ///
-/// Selection has no gradient; the bias gets none. Gradients flow through the
-/// softmax of the K selected entries into W_router and X.
+/// Selection has no gradient; the balancing bias b gets none. Gradients flow
+/// through the softmax of the K selected entries into W_router, b_r and X.
 ///
 /// Other scorings (softmax over all E, sigmoid), group-limited selection,
 /// renormalisation and a routed scaling factor: `set_routing` with a
@@ -35,13 +36,17 @@ namespace apex {
 template <class T>
 class Router {
  public:
-  Router(Index d_model, Index n_experts, Index n_active, Rng& rng) : k_(n_active) {
+  /// `with_bias`: a trained logit bias b_r (1 × E, initialised to 0, so it
+  /// draws nothing from rng), named `bias` beside `weight`.
+  Router(Index d_model, Index n_experts, Index n_active, Rng& rng, bool with_bias = false)
+      : k_(n_active), has_logit_bias_(with_bias) {
     detail::require_config(d_model > 0, "Router", "d_model must be positive");
     detail::require_config(n_experts >= 1, "Router", "n_experts must be >= 1");
     detail::require_config(n_active >= 1 && n_active <= n_experts, "Router", "need 1 <= n_active <= n_experts");
     detail::checked_product("Router", "weight size n_experts*d_model", {n_experts, d_model});
     weight_.resize(n_experts, d_model);
     init_linear(weight_, rng);  // its gradient: allocate_gradients() (core/param.hpp)
+    if (with_bias) logit_bias_ = RowVector<T>::Zero(n_experts);
   }
 
   Index d_model() const { return weight_.cols(); }
@@ -68,6 +73,7 @@ class Router {
     const Index n = x.rows(), e_count = n_experts();
     out.logits.resize(n, e_count);
     detail::linear_nt(x, weight_, out.logits, false);
+    if (has_logit_bias_) out.logits.rowwise() += logit_bias_;  // ℓ = X·Wᵀ + b_r
     if (!out.logits.allFinite())
       throw ValueError("Router::route: router logits are not finite (the input contains NaN/Inf or is too large)");
     out.experts.resize(n, k_);
@@ -97,7 +103,8 @@ class Router {
   /// pass an empty 0 × 0 matrix for none). With s the softmax's scores:
   ///     ∂L/∂ℓ[t, e_k] = g_k (∂L/∂g_k − Σ_j g_j ∂L/∂g_j) + d_pair_logits(t, k)
   /// (∂s/∂ℓ = 1 whichever scores the softmax read; every other ∂L/∂ℓ is 0),
-  /// then ∂L/∂W_router += (∂L/∂ℓ)ᵀ·X (E × d); returns ∂L/∂X = (∂L/∂ℓ)·W_router
+  /// then ∂L/∂W_router += (∂L/∂ℓ)ᵀ·X (E × d) and, with a logit bias,
+  /// ∂L/∂b_r += Σ_t ∂L/∂ℓ[t, ·]; returns ∂L/∂X = (∂L/∂ℓ)·W_router
   /// (N × d). docs/math.md#router. `routing` must come from a route of this
   /// router on x (shapes and expert ids are checked). Throws ShapeError or ValueError.
   Matrix<T> backward(const ConstMatrixRef<T>& x, const Routing<T>& routing, const ConstMatrixRef<T>& d_weights,
@@ -116,6 +123,7 @@ class Router {
     Matrix<T> dx(x.rows(), d_model());                                    // N × d
     allocate_gradients();
     detail::linear_nt_backward(d_logits, x, weight_, weight_grad_, dx);  // ℓ = X·Wᵀ
+    if (has_logit_bias_) logit_bias_grad_ += d_logits.colwise().sum();  // ∂ℓ[t, e]/∂b_r[e] = 1
     return dx;
   }
 
@@ -132,16 +140,24 @@ class Router {
 
   /// `weight` with its gradient, which this allocates (zeroed) if not yet:
   /// the view must stay valid for the layer's life (core/param.hpp).
+  /// With a logit bias, then `bias` (1 × E) and its gradient.
   ParamList<T> params() {
     allocate_gradients();
-    return {detail::make_param<T>("weight", weight_, &weight_grad_)};
+    ParamList<T> out{detail::make_param<T>("weight", weight_, &weight_grad_)};
+    if (has_logit_bias_) out.push_back(detail::make_param<T>("bias", logit_bias_, logit_bias_grad_));
+    return out;
   }
-  /// The same tensor, values only: never allocates the gradient (core/param.hpp).
-  ParamList<T> param_values() { return {detail::make_value_param<T>("weight", weight_)}; }
-  /// Zeroes the gradient (allocating it, zeroed, if not yet).
+  /// The same tensors, values only: never allocates the gradients (core/param.hpp).
+  ParamList<T> param_values() {
+    ParamList<T> out{detail::make_value_param<T>("weight", weight_)};
+    if (has_logit_bias_) out.push_back(detail::make_value_param<T>("bias", logit_bias_));
+    return out;
+  }
+  /// Zeroes the gradients (allocating them, zeroed, if not yet).
   void zero_grad() {
     if (!has_gradients()) return allocate_gradients();
     weight_grad_.setZero();
+    logit_bias_grad_.setZero();
   }
   /// Whether the gradient exists (core/param.hpp: allocated lazily).
   bool has_gradients() const { return has_grads_; }
@@ -149,6 +165,7 @@ class Router {
   void allocate_gradients() {
     if (has_grads_) return;
     weight_grad_ = Matrix<T>::Zero(n_experts(), d_model());
+    if (has_logit_bias_) logit_bias_grad_ = RowVector<T>::Zero(n_experts());
     has_grads_ = true;
   }
 
@@ -157,6 +174,12 @@ class Router {
   const Matrix<T>& weight() const { return weight_; }
   /// E × d once allocated (has_gradients()), else 0 × 0.
   const Matrix<T>& weight_grad() const { return weight_grad_; }
+  /// Whether the logits carry a trained bias b_r (constructed `with_bias`).
+  bool has_logit_bias() const { return has_logit_bias_; }
+  /// b_r: 1 × E with a logit bias, else 1 × 0; its gradient 1 × E once allocated.
+  RowVector<T>& logit_bias() { return logit_bias_; }
+  const RowVector<T>& logit_bias() const { return logit_bias_; }
+  const RowVector<T>& logit_bias_grad() const { return logit_bias_grad_; }
 
  private:
   /// Sorted insertion of (score, e) into the current best K (`top` descending,
@@ -234,6 +257,9 @@ class Router {
   RoutingConfig routing_;
   Matrix<T> weight_;       ///< E × d
   Matrix<T> weight_grad_;  ///< E × d once allocated, else 0 × 0
+  bool has_logit_bias_ = false;
+  RowVector<T> logit_bias_;       ///< 1 × E with a logit bias, else empty
+  RowVector<T> logit_bias_grad_;  ///< 1 × E once allocated with a logit bias, else empty
   bool has_grads_ = false;
 };
 

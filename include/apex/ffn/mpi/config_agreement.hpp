@@ -57,7 +57,7 @@ std::string fingerprint(const char* layer, const MoEConfig& c, const std::string
          std::to_string(c.n_shared) + "; weights_from_unbiased " + (c.weights_from_unbiased ? "1" : "0") +
          "; balancer_alpha " + exact(c.balancer_alpha) + "; " + routing_fingerprint(c.routing) + "; d_shared_ffn " +
          std::to_string(c.d_shared_ffn) + "; shared_expert_gate " + (c.shared_expert_gate ? "1" : "0") +
-         (extra.empty() ? "" : "; " + extra);
+         "; router_bias " + (c.router_bias ? "1" : "0") + (extra.empty() ? "" : "; " + extra);
 }
 
 /// 63 bits of the FNV-1a hash of `text`: a per-call check that every rank
