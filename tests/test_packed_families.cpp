@@ -138,7 +138,7 @@ TEST_CASE("family name maps on the packed loader: the float path's checks", "[in
                           "one gated shared expert (n_shared = 1, shared_expert_gate)");
   CHECK_THROWS_CONTAINING(
       (load_packed_moe<float, KappaSwiGLU<float>>(qwen2, test::fixture_config(MoEFamily::Qwen2MoE, qwen2), po)),
-      ConfigError, "no names for kappa-SwiGLU parameters");
+      ConfigError, "no names for kappa_swiglu experts' parameters (kappa_alpha, kappa_bias)");
   MoEConfig wrong_width = test::fixture_config(MoEFamily::Qwen2MoE, qwen2);
   wrong_width.d_shared_ffn = 5;
   CHECK_THROWS_CONTAINING(load_packed_moe<float>(qwen2, wrong_width, po), ShapeError,

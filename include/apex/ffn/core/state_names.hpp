@@ -5,6 +5,7 @@
 /// and what the packed loaders and the family name maps look up.
 ///
 ///     router.weight                 E × d    the router
+///     router.bias                   1 × E    its trained logit bias, with MoEConfig::router_bias
 ///     experts.{e}.w_gate.weight     f × d    routed expert e (global id) — a SwiGLU's three projections
 ///     experts.{e}.w_up.weight       f × d
 ///     experts.{e}.w_down.weight     d × f
@@ -21,6 +22,7 @@ namespace apex::state_names {
 
 inline constexpr const char* kRouterPrefix = "router.";                  ///< + the Router's own "weight"
 inline constexpr const char* kRouter = "router.weight";
+inline constexpr const char* kRouterBias = "router.bias";                ///< a router's trained logit bias (gpt-oss)
 inline constexpr const char* kSharedGate = "shared_expert_gate.weight";
 inline constexpr const char* kRoutedPrefix = "experts.";                 ///< every routed expert's names start so
 inline constexpr const char* kSharedPrefix = "shared_experts.";

@@ -26,8 +26,11 @@
 #include "../core/errors.hpp"
 #include "../layers/kappa_options.hpp"
 #include "../layers/kappa_row.hpp"
+#include "../layers/kappa_swiglu.hpp"
 #include "../kernels/fused_expert.hpp"
+#include "../core/state_names.hpp"
 #include "../core/types.hpp"
+#include "packed_expert_kind.hpp"
 
 namespace apex {
 
@@ -100,5 +103,42 @@ inline void kappa_forward(const packed::PackedExpert& e, const KappaGate& k, con
                                    y + r0 * ldy, ldy);
   }
 }
+
+/// κ-SwiGLU's row of the expert-kind table (inference/packed_expert_kind.hpp):
+/// its α and b kept as float, κ from each row's router logit (the side input).
+template <>
+struct PackedExpertKind<KappaSwiGLU<float>> {
+  static constexpr const char* kName = "kappa_swiglu";
+  static constexpr bool kCustomActivation = false;  // SiLU_κ is its own activation
+  using Options = KappaOptions;
+  using Extra = KappaGate;
+
+  static const SwiGLU<float>& weights(const KappaSwiGLU<float>& e) { return e.swiglu(); }
+  static Extra extra(const KappaSwiGLU<float>& e) { return {e.kappa_alpha(), e.kappa_bias(), e.options()}; }
+  static std::vector<ExpertExtraTensor> extra_tensors(Index, Index f) {
+    return {{state_names::kKappaAlpha, f}, {state_names::kKappaBias, f}};
+  }
+  static std::vector<const RowVector<float>*> extra_rows(const Extra& g) { return {&g.alpha, &g.bias}; }
+  static Extra make_extra(std::vector<RowVector<float>> rows, const Options& o) {
+    return {std::move(rows.at(0)), std::move(rows.at(1)), o};
+  }
+  template <class LoadOptions>
+  static const Options& options_of(const LoadOptions& o) {
+    return o.kappa;
+  }
+  static void check_extra(const char* where, const Extra& g, Index d, Index f) {
+    detail::inference::check_extra_shapes<PackedExpertKind>(where, g, d, f);
+    g.options.template validate_for<float>(where);
+  }
+  static void check_kernel_options(const char* where, const packed::ForwardOptions& opt) {
+    detail::require_config(opt.bf16_products != packed::Bf16Products::paired, where,
+                           "bf16_products = paired is not supported for kappa-SwiGLU experts");
+  }
+  template <class Act>
+  static void forward(const packed::PackedExpert& e, const Extra& g, const float* x, Index ldx, const float* logit,
+                      Index m, float* y, Index ldy, const packed::ForwardOptions& opt) {
+    kappa_forward(e, g, x, ldx, logit, m, y, ldy, opt);
+  }
+};
 
 }  // namespace apex

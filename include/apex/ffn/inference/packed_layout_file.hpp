@@ -77,11 +77,14 @@ std::vector<LayoutItem> layout_items(const Layer& layer) {
   };
   f32(state_names::kRouter, {u(c.n_experts), u(c.d_model)}, layer.router().weight().data(), c.n_experts * c.d_model);
   f32("expert_bias", {u(c.n_experts)}, layer.bias().data(), c.n_experts);
-  if constexpr (Layer::kKappa)
+  if (c.router_bias) f32(state_names::kRouterBias, {u(c.n_experts)}, layer.router().logit_bias().data(), c.n_experts);
+  if constexpr (Layer::kHasExtra)
     for (Index e = 0; e < c.n_experts; ++e) {
-      const KappaGate& g = layer.kappa_gates()[std::size_t(e)];
-      f32(state_names::routed_expert(e) + state_names::kKappaAlpha, {1, u(c.d_ffn)}, g.alpha.data(), c.d_ffn);
-      f32(state_names::routed_expert(e) + state_names::kKappaBias, {1, u(c.d_ffn)}, g.bias.data(), c.d_ffn);
+      using Kind = typename Layer::Kind;
+      const auto rows = Kind::extra_rows(layer.extras()[std::size_t(e)]);
+      const auto tensors = Kind::extra_tensors(c.d_model, c.d_ffn);
+      for (std::size_t i = 0; i < tensors.size(); ++i)
+        f32(state_names::routed_expert(e) + tensors[i].name, {1, u(tensors[i].cols)}, rows[i]->data(), tensors[i].cols);
     }
   if (c.shared_expert_gate)
     f32(state_names::kSharedGate, {1, u(c.d_model)}, layer.shared_gate_weight().data(), c.d_model);
@@ -124,7 +127,7 @@ void write_packed_layout(safetensors::ByteSink& out, const PackedMoE<Storage, Ex
   meta[inf::kLayoutVersionKey] = inf::kLayoutVersion;
   meta[inf::kLayoutRoutedKey] = packed::dtypes_name(layer.types().routed);
   meta[inf::kLayoutSharedKey] = packed::dtypes_name(layer.types().shared);
-  meta[inf::kLayoutShapeKey] = inf::layout_shape(layer.config(), Layer::kKappa);
+  meta[inf::kLayoutShapeKey] = inf::layout_shape(layer.config(), Layer::Kind::kName);
   safetensors::detail::write_header(out, inf::layout_header(items, meta));
   for (const auto& t : items)
     if (t.bytes) out.write(t.data, std::size_t(t.bytes));

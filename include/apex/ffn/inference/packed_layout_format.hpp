@@ -119,13 +119,14 @@ inline PackedTypes file_layout_types(const std::string& where, const safetensors
 }
 
 /// The layer shape a pack-once file records ("apex.layout.shape"), which a
-/// map must match: expert kind, d, f, E, S and the shared width and gate.
+/// map must match: expert kind (PackedExpertKind::kName), d, f, E, S, the
+/// shared width and gate, and a router bias.
 inline constexpr const char* kLayoutShapeKey = "apex.layout.shape";
-inline std::string layout_shape(const apex::MoEConfig& c, bool kappa) {
-  return std::string(kappa ? "kappa_swiglu" : "swiglu") + " experts, d_model " + std::to_string(c.d_model) +
+inline std::string layout_shape(const apex::MoEConfig& c, const char* kind) {
+  return std::string(kind) + " experts, d_model " + std::to_string(c.d_model) +
          ", d_ffn " + std::to_string(c.d_ffn) + ", E " + std::to_string(c.n_experts) + ", S " +
          std::to_string(c.n_shared) + " of width " + std::to_string(c.shared_ffn()) +
-         (c.shared_expert_gate ? ", gated" : "");
+         (c.shared_expert_gate ? ", gated" : "") + (c.router_bias ? ", router bias" : "");
 }
 
 /// One panel array of a layer: its tensor name, the matrix geometry and

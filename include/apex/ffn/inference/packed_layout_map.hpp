@@ -19,16 +19,16 @@
 namespace apex {
 namespace detail::inference {
 
-/// The float tensors of a pack-once file of `c`: name → shape.
-template <bool kKappa>
+/// The float tensors of a pack-once file of `c` with experts of `Kind`: name → shape.
+template <class Kind>
 std::map<std::string, std::vector<std::uint64_t>> layout_float_tensors(const MoEConfig& c) {
   const auto u = [](Index n) { return std::uint64_t(n); };
   std::map<std::string, std::vector<std::uint64_t>> out{{state_names::kRouter, {u(c.n_experts), u(c.d_model)}},
                                                         {"expert_bias", {u(c.n_experts)}}};
-  if (kKappa)
-    for (Index e = 0; e < c.n_experts; ++e)
-      for (const char* n : {state_names::kKappaAlpha, state_names::kKappaBias})
-        out[state_names::routed_expert(e) + n] = {1, u(c.d_ffn)};
+  if (c.router_bias) out[state_names::kRouterBias] = {u(c.n_experts)};
+  for (Index e = 0; e < c.n_experts; ++e)
+    for (const ExpertExtraTensor& t : Kind::extra_tensors(c.d_model, c.d_ffn))
+      out[state_names::routed_expert(e) + t.name] = {1, u(t.cols)};
   if (c.shared_expert_gate) out[state_names::kSharedGate] = {1, u(c.d_model)};
   return out;
 }
@@ -36,13 +36,13 @@ std::map<std::string, std::vector<std::uint64_t>> layout_float_tensors(const MoE
 /// FormatError naming `where` unless the file's tensors are exactly the
 /// float tensors and panel arrays of the layer (dtype and shape each, so
 /// each panel array's size is the bytes its matrix needs), plus padding.
-template <bool kKappa>
+template <class Kind>
 void check_layout_tensors(const std::string& where, const safetensors::Reader& file, const MoEConfig& c,
                           const std::vector<PanelTensor>& panels) {
   using safetensors::DType;
   using safetensors::quote_name;
   std::map<std::string, std::pair<DType, std::vector<std::uint64_t>>> want;
-  for (auto& [name, shape] : layout_float_tensors<kKappa>(c)) want[name] = {DType::F32, shape};
+  for (auto& [name, shape] : layout_float_tensors<Kind>(c)) want[name] = {DType::F32, shape};
   for (const auto& p : panels) want[p.name] = {DType::U8, p.shape()};
   std::vector<std::string> missing, unexpected;
   for (const auto& t : file.tensors()) {
@@ -104,8 +104,8 @@ inline std::vector<packed::PackedExpert> layout_experts(const std::string& where
 
 /// A PackedMoE of `config` over the pack-once file at `path`, its expert
 /// weights views into a read-only mapping of the file (see
-/// inference/packed_layout_file.hpp). Of `options`, `kappa` (κ experts'
-/// options), `types` (must equal the file's if set) and `limits` apply; a
+/// inference/packed_layout_file.hpp). Of `options`, the expert kind's
+/// options (`kappa`, `clamped`), `types` (must equal the file's if set) and `limits` apply; a
 /// prefix or family is a ConfigError (a pack-once file holds one layer
 /// under the library's names). No memory-fit check: the weights are the
 /// page cache's, paged in and out by the kernel. The layer has no float
@@ -127,26 +127,32 @@ PackedMoE<Storage, Expert, Activation> map_packed_moe(const std::string& path, c
     throw ConfigError(where + ": options.types asks for " + packed_types_name(*options.types) + " but the file holds " +
                       packed_types_name(types));
   const auto shape = file.metadata().find(inf::kLayoutShapeKey);
-  const std::string want = inf::layout_shape(config, Layer::kKappa);
+  const std::string want = inf::layout_shape(config, Layer::Kind::kName);
   if (shape == file.metadata().end() || shape->second != want)
     throw FormatError(where + ": the file holds a layer of " +
                       (shape == file.metadata().end() ? std::string("unrecorded shape") : shape->second) +
                       "; the config asks for " + want);
   const auto panels = inf::layer_panel_tensors(config, types);
-  inf::check_layout_tensors<Layer::kKappa>(where, file, config, panels);
+  inf::check_layout_tensors<typename Layer::Kind>(where, file, config, panels);
   const Index d = config.d_model;
   auto experts = inf::layout_experts(where, file, map, panels, d, false, config.n_experts, config.d_ffn);
   auto shared = inf::layout_experts(where, file, map, panels, d, true, config.n_shared, config.shared_ffn());
   // The float parts, read (copied) out of the mapping: small.
   const Matrix<float> router = file.matrix<float>(state_names::kRouter);  // E × d
   const RowVector<float> bias = file.matrix<float>("expert_bias");        // 1 × E
-  std::vector<KappaGate> gates;
-  if constexpr (Layer::kKappa)
-    for (Index e = 0; e < config.n_experts; ++e)
-      gates.push_back({file.matrix<float>(state_names::routed_expert(e) + state_names::kKappaAlpha),
-                       file.matrix<float>(state_names::routed_expert(e) + state_names::kKappaBias), options.kappa});
+  using Kind = typename Layer::Kind;
+  std::vector<typename Layer::Extra> extras;
+  if constexpr (Layer::kHasExtra)
+    for (Index e = 0; e < config.n_experts; ++e) {
+      std::vector<RowVector<float>> rows;
+      for (const ExpertExtraTensor& t : Kind::extra_tensors(d, config.d_ffn))
+        rows.push_back(file.matrix<float>(state_names::routed_expert(e) + t.name));
+      extras.push_back(Kind::make_extra(std::move(rows), Kind::options_of(options)));
+    }
   Matrix<float> gate = config.shared_expert_gate ? file.matrix<float>(state_names::kSharedGate) : Matrix<float>();
-  return Layer(config, router, bias, std::move(experts), std::move(gates), std::move(shared), std::move(gate));
+  Layer out(config, router, bias, std::move(experts), std::move(extras), std::move(shared), std::move(gate));
+  if (config.router_bias) out.set_logit_bias(file.matrix<float>(state_names::kRouterBias));  // 1 × E, finite-checked
+  return out;
 }
 
 }  // namespace apex

@@ -43,6 +43,8 @@
 #include "../moe/pipeline.hpp"
 #include "../moe/router.hpp"
 #include "common.hpp"
+#include "packed_clamped.hpp"
+#include "packed_expert_kind.hpp"
 #include "packed_kappa.hpp"
 #include "packed_runner.hpp"
 #include "packed_shared.hpp"
@@ -52,18 +54,21 @@ namespace apex {
 /// Inference MoE on packed `Storage` weights (float, packed::bf16 or a block
 /// format such as packed::q4_k: the default of from() and the loaders,
 /// which take other types per matrix and for the shared experts), the
-/// forward of `MoEFFN<float, Expert>`; Expert is SwiGLU<float> or
-/// KappaSwiGLU<float>. Shared experts are SwiGLU, of width config.shared_ffn().
-/// `Activation` is the routed experts' gated activation, a policy of the
-/// kernels' epilogue (kernels/epilogue.hpp): SiLU by default, or any
+/// forward of `MoEFFN<float, Expert>`; Expert is any float expert type with
+/// a row in the expert-kind table (inference/packed_expert_kind.hpp):
+/// SwiGLU<float>, KappaSwiGLU<float>, ClampedSwiGLU<float> (gpt-oss), or a
+/// user's. Shared experts are SwiGLU, of width config.shared_ffn().
+/// `Activation` is the routed SwiGLU experts' gated activation, a policy of
+/// the kernels' epilogue (kernels/epilogue.hpp): SiLU by default, or any
 /// user-defined one over the same gate, up and down weights (a GEGLU model's
-/// experts, say); κ experts have their own (inference/packed_kappa.hpp).
+/// experts, say); other kinds have their own.
 template <class Storage, class Expert = SwiGLU<float>, class Activation = packed::SiluGate>
 class PackedMoE {
-  static_assert(std::is_same_v<Expert, SwiGLU<float>> || std::is_same_v<Expert, KappaSwiGLU<float>>,
-                "PackedMoE<Storage, Expert>: Expert must be SwiGLU<float> or KappaSwiGLU<float>");
-  static_assert(std::is_same_v<Expert, SwiGLU<float>> || std::is_same_v<Activation, packed::SiluGate>,
-                "PackedMoE<Storage, KappaSwiGLU<float>, Activation>: kappa experts have their own activation");
+  static_assert(detail::inference::has_packed_kind<Expert>::value,
+                "PackedMoE<Storage, Expert>: Expert needs a row in the expert-kind table, a specialisation of "
+                "PackedExpertKind<Expert> (inference/packed_expert_kind.hpp)");
+  static_assert(PackedExpertKind<Expert>::kCustomActivation || std::is_same_v<Activation, packed::SiluGate>,
+                "PackedMoE<Storage, Expert, Activation>: this expert kind has its own activation");
 
  public:
   using Scalar = float;
@@ -71,15 +76,20 @@ class PackedMoE {
   using ExpertType = Expert;
   using ActivationType = Activation;
   using Source = MoEFFN<float, Expert>;
-  static constexpr bool kKappa = std::is_same_v<Expert, KappaSwiGLU<float>>;
+  /// How this layer packs, stores and runs its routed experts.
+  using Kind = PackedExpertKind<Expert>;
+  /// The float parts one routed expert keeps (κ's α and b, gpt-oss's biases; none for SwiGLU).
+  using Extra = typename Kind::Extra;
+  static constexpr bool kHasExtra = detail::inference::kind_has_extra<Kind>;
   static constexpr packed::Dtype kDtype = packed_dtype<Storage>();
 
   /// The buffers of one forward (moe/moe_cache.hpp; routing and plan are the
   /// float layer's). A forward-only cache: no input or workspaces are kept.
   using Cache = MoECache<float>;
 
-  /// Packs a trained float layer: router weights, bias, κ parameters and
-  /// options and the shared gate weight copied, expert weights packed in
+  /// Packs a trained float layer: router weights (and logit bias), bias, the
+  /// experts' float parts and options (Kind::extra) and the shared gate
+  /// weight copied, expert weights packed in
   /// `types` (bf16: rounded to nearest even; block formats: ggml's reference
   /// quantizers). ConfigError if the packed layer would not fit in physical
   /// memory (core/memory_budget.hpp), or if a width is not whole blocks of
@@ -88,35 +98,38 @@ class PackedMoE {
     const MoEConfig& cfg = src.config();
     check_fits("PackedMoE::from", cfg, 0, types);
     std::vector<packed::PackedExpert> experts, shared;
-    std::vector<KappaGate> gates;
+    std::vector<Extra> extras;
     experts.reserve(std::size_t(cfg.n_experts));
     for (const auto& e : src.experts()) {
-      const SwiGLU<float>& m = swiglu_of(e);
+      const SwiGLU<float>& m = Kind::weights(e);
       experts.emplace_back(m.w_gate(), m.w_up(), m.w_down(), types.routed);
-      if constexpr (kKappa) gates.push_back({e.kappa_alpha(), e.kappa_bias(), e.options()});
+      if constexpr (kHasExtra) extras.push_back(Kind::extra(e));
     }
     for (const auto& s : src.shared_experts()) shared.emplace_back(s.w_gate(), s.w_up(), s.w_down(), types.shared);
-    PackedMoE out(cfg, src.router().weight(), src.balancer().bias(), std::move(experts), std::move(gates),
+    PackedMoE out(cfg, src.router().weight(), src.balancer().bias(), std::move(experts), std::move(extras),
                   std::move(shared), src.shared_gate_weight());
+    if (cfg.router_bias) out.set_logit_bias(src.router().logit_bias());
     out.fingerprint_ = fingerprint(src);
     out.has_source_ = true;
     return out;
   }
 
   /// Assembles a layer from its parts (the loaders use this): router weight
-  /// E × d, bias 1 × E (finite), E packed experts of f × d (κ: E gates of
-  /// 1 × f), S packed shared experts of f_s × d (f_s = config.shared_ffn()),
+  /// E × d, bias 1 × E (finite), E packed experts of f × d, their float parts
+  /// (E of them for a kind that has some, Kind::check_extra; else empty),
+  /// S packed shared experts of f_s × d (f_s = config.shared_ffn()),
   /// and the shared gate weight: 1 × d with config.shared_expert_gate, else
-  /// empty. ShapeError or ValueError on a mismatch, as the float layer would
+  /// empty. With config.router_bias the logit bias starts at 0: set_logit_bias.
+  /// ShapeError or ValueError on a mismatch, as the float layer would
   /// raise them; ConfigError for routed (or shared) experts of mixed types.
   PackedMoE(const MoEConfig& config, const Matrix<float>& router_weight, const RowVector<float>& bias,
-            std::vector<packed::PackedExpert> experts, std::vector<KappaGate> gates,
+            std::vector<packed::PackedExpert> experts, std::vector<Extra> extras,
             std::vector<packed::PackedExpert> shared, Matrix<float> shared_gate = Matrix<float>())
       : config_((config.validate_for<float>("PackedMoE"), config)),
         router_(make_router(config)),
         bias_(bias),
         experts_(std::move(experts)),
-        gates_(std::move(gates)),
+        extras_(std::move(extras)),
         routed_types_(detail::inference::uniform_dtypes("PackedMoE", "experts", experts_, kDtype)),
         shared_("PackedMoE", config, routed_types_, std::move(shared), std::move(shared_gate)) {
     constexpr const char* where = "PackedMoE";
@@ -133,14 +146,10 @@ class PackedMoE {
       for (const auto& e : list) detail::check_shape(where, arg, e.d_ffn(), e.d_model(), f, d);
     };
     check_list("experts", experts_, config.n_experts);
-    if (Index(gates_.size()) != (kKappa ? config.n_experts : 0))
-      throw ShapeError(std::string(where) + ": argument 'gates' holds " + std::to_string(gates_.size()) +
-                       " kappa gates, expected " + std::to_string(kKappa ? config.n_experts : 0));
-    for (const auto& g : gates_) {
-      detail::check_shape(where, "gates.alpha", g.alpha, 1, f);
-      detail::check_shape(where, "gates.bias", g.bias, 1, f);
-      g.options.template validate_for<float>(where);
-    }
+    if (Index(extras_.size()) != (kHasExtra ? config.n_experts : 0))
+      throw ShapeError(std::string(where) + ": argument 'extras' holds " + std::to_string(extras_.size()) + " " +
+                       Kind::kName + " expert parts, expected " + std::to_string(kHasExtra ? config.n_experts : 0));
+    for (const auto& x : extras_) Kind::check_extra(where, x, d, f);
   }
 
   const MoEConfig& config() const { return config_; }
@@ -151,7 +160,23 @@ class PackedMoE {
   const std::vector<packed::PackedExpert>& shared_experts() const { return shared_.experts(); }
   /// The shared gate weight w_gate: 1 × d with shared_expert_gate, else 0 × 0.
   const Matrix<float>& shared_gate_weight() const { return shared_.gate_weight(); }
-  const std::vector<KappaGate>& kappa_gates() const { return gates_; }
+  /// Each routed expert's float parts (Kind::Extra): E of them, or none.
+  const std::vector<Extra>& extras() const { return extras_; }
+  /// κ experts' α, b and options (extras() of a κ layer).
+  template <class K = Kind, class = std::enable_if_t<std::is_same_v<typename K::Extra, KappaGate>>>
+  const std::vector<KappaGate>& kappa_gates() const {
+    return extras_;
+  }
+  /// Sets the router's trained logit bias b_r (config.router_bias, gpt-oss):
+  /// 1 × E. ShapeError for another shape, ConfigError without router_bias,
+  /// ValueError if not finite; the layer is unchanged then.
+  void set_logit_bias(const RowVector<float>& b) {
+    constexpr const char* where = "PackedMoE::set_logit_bias";
+    detail::require_config(config_.router_bias, where, "the layer's config has no router bias (router_bias is off)");
+    detail::check_shape(where, "b", b, 1, config_.n_experts);
+    detail::check_finite(where, "b", b);
+    router_.logit_bias() = b;
+  }
   /// The storage types of the routed and shared experts.
   PackedTypes types() const { return {routed_types_, shared_.dtypes()}; }
 
@@ -171,15 +196,15 @@ class PackedMoE {
   }
 
   /// Bytes a layer of `config` holds (packed routed experts with padding and
-  /// κ gates, packed shared experts at their width and the shared gate,
+  /// their float parts, packed shared experts at their width and the shared gate,
   /// router weights, bias), computed without allocating. ConfigError naming
   /// `where` if the count overflows.
   static std::uint64_t weight_bytes(const MoEConfig& config, const char* where = "PackedMoE::weight_bytes",
                                     const PackedTypes& types = kDtype) {
     const Index d = config.d_model, f = config.d_ffn, e = config.n_experts;
-    const Index kappa = kKappa ? detail::checked_product(where, "kappa gate bytes", {2, f, 4}) : 0;
+    const Index extra = detail::inference::kind_extra_bytes<Kind>(where, d, f);
     const Index one = detail::checked_sum(where, "routed expert bytes",
-                                          detail::inference::packed_expert_bytes(where, types.routed, d, f), kappa);
+                                          detail::inference::packed_expert_bytes(where, types.routed, d, f), extra);
     const Index routed = detail::checked_product(where, "routed experts bytes", {e, one});
     const Index shared = detail::inference::PackedShared::weight_bytes(where, config, types.shared);
     // The router holds its E × d weights only: its gradient is never allocated here (core/param.hpp).
@@ -248,13 +273,14 @@ class PackedMoE {
     std::uint64_t h = detail::inference::kFingerprintSeed;
     const auto add = [&](const auto& m) { detail::inference::fingerprint_add(h, m.data(), m.size()); };
     add(src.router().weight());
+    if (src.config().router_bias) add(src.router().logit_bias());
     add(src.balancer().bias());
     for (const auto& e : src.experts()) {
-      add(swiglu_of(e).w_gate_up());
-      add(swiglu_of(e).w_down());
-      if constexpr (kKappa) {
-        add(e.kappa_alpha());
-        add(e.kappa_bias());
+      add(Kind::weights(e).w_gate_up());
+      add(Kind::weights(e).w_down());
+      if constexpr (kHasExtra) {
+        const Extra parts = Kind::extra(e);  // the rows below point into it
+        for (const RowVector<float>* r : Kind::extra_rows(parts)) add(*r);
       }
     }
     detail::inference::PackedShared::fingerprint_source(h, src.shared_experts(), src.shared_gate_weight());
@@ -271,13 +297,9 @@ class PackedMoE {
   /// A router of the config's shape; its weights are replaced at once.
   static Router<float> make_router(const MoEConfig& c) {
     Rng rng(0);
-    Router<float> r(c.d_model, c.n_experts, c.n_active, rng);
+    Router<float> r(c.d_model, c.n_experts, c.n_active, rng, c.router_bias);
     r.set_routing(c.routing);  // scoring, groups, renormalisation, scale (docs/routing.md)
     return r;
-  }
-  static const SwiGLU<float>& swiglu_of(const Expert& e) {
-    if constexpr (kKappa) return e.swiglu();
-    else return e;
   }
 
   template <class>
@@ -285,9 +307,7 @@ class PackedMoE {
 
   /// forward's body (moe/pipeline.hpp over the packed experts); y checked by the caller.
   void compute(const char* where, const ConstMatrixRef<float>& x, MatrixRef<float> y, Cache* cache) const {
-    if constexpr (kKappa)
-      detail::require_config(kernel_.bf16_products != packed::Bf16Products::paired, where,
-                             "bf16_products = paired is not supported for kappa-SwiGLU experts");
+    Kind::check_kernel_options(where, kernel_);
     const detail::inference::PackedRunner<PackedMoE> runner{*this};
     detail::MoEPipeline::forward<float>(where, runner, x, y, cache ? *cache : detail::MoEPipeline::scratch<float, PackedMoE>(),
                                         false);
@@ -297,7 +317,7 @@ class PackedMoE {
   Router<float> router_;
   RowVector<float> bias_;                   ///< 1 × E: the balancing bias, selection only
   std::vector<packed::PackedExpert> experts_;
-  std::vector<KappaGate> gates_;            ///< E (κ experts) or empty
+  std::vector<Extra> extras_;               ///< E (a kind with float parts) or empty
   packed::ExpertDtypes routed_types_;       ///< every routed expert's
   detail::inference::PackedShared shared_;  ///< S experts of f_s × d, and the shared gate
   packed::ForwardOptions kernel_;

@@ -45,6 +45,8 @@ struct PackedLoadOptions {
   std::optional<MoEFamily> family;
   /// Options of κ-SwiGLU experts (not stored in checkpoints).
   KappaOptions kappa;
+  /// Options of clamped-SwiGLU (gpt-oss) experts (not stored in checkpoints).
+  ClampedSwiGLUOptions clamped;
   /// Storage types of the experts, quantized from the file's F32/BF16/F64
   /// weights expert by expert as they are read (routed and shared, gate/up
   /// and down each their own). Unset: the layer's Storage for every matrix.
@@ -183,10 +185,13 @@ struct MoEPlan {
   std::optional<PackedTypes> file_types;
 };
 
-/// The tensors of a PackedMoE of `config` under `name` (kappa: α and b too).
-inline std::vector<Expected> moe_tensors(const MoEConfig& config, const FileNames& name, bool kappa) {
+/// The tensors of a PackedMoE of `config` under `name`, each routed expert's
+/// float parts (`extra`, its kind's extra_tensors) included.
+inline std::vector<Expected> moe_tensors(const MoEConfig& config, const FileNames& name,
+                                         const std::vector<ExpertExtraTensor>& extra) {
   const Index d = config.d_model;
   std::vector<Expected> want{{name(state_names::kRouter), config.n_experts, d}};
+  if (config.router_bias) want.push_back({name(state_names::kRouterBias), 1, config.n_experts});
   const auto add = [&](const std::string& q, Index width, int gate_up) {  // width × d, width × d, d × width
     for (const char* w : {state_names::kGate, state_names::kUp}) want.push_back({name(q + w), width, d, gate_up});
     want.push_back({name(q + state_names::kDown), d, width, gate_up + 1});
@@ -194,8 +199,7 @@ inline std::vector<Expected> moe_tensors(const MoEConfig& config, const FileName
   for (Index e = 0; e < config.n_experts; ++e) {
     const std::string q = state_names::routed_expert(e);
     add(q, config.d_ffn, kRoutedGateUp);
-    if (kappa)
-      for (const char* k : {state_names::kKappaAlpha, state_names::kKappaBias}) want.push_back({name(q + k), 1, config.d_ffn});
+    for (const ExpertExtraTensor& t : extra) want.push_back({name(q + t.name), 1, t.cols});
   }
   for (Index s = 0; s < config.n_shared; ++s) add(state_names::shared_expert(s), config.shared_ffn(), kSharedGateUp);
   if (config.shared_expert_gate) want.push_back({name(state_names::kSharedGate), 1, d});
@@ -213,17 +217,23 @@ MoEPlan plan_moe(const std::string& where, const PackedSource& file, const MoECo
   const std::string& p = options.prefix;
   if (options.family) {
     const MoEFamily f = *options.family;
-    apex::detail::require_config(!Layer::kKappa, where.c_str(),
-                                 std::string("the ") + family_name(f) +
-                                     " name map has no names for kappa-SwiGLU parameters (kappa_alpha, kappa_bias)");
+    if constexpr (Layer::kHasExtra) {
+      std::string names;
+      for (const ExpertExtraTensor& t : Layer::Kind::extra_tensors(config.d_model, config.d_ffn))
+        names += (names.empty() ? "" : ", ") + std::string(t.name);
+      throw ConfigError(where + ": the " + family_name(f) + " name map has no names for " + Layer::Kind::kName +
+                        " experts' parameters (" + names + ")");
+    }
+    apex::detail::require_config(!config.router_bias, where.c_str(),
+                                 std::string("the ") + family_name(f) + " name map has no router bias");
     apex::check_family_fit(where.c_str(), config, f);
     file.check_family(where, f, p);
     plan.bias_name = apex::family_bias_name(f, p);  // required by DeepSeek-V3's names
   } else if (!options.bias_name.empty() && file.find(p + options.bias_name)) {
     plan.bias_name = p + options.bias_name;  // optional under the library's names
   }
-  if constexpr (Layer::kKappa) options.kappa.template validate_for<float>(where.c_str());
-  plan.want = moe_tensors(config, plan.name, Layer::kKappa);
+  Layer::Kind::options_of(options).template validate_for<float>(where.c_str());
+  plan.want = moe_tensors(config, plan.name, Layer::Kind::extra_tensors(config.d_model, config.d_ffn));
   if (!plan.bias_name.empty()) plan.want.push_back({plan.bias_name, 1, config.n_experts});
   plan.file_types = file_types(where, file, plan.want);
   check_tensors(where, file, plan.want, p, plan.bias_name, options.allow_unexpected);
@@ -244,7 +254,7 @@ MoEPlan plan_moe(const std::string& where, const PackedSource& file, const MoECo
   return plan;
 }
 
-/// Reads and packs the experts (routed, with κ's α and b; then shared) and
+/// Reads and packs the experts (routed, with their kind's float parts; then shared) and
 /// the shared gate of a checked plan, adding them to the fingerprint `fp`.
 template <class Layer>
 Layer build_moe(const std::string& where, const PackedSource& file, const MoEConfig& config,
@@ -261,19 +271,21 @@ Layer build_moe(const std::string& where, const PackedSource& file, const MoECon
     down.resize(d, width);
     return read_expert(where, file, plan.name, q, gu, down, t, fp);
   };
+  using Kind = typename Layer::Kind;
   std::vector<packed::PackedExpert> experts, shared;
-  std::vector<KappaGate> gates;
+  std::vector<typename Layer::Extra> extras;
   experts.reserve(std::size_t(config.n_experts));
   for (Index e = 0; e < config.n_experts; ++e) {
     const std::string q = state_names::routed_expert(e);
     experts.push_back(next(q, f, types.routed));
-    if constexpr (Layer::kKappa) {
-      KappaGate g{RowVector<float>(f), RowVector<float>(f), options.kappa};
-      read_into(where, file, plan.name(q + state_names::kKappaAlpha), g.alpha, false);
-      read_into(where, file, plan.name(q + state_names::kKappaBias), g.bias, false);
-      fingerprint_add(fp, g.alpha.data(), f);
-      fingerprint_add(fp, g.bias.data(), f);
-      gates.push_back(std::move(g));
+    if constexpr (Layer::kHasExtra) {
+      std::vector<RowVector<float>> rows;
+      for (const ExpertExtraTensor& t : Kind::extra_tensors(d, f)) {
+        rows.emplace_back(t.cols);
+        read_into(where, file, plan.name(q + t.name), rows.back(), false);
+        fingerprint_add(fp, rows.back().data(), t.cols);
+      }
+      extras.push_back(Kind::make_extra(std::move(rows), Kind::options_of(options)));
     }
   }
   for (Index s = 0; s < config.n_shared; ++s) shared.push_back(next(state_names::shared_expert(s), fs, types.shared));
@@ -285,7 +297,7 @@ Layer build_moe(const std::string& where, const PackedSource& file, const MoECon
     read_into(where, file, plan.name(state_names::kSharedGate), shared_gate, false);
     fingerprint_add(fp, shared_gate.data(), shared_gate.size());
   }
-  Layer out(config, router, bias, std::move(experts), std::move(gates), std::move(shared), std::move(shared_gate));
+  Layer out(config, router, bias, std::move(experts), std::move(extras), std::move(shared), std::move(shared_gate));
   // A quantized file holds no float weights to compare a source with: check_source refuses.
   if (!stored) out.set_source_fingerprint(fp);
   return out;
@@ -300,12 +312,17 @@ Layer load_moe(const std::string& where, const PackedSource& file, const MoEConf
                const PackedLoadOptions& options, const MoEPlan& plan) {
   Matrix<float> router(config.n_experts, config.d_model);
   read_into(where, file, plan.name(state_names::kRouter), router, true);
+  RowVector<float> logit_bias(config.router_bias ? config.n_experts : 0);  // 1 × E with router_bias
+  if (config.router_bias) read_into(where, file, plan.name(state_names::kRouterBias), logit_bias, true);
   RowVector<float> bias = RowVector<float>::Zero(config.n_experts);
   if (!plan.bias_name.empty()) read_into(where, file, plan.bias_name, bias, true);
   std::uint64_t fp = kFingerprintSeed;
   fingerprint_add(fp, router.data(), router.size());
+  if (config.router_bias) fingerprint_add(fp, logit_bias.data(), logit_bias.size());
   fingerprint_add(fp, bias.data(), bias.size());
-  return build_moe<Layer>(where, file, config, options, plan, router, bias, fp);
+  Layer out = build_moe<Layer>(where, file, config, options, plan, router, bias, fp);
+  if (config.router_bias) out.set_logit_bias(logit_bias);  // read finite above: cannot throw
+  return out;
 }
 
 }  // namespace detail::inference

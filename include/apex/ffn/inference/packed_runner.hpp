@@ -30,7 +30,7 @@
 #include "../moe/pipeline.hpp"
 #include "../moe/router.hpp"
 #include "common.hpp"
-#include "packed_kappa.hpp"
+#include "packed_expert_kind.hpp"
 
 namespace apex::detail::inference {
 
@@ -43,6 +43,16 @@ struct PackedRunner : InProcessSteps<PackedRunner<Layer>> {
   const Layer& layer;
 
   explicit PackedRunner(const Layer& l) : layer(l) {}
+
+  /// Routed expert id's float parts (an empty object for a kind without any).
+  const typename Layer::Extra& extra_of(Index id) const {
+    if constexpr (Layer::kHasExtra) {
+      return layer.extras_[std::size_t(id)];
+    } else {
+      static const typename Layer::Extra none{};
+      return none;
+    }
+  }
 
   const MoEConfig& config() const { return layer.config(); }
   int threads() const { return resolve_threads(layer.threads()); }
@@ -76,13 +86,13 @@ struct PackedRunner : InProcessSteps<PackedRunner<Layer>> {
       const Index id = t.id, b = t.begin, m = t.rows;
       if (t.shared) {
         shared.forward(id, x, b, m, c.shared_y[std::size_t(id)], kernel);
-      } else if constexpr (Layer::kKappa) {
-        kappa_forward(layer.experts_[std::size_t(id)], layer.gates_[std::size_t(id)], xs + b * d, d,
-                      c.side_sorted.data() + b, m, ys + b * d, d, kernel);
-      } else {
-        packed::forward<typename Layer::ActivationType>(layer.experts_[std::size_t(id)], xs + b * d, d, m,
-                                                         ys + b * d, d, kernel);
+        return;
       }
+      // The expert's kind runs it (inference/packed_expert_kind.hpp), with
+      // its float parts and the rows' side input when it reads one.
+      const float* side = expert_side_cols<ExpertType> ? c.side_sorted.data() + b : nullptr;
+      Layer::Kind::template forward<typename Layer::ActivationType>(layer.experts_[std::size_t(id)], extra_of(id),
+                                                                    xs + b * d, d, side, m, ys + b * d, d, kernel);
     });
   }
 };

@@ -126,8 +126,8 @@ inline void add_expert(std::vector<safetensors::RawTensor>& out, safetensors::Me
   }
 }
 
-/// Every tensor of `layer` in file order (router, bias, routed experts with
-/// κ's α and b, shared experts, shared gate) and the metadata naming the
+/// Every tensor of `layer` in file order (router and its logit bias, bias,
+/// routed experts with their kind's float parts, shared experts, shared gate) and the metadata naming the
 /// U8 tensors' types.
 template <class Layer>
 std::vector<safetensors::RawTensor> packed_moe_tensors(const Layer& layer, safetensors::Metadata& meta) {
@@ -137,14 +137,19 @@ std::vector<safetensors::RawTensor> packed_moe_tensors(const Layer& layer, safet
   std::vector<safetensors::RawTensor> out;
   out.push_back(safetensors::raw_tensor(state_names::kRouter, DType::F32, {u(c.n_experts), u(c.d_model)},
                                         layer.router().weight().data()));
+  if (c.router_bias)
+    out.push_back(safetensors::raw_tensor(state_names::kRouterBias, DType::F32, {u(c.n_experts)},
+                                          layer.router().logit_bias().data()));
   out.push_back(safetensors::raw_tensor("expert_bias", DType::F32, {u(c.n_experts)}, layer.bias().data()));
+  using Kind = typename Layer::Kind;
+  const auto extra = Kind::extra_tensors(c.d_model, c.d_ffn);
   for (Index e = 0; e < c.n_experts; ++e) {
     const std::string q = state_names::routed_expert(e);
     add_expert(out, meta, q, layer.experts()[std::size_t(e)]);
-    if constexpr (Layer::kKappa) {
-      const KappaGate& g = layer.kappa_gates()[std::size_t(e)];
-      out.push_back(safetensors::raw_tensor(q + state_names::kKappaAlpha, DType::F32, {1, u(c.d_ffn)}, g.alpha.data()));
-      out.push_back(safetensors::raw_tensor(q + state_names::kKappaBias, DType::F32, {1, u(c.d_ffn)}, g.bias.data()));
+    if constexpr (Layer::kHasExtra) {
+      const auto rows = Kind::extra_rows(layer.extras()[std::size_t(e)]);
+      for (std::size_t i = 0; i < extra.size(); ++i)
+        out.push_back(safetensors::raw_tensor(q + extra[i].name, DType::F32, {1, u(extra[i].cols)}, rows[i]->data()));
     }
   }
   for (Index s = 0; s < c.n_shared; ++s)

@@ -1,0 +1,204 @@
+// gpt-oss's experts on the packed engine, through the expert-kind table
+// (inference/packed_clamped.hpp): PackedMoE<Storage, ClampedSwiGLU<float>> on
+// every storage type against the float layer (the same routing, the output
+// within the type's bound) and against the float layer on the packed
+// weights dequantized, the same bits on every kernel path and thread count,
+// packed checkpoints and the pack-once file keeping the biases, and the
+// errors of the kind's parts.
+#include <catch2/catch.hpp>
+
+#include <apex/ffn/inference.hpp>
+#include <apex/ffn/inference/packed_layout_file.hpp>
+#include <apex/ffn/inference/packed_layout_map.hpp>
+#include <apex/ffn/inference/packed_load.hpp>
+#include <apex/ffn/moe/gpt_oss.hpp>
+
+#include <string>
+#include <vector>
+
+#include "fixtures.hpp"
+#include "packed_layers.hpp"
+#include "temp_dir.hpp"
+
+using namespace apex;
+using apex::test::bitwise_equal;
+using apex::test::rel;
+
+namespace {
+
+using FloatGptOss = GptOssMoE<float>;
+
+/// A gpt-oss layer with every part the kind adds set: a router logit bias,
+/// and expert biases large enough that the gate and up clamps act.
+FloatGptOss clamped_layer(Index d, Index f, std::uint64_t seed) {
+  FloatGptOss moe(gpt_oss_moe(d, f, 5, 2), seed);
+  moe.router().logit_bias() = test::rnd<float>(1, 5, seed + 1, 0.5);
+  std::uint64_t s = seed + 2;
+  for (auto& e : moe.experts()) {
+    e.swiglu().w_gate() *= 4.0f;
+    e.swiglu().w_up() *= 4.0f;
+    e.b_gate() = test::rnd<float>(1, f, s++, 6.0);
+    e.b_up() = test::rnd<float>(1, f, s++, 6.0);
+    e.b_down() = test::rnd<float>(1, d, s++, 0.5);
+  }
+  return moe;
+}
+
+/// The float layer whose expert weights are the packed layer's, dequantized.
+template <class Packed>
+FloatGptOss dequantized_twin(const FloatGptOss& moe, const Packed& p) {
+  FloatGptOss twin = moe;
+  for (std::size_t e = 0; e < twin.experts().size(); ++e) {
+    twin.experts()[e].swiglu().w_gate() = p.experts()[e].w_gate();
+    twin.experts()[e].swiglu().w_up() = p.experts()[e].w_up();
+    twin.experts()[e].swiglu().w_down() = p.experts()[e].w_down();
+  }
+  return twin;
+}
+
+/// ‖y − y_float‖/‖y_float‖ per type on these layers (float and f16/bf16
+/// rounding; the block formats as test_packed_quant.cpp bounds them, their
+/// activations quantized too).
+double clamped_bound(packed::Dtype t) {
+  switch (t) {
+    case packed::Dtype::f32: return 1e-5;
+    case packed::Dtype::f16: return 2e-3;
+    case packed::Dtype::bf16: return 1e-2;
+    case packed::Dtype::q8_0: return 0.02;
+    case packed::Dtype::q6_k: return 0.045;
+    case packed::Dtype::q4_k: return 0.15;
+    case packed::Dtype::q4_0: return 0.17;
+    default: return 0.40;  // mxfp4
+  }
+}
+
+template <class Storage>
+void check_clamped_storage(const FloatGptOss& moe, const Matrix<float>& x) {
+  constexpr packed::Dtype t = packed::dtype_of<Storage>();
+  CAPTURE(packed::dtype_name(t));
+  auto layer = PackedMoE<Storage, ClampedSwiGLU<float>>::from(moe);
+  CHECK_NOTHROW(layer.check_source(moe));
+  FloatGptOss::Cache c0;
+  typename decltype(layer)::Cache c1;
+  const Matrix<float> want = moe.forward(x, &c0);
+  const Matrix<float> y = layer.forward(x, &c1);
+  CHECK(c1.routing.experts == c0.routing.experts);  // the float layer's routing, logit bias included
+  CHECK(bitwise_equal(c1.routing.weights, c0.routing.weights));
+  CHECK(rel(y, want) < clamped_bound(t));
+  // Against the float layer on the packed weights: only the products' (and
+  // the block formats' activation) rounding remains.
+  const double twin_err = rel(y, dequantized_twin(moe, layer).forward(x));
+  CHECK(twin_err < (packed::WeightType<t>::kQuantized ? 0.02 : 1e-5));
+  for (const packed::Isa isa : packed::kAllIsas) {
+    if (!packed::cpu_supports(isa)) {
+      WARN("kernel path " << packed::isa_name(isa) << " skipped: this CPU does not support it");
+      continue;
+    }
+    for (const int threads : {1, 2}) {
+      CAPTURE(packed::isa_name(isa), threads);
+      layer.set_kernel_options({isa});
+      layer.set_threads(threads);
+      CHECK(bitwise_equal(layer.forward(x), y));
+    }
+  }
+  // A bias changed after packing: check_source sees a stale copy.
+  FloatGptOss changed = moe;
+  changed.experts()[1].b_down()(0) += 1.0f;
+  CHECK_THROWS_AS(layer.check_source(changed), ValueError);
+}
+
+}  // namespace
+
+TEST_CASE("gpt-oss experts on every storage type: the float layer's routing, output within the type's bound",
+          "[inference][gpt_oss][quant]") {
+  {
+    const FloatGptOss odd = clamped_layer(37, 53, 11);  // widths of no block size
+    for (Index n : {1, 3, 6, 37}) {
+      CAPTURE(n);
+      const Matrix<float> x = test::rnd<float>(n, 37, 100 + std::uint64_t(n));
+      check_clamped_storage<float>(odd, x);
+      check_clamped_storage<packed::bf16>(odd, x);
+      check_clamped_storage<packed::f16>(odd, x);
+    }
+  }
+  const FloatGptOss whole = clamped_layer(256, 256, 21);  // whole Q4_K/Q6_K super-blocks
+  for (Index n : {1, 6, 37}) {
+    CAPTURE(n);
+    const Matrix<float> x = test::rnd<float>(n, 256, 200 + std::uint64_t(n));
+    check_clamped_storage<packed::q8_0>(whole, x);
+    check_clamped_storage<packed::q4_0>(whole, x);
+    check_clamped_storage<packed::q4_k>(whole, x);
+    check_clamped_storage<packed::q6_k>(whole, x);
+    check_clamped_storage<packed::mxfp4>(whole, x);
+  }
+}
+
+TEST_CASE("gpt-oss packed checkpoints and pack-once files keep the router and expert biases",
+          "[inference][gpt_oss][checkpoint]") {
+  const FloatGptOss moe = clamped_layer(64, 96, 31);
+  const Matrix<float> x = test::rnd<float>(9, 64, 32);
+  test::TempDir dir;
+  for (const PackedTypes types : {PackedTypes(packed::Dtype::bf16), PackedTypes(packed::Dtype::mxfp4)}) {
+    CAPTURE(packed_types_name(types));
+    const auto p = PackedMoE<float, ClampedSwiGLU<float>>::from(moe, types);
+    const Matrix<float> y = p.forward(x);
+    const std::string ckpt = dir / "gpt_oss.safetensors";
+    save_packed_moe(ckpt, p);
+    const auto back = load_packed_moe<float, ClampedSwiGLU<float>>(ckpt, moe.config());
+    CHECK(bitwise_equal(back.forward(x), y));
+    CHECK(back.router().logit_bias() == p.router().logit_bias());
+    CHECK(back.extras()[2].down == p.extras()[2].down);
+    const std::string layout = dir / "gpt_oss.panels";
+    save_packed_layout(layout, p);
+    const auto mapped = map_packed_moe<float, ClampedSwiGLU<float>>(layout, moe.config());
+    CHECK(bitwise_equal(mapped.forward(x), y));
+    // A layer of another kind does not map the file.
+    CHECK_THROWS_CONTAINING((map_packed_moe<float>(layout, moe.config())), FormatError, "clamped_swiglu experts");
+  }
+  // A float checkpoint of the training layer quantizes at load, biases read as float.
+  const std::string f32 = dir / "gpt_oss_f32.safetensors";
+  FloatGptOss copy = moe;
+  save_checkpoint(f32, copy.param_values());
+  const auto q = load_packed_moe<packed::q8_0, ClampedSwiGLU<float>>(f32, moe.config());
+  CHECK(bitwise_equal(q.forward(x), PackedMoE<packed::q8_0, ClampedSwiGLU<float>>::from(moe).forward(x)));
+  // A config without the router bias does not take a file with one: the tensor is named.
+  MoEConfig no_bias = moe.config();
+  no_bias.router_bias = false;
+  CHECK_THROWS_CONTAINING((load_packed_moe<float, ClampedSwiGLU<float>>(f32, no_bias)), FormatError,
+                          "unexpected 'router.bias'");
+  // Nor a SwiGLU layer the experts' biases.
+  CHECK_THROWS_CONTAINING((load_packed_moe<float>(f32, no_bias)), FormatError, "unexpected 'experts.0.w_down.bias'");
+}
+
+TEST_CASE("gpt-oss packed layer: the kind's parts are checked", "[inference][gpt_oss][errors]") {
+  const FloatGptOss moe = clamped_layer(32, 32, 41);
+  auto p = PackedMoE<float, ClampedSwiGLU<float>>::from(moe);
+  std::vector<packed::PackedExpert> experts = p.experts();
+  std::vector<ClampedBiases> extras = p.extras();
+  extras.pop_back();
+  CHECK_THROWS_CONTAINING((PackedMoE<float, ClampedSwiGLU<float>>(moe.config(), p.router().weight(), p.bias(), experts,
+                                                                   extras, {})),
+                          ShapeError, "4 clamped_swiglu expert parts, expected 5");
+  extras = p.extras();
+  extras[0].down.resize(31);
+  CHECK_THROWS_CONTAINING((PackedMoE<float, ClampedSwiGLU<float>>(moe.config(), p.router().weight(), p.bias(), experts,
+                                                                   extras, {})),
+                          ShapeError, "extras.w_down.bias");
+  extras = p.extras();
+  extras[0].options.limit = -1.0;
+  CHECK_THROWS_CONTAINING((PackedMoE<float, ClampedSwiGLU<float>>(moe.config(), p.router().weight(), p.bias(), experts,
+                                                                   extras, {})),
+                          ConfigError, "limit must be finite and > 0");
+  const RowVector<float> before = p.router().logit_bias();
+  RowVector<float> bad = before;
+  bad(1) = std::numeric_limits<float>::quiet_NaN();
+  CHECK_THROWS_AS(p.set_logit_bias(bad), ValueError);
+  CHECK_THROWS_AS(p.set_logit_bias(RowVector<float>(4)), ShapeError);
+  CHECK(p.router().logit_bias() == before);  // rejected: unchanged
+  auto plain = PackedMoE<float>::from(MoEFFN<float>(test::moe_config(5, 2, 0, 32, 32), 1));
+  CHECK_THROWS_CONTAINING(plain.set_logit_bias(before), ConfigError, "router_bias is off");
+  auto b16 = PackedMoE<packed::bf16, ClampedSwiGLU<float>>::from(moe);
+  b16.set_kernel_options({packed::kDefaultIsa, packed::Bf16Products::paired});
+  CHECK_THROWS_CONTAINING(b16.forward(test::rnd<float>(2, 32, 42)), ConfigError,
+                          "paired is not supported for clamped-SwiGLU experts");
+}
