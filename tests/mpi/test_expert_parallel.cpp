@@ -6,6 +6,7 @@
 #include <apex/ffn/moe/families.hpp>
 #include <apex/ffn/layers/ffn_sublayer.hpp>
 #include <apex/ffn/layers/kappa_swiglu.hpp>
+#include <apex/ffn/moe/gpt_oss.hpp>
 #include <apex/ffn/moe/moe_ffn.hpp>
 #include <apex/ffn/mpi/expert_parallel_moe.hpp>
 #include <apex/ffn/mpi/fixed_order_sum.hpp>
@@ -47,6 +48,8 @@ struct Scenario {
   /// The reference must drop pairs (capacity on, skewed routing): the test
   /// would prove nothing about the drop rule otherwise.
   bool expect_drops = false;
+  /// The router's trained logit bias (length E, config.router_bias), if not empty.
+  std::vector<double> router_bias = {};
 };
 
 /// The balancing bias a scenario starts each run from.
@@ -82,6 +85,7 @@ void run_scenario(const Scenario& sc, const std::function<void(std::vector<Exper
   MoEFFN<double, Expert> ref(cfg, 5);
   ExpertParallelMoE<double, Expert> ep(cfg, comm, 5);
   if (prepare) prepare(ref.experts());
+  for (std::size_t e = 0; e < sc.router_bias.size(); ++e) ref.router().logit_bias()(Index(e)) = sc.router_bias[e];
   test::copy_values(ref.params(), ep.params());
   if (prepare) prepare(ep.experts());  // options that are not parameters (κ's U)
   const RowVector<double> bias0 = initial_bias(sc, ep.shard().first(comm.size() - 1));
@@ -159,6 +163,19 @@ TEST_CASE("ExpertParallelMoE with weights_from_unbiased and kappa-SwiGLU experts
       e.kappa_alpha() = test::random_matrix(1, e.d_ffn(), 31, 0.5);
       e.kappa_bias() = test::random_matrix(1, e.d_ffn(), 32, 0.5);
       e.set_U(3.0);
+    }
+  });
+}
+
+TEST_CASE("ExpertParallelMoE with gpt-oss experts and the router's logit bias", "[mpi][gpt_oss]") {
+  Scenario sc{"gpt-oss", gpt_oss_moe(8, 10, 6, 2), {9, 3, 0, 14}};
+  sc.router_bias = {0.3, -0.2, 0.1, 0.0, -0.4, 0.25};
+  run_scenario<ClampedSwiGLU<double>>(sc, [](std::vector<ClampedSwiGLU<double>>& experts) {
+    // Biases wide enough that the gate and up clamps act on some units.
+    for (auto& e : experts) {
+      e.b_gate() = test::random_matrix(1, e.d_ffn(), 33, 8.0);
+      e.b_up() = test::random_matrix(1, e.d_ffn(), 34, 8.0);
+      e.b_down() = test::random_matrix(1, e.d_model(), 35, 0.5);
     }
   });
 }
