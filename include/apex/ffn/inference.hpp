@@ -9,6 +9,8 @@
 
 #include "core/memory_budget.hpp"
 #include "inference/common.hpp"
+#include "inference/packed_clamped.hpp"
+#include "inference/packed_expert_kind.hpp"
 #include "inference/packed_kappa.hpp"
 #include "inference/packed_moe.hpp"
 #include "inference/packed_runner.hpp"
