@@ -50,6 +50,7 @@
 //   build/bench/benchmarks/bench_inference --benchmark_filter=BM_BlockFormats --benchmark_repetitions=3
 //       --benchmark_out=block_formats.json    (≈ 35 min on 2 busy cores; ≈ 2.5 GB)
 #include <apex/ffn/inference.hpp>
+#include <apex/ffn/moe/gpt_oss.hpp>
 #include <apex/ffn/moe/moe_ffn.hpp>
 
 #include <algorithm>
@@ -447,6 +448,90 @@ void register_block_formats() {
             ->Iterations(n == 2048 ? 3 : n == 128 ? 10 : 12);
       }
 }
+
+// gpt-oss's experts (the clamped kind, inference/packed_clamped.hpp) against
+// SwiGLU experts on the same packed weights, decode (cold caches): what the
+// kind's extra pass (biases and clamped activation between the gate/up and
+// down passes) costs where time is bytes of weights over bandwidth. One MoE
+// block of gpt-oss-20b's widths (d = f = 2880) with 8 of its 32 experts,
+// K = 4; the router's logit bias is 0, so both layers route alike and read
+// the same experts.
+struct KindLayers {
+  std::unique_ptr<GptOssMoE<float>> clamped_f32;
+  std::unique_ptr<MoEFFN<float>> swiglu_f32;
+  KindLayers() {
+    const MoEConfig g = gpt_oss_moe(2880, 2880, 8, 4);
+    clamped_f32 = std::make_unique<GptOssMoE<float>>(g, 9);
+    swiglu_f32 = std::make_unique<MoEFFN<float>>(MoEConfig{g.d_model, g.d_ffn, g.n_experts, g.n_active, 0}, 9);
+    swiglu_f32->router().weight() = clamped_f32->router().weight();
+    for (std::size_t e = 0; e < clamped_f32->experts().size(); ++e) {
+      auto& c = clamped_f32->experts()[e];
+      c.b_gate() = random_matrix<float>(1, g.d_ffn, 50 + e, 1.0).row(0);
+      c.b_up() = random_matrix<float>(1, g.d_ffn, 60 + e, 1.0).row(0);
+      c.b_down() = random_matrix<float>(1, g.d_model, 70 + e, 0.1).row(0);
+      swiglu_f32->experts()[e] = c.swiglu();
+    }
+  }
+};
+
+KindLayers& kind_layers() {
+  static KindLayers l;  // one float pair for every storage type
+  return l;
+}
+
+template <class S>
+void BM_ExpertKinds(benchmark::State& state) {
+  const Index n = state.range(0);
+  const int threads = int(state.range(1));
+  KindLayers& l = kind_layers();
+  auto clamped = PackedMoE<S, ClampedSwiGLU<float>>::from(*l.clamped_f32);
+  auto swiglu = PackedMoE<S>::from(*l.swiglu_f32);
+  clamped.set_threads(threads);
+  swiglu.set_threads(threads);
+  const Matrix<float> x = random_matrix<float>(n, 2880, 300 + n);
+  Matrix<float> yc(n, 2880), ys(n, 2880);
+  clamped.forward_into(x, yc);  // warm-up: scratch
+  swiglu.forward_into(x, ys);
+  Routing<float> r;
+  swiglu.router().route(x, swiglu.bias(), false, r);
+  const std::set<Index> used(r.experts.data(), r.experts.data() + r.experts.size());
+  const double extra = double(detail::inference::kind_extra_bytes<PackedExpertKind<ClampedSwiGLU<float>>>(
+      "bench", 2880, 2880));
+  double bytes = 4.0 * 8 * 2880;  // the router
+  for (Index e : used) bytes += double(swiglu.experts()[std::size_t(e)].bytes());
+  std::vector<double> tc, ts, bound;
+  bool clamped_first = true;
+  for (auto _ : state) {
+    for (int k = 0; k < 2; ++k) {  // alternated, each after an eviction
+      const bool c = (k == 0) == clamped_first;
+      evict_first(threads);
+      const auto t0 = Clock::now();
+      if (c) clamped.forward_into(x, yc);
+      else swiglu.forward_into(x, ys);
+      benchmark::ClobberMemory();
+      (c ? tc : ts).push_back(seconds_since(t0));
+    }
+    evict_first(threads);
+    bound.push_back(cold_read_seconds(bytes, threads));
+    state.SetIterationTime(tc.back());
+    clamped_first = !clamped_first;
+  }
+  const double mc = median(tc), ms = median(ts), mb = median(bound);
+  state.counters["clamped:x_swiglu"] = mc / ms;
+  state.counters["clamped:bw_frac"] = mb * (bytes + extra * double(used.size())) / bytes / mc;
+  state.counters["swiglu:bw_frac"] = mb / ms;
+  state.counters["MB"] = bytes * 1e-6;
+  state.SetLabel(std::string(packed::dtype_name(packed_dtype<S>())) + " d=f=2880 E=8 K=4 isa=" +
+                 packed::isa_name(packed::kDefaultIsa));
+}
+void expert_kind_args(benchmark::internal::Benchmark* b) {
+  for (int t : {1, 2})
+    for (int n : {1, 4}) b->Args({n, t});
+  b->ArgNames({"N", "threads"})->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(15);
+}
+BENCHMARK_TEMPLATE(BM_ExpertKinds, bf16)->Apply(expert_kind_args);
+BENCHMARK_TEMPLATE(BM_ExpertKinds, packed::q8_0)->Apply(expert_kind_args);
+BENCHMARK_TEMPLATE(BM_ExpertKinds, packed::mxfp4)->Apply(expert_kind_args);
 
 // VmRSS of this process in bytes (/proc/self/status), 0 where unknown.
 double vm_rss() {
