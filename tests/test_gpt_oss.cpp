@@ -6,6 +6,7 @@
 #include <apex/ffn/layers/clamped_swiglu.hpp>
 #include <apex/ffn/layers/ffn_sublayer.hpp>
 #include <apex/ffn/layers/skip_gate.hpp>
+#include <apex/ffn/io/name_maps.hpp>
 #include <apex/ffn/moe/gpt_oss.hpp>
 
 #include <catch2/catch.hpp>
@@ -241,4 +242,12 @@ TEST_CASE("gpt-oss experts in the FFN sublayer with the skip gate: gradients", "
   bool bias_named = false;
   for (const auto& p : layer.params()) bias_named = bias_named || p.name == "ffn.router.bias";
   CHECK(bias_named);
+}
+
+TEST_CASE("the other families' name maps refuse a router bias", "[gpt_oss][families]") {
+  MoEConfig c = test::moe_config(8, 2, 0, 6, 4);
+  c.router_bias = true;
+  MoEFFN<double> moe(c, 3);
+  CHECK_THROWS_WITH(family_params(moe, MoEFamily::Qwen3MoE), Catch::Contains("the qwen3_moe router has no bias"));
+  CHECK_THROWS_AS(family_param_values(moe, MoEFamily::Mixtral), ConfigError);
 }

@@ -193,8 +193,6 @@ MoEPlan plan_moe(const std::string& where, const PackedSource& file, const MoECo
       throw ConfigError(where + ": the " + family_name(f) + " name map has no names for " + Layer::Kind::kName +
                         " experts' parameters (" + names + ")");
     }
-    apex::detail::require_config(!config.router_bias, where.c_str(),
-                                 std::string("the ") + family_name(f) + " name map has no router bias");
     apex::check_family_fit(where.c_str(), config, f);
     file.check_family(where, f, p);
     plan.bias_name = apex::family_bias_name(f, p);  // required by DeepSeek-V3's names

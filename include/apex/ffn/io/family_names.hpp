@@ -64,10 +64,11 @@ inline std::string family_bias_name(MoEFamily f, const std::string& prefix = "")
   return bias ? prefix + bias : std::string();
 }
 
-/// ConfigError unless the layer's shared experts fit the family's block.
+/// ConfigError unless the layer's shared experts (and router) fit the family's block.
 inline void check_family_fit(const char* where, const MoEConfig& c, MoEFamily f) {
   const FamilyTraits& row = family_traits(f, where);
   const std::string fam = row.model_type;
+  detail::require_config(!c.router_bias, where, "the " + fam + " router has no bias (router_bias is on)");
   switch (row.shared_layout) {
     case FamilySharedLayout::OneMLP:
       detail::require_config(c.n_shared <= 1, where, "the " + fam + " name map holds the shared experts as one MLP "
