@@ -52,27 +52,53 @@ APEX_TARGET_AVX2 inline void store_row_avx2(const __m256* acc, float* out, Index
   std::memcpy(out, tmp, std::size_t(ncols) * sizeof(float));
 }
 
+/// How a weight type with one fp32 value per lane and k is read: slab k (32
+/// lanes) as four fp32 vectors, lanes 8v … 8v + 7.
+struct F32Slab {
+  using Weight = float;
+  APEX_TARGET_AVX2 static void load(const float* w, Index k, __m256* wv) {
+    for (int v = 0; v < 4; ++v) wv[v] = _mm256_load_ps(w + 32 * k + 8 * v);
+  }
+};
+/// f16 weights widened by F16C (`vcvtph2ps`, exact).
+struct F16Slab {
+  using Weight = f16;
+  APEX_TARGET_AVX2 static void load(const f16* w, Index k, __m256* wv) {
+    for (int v = 0; v < 4; ++v)
+      wv[v] = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(w + 32 * k + 8 * v)));
+  }
+};
+
+/// acc ← fma(x_k, w_k, acc), k ascending, on the weights as `Slab` widens
+/// them: the f32 tile, and every type widened exactly to fp32 (f16), so
+/// those give the f32 kernel's bits on the widened weights.
+template <class Slab, int R, class Epi>
+APEX_TARGET_AVX2 inline void fma_tile_avx2(const typename Slab::Weight* w, Index K, const float* x, Index ldx,
+                                           float* out, Index ldo, Index ncols) {
+  __m256 acc[R][4];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
+  for (Index k = 0; k < K; ++k) {
+    prefetch_slab(w + 32 * k);
+    __m256 wv[4];
+    Slab::load(w, k, wv);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_set1_ps(x[r * ldx + k]);
+      for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_fmadd_ps(xv, wv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r) store_row_avx2<Epi>(acc[r], out + r * ldo, ncols);
+}
+
 /// float weights: acc ← fma(x_k, w_k, acc), k ascending.
 template <>
 struct Tiles<Dtype::f32, Isa::avx2> {
   template <int R, class Epi>
   APEX_TARGET_AVX2 static void tile(const float* w, const std::byte*, Index K, const float* x, Index ldx, float* out,
                                     Index ldo, Index ncols) {
-    __m256 acc[R][4];
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
-    for (Index k = 0; k < K; ++k) {
-      prefetch_slab(w + 32 * k);
-      __m256 wv[4];
-      for (int v = 0; v < 4; ++v) wv[v] = _mm256_load_ps(w + 32 * k + 8 * v);
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const __m256 xv = _mm256_set1_ps(x[r * ldx + k]);
-        for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_fmadd_ps(xv, wv[v], acc[r][v]);
-      }
-    }
-    for (int r = 0; r < R; ++r) store_row_avx2<Epi>(acc[r], out + r * ldo, ncols);
+    fma_tile_avx2<F32Slab, R, Epi>(w, K, x, ldx, out, ldo, ncols);
   }
 };
 
@@ -119,22 +145,7 @@ struct Tiles<Dtype::f16, Isa::avx2> {
   template <int R, class Epi>
   APEX_TARGET_AVX2 static void tile(const f16* w, const std::byte*, Index K, const float* x, Index ldx, float* out,
                                     Index ldo, Index ncols) {
-    __m256 acc[R][4];
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
-    for (Index k = 0; k < K; ++k) {
-      prefetch_slab(w + 32 * k);
-      __m256 wv[4];  // lanes 8v … 8v + 7
-      for (int v = 0; v < 4; ++v)
-        wv[v] = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(w + 32 * k + 8 * v)));
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const __m256 xv = _mm256_set1_ps(x[r * ldx + k]);
-        for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_fmadd_ps(xv, wv[v], acc[r][v]);
-      }
-    }
-    for (int r = 0; r < R; ++r) store_row_avx2<Epi>(acc[r], out + r * ldo, ncols);
+    fma_tile_avx2<F16Slab, R, Epi>(w, K, x, ldx, out, ldo, ncols);
   }
 };
 

@@ -63,26 +63,53 @@ APEX_TARGET_AVX512 inline void store_row_avx512(__m512 a0, __m512 a1, float* out
   }
 }
 
+/// How a weight type with one fp32 value per lane and k is read: slab k (32
+/// lanes) as two fp32 vectors.
+struct F32Slab512 {
+  using Weight = float;
+  APEX_TARGET_AVX512 static void load(const float* w, Index k, __m512& w0, __m512& w1) {
+    w0 = _mm512_load_ps(w + 32 * k);
+    w1 = _mm512_load_ps(w + 32 * k + 16);
+  }
+};
+/// f16 weights widened by `vcvtph2ps` (exact, AVX-512F).
+struct F16Slab512 {
+  using Weight = f16;
+  APEX_TARGET_AVX512 static void load(const f16* w, Index k, __m512& w0, __m512& w1) {
+    w0 = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(w + 32 * k)));
+    w1 = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(w + 32 * k + 16)));
+  }
+};
+
+/// acc ← fma(x_k, w_k, acc), k ascending, on the weights as `Slab` widens
+/// them (f32, f16): the same bits for every type widened exactly to fp32.
+template <class Slab, int R, class Epi>
+APEX_TARGET_AVX512 inline void fma_tile_avx512(const typename Slab::Weight* w, Index K, const float* x, Index ldx,
+                                               float* out, Index ldo, Index ncols) {
+  __m512 a0[R], a1[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+  for (Index k = 0; k < K; ++k) {
+    prefetch_slab(w + 32 * k);
+    __m512 w0, w1;
+    Slab::load(w, k, w0, w1);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+      a0[r] = _mm512_fmadd_ps(xv, w0, a0[r]);
+      a1[r] = _mm512_fmadd_ps(xv, w1, a1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) store_row_avx512<Epi>(a0[r], a1[r], out + r * ldo, ncols);
+}
+
 /// float weights: acc ← fma(x_k, w_k, acc), k ascending.
 template <>
 struct Tiles<Dtype::f32, Isa::avx512> {
   template <int R, class Epi>
   APEX_TARGET_AVX512 static void tile(const float* w, const std::byte*, Index K, const float* x, Index ldx,
                                       float* out, Index ldo, Index ncols) {
-    __m512 a0[R], a1[R];
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
-    for (Index k = 0; k < K; ++k) {
-      prefetch_slab(w + 32 * k);
-      const __m512 w0 = _mm512_load_ps(w + 32 * k), w1 = _mm512_load_ps(w + 32 * k + 16);
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
-        a0[r] = _mm512_fmadd_ps(xv, w0, a0[r]);
-        a1[r] = _mm512_fmadd_ps(xv, w1, a1[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) store_row_avx512<Epi>(a0[r], a1[r], out + r * ldo, ncols);
+    fma_tile_avx512<F32Slab512, R, Epi>(w, K, x, ldx, out, ldo, ncols);
   }
 };
 
@@ -93,21 +120,7 @@ struct Tiles<Dtype::f16, Isa::avx512> {
   template <int R, class Epi>
   APEX_TARGET_AVX512 static void tile(const f16* w, const std::byte*, Index K, const float* x, Index ldx,
                                       float* out, Index ldo, Index ncols) {
-    __m512 a0[R], a1[R];
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
-    for (Index k = 0; k < K; ++k) {
-      prefetch_slab(w + 32 * k);
-      const __m512 w0 = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(w + 32 * k)));
-      const __m512 w1 = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(w + 32 * k + 16)));
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
-        a0[r] = _mm512_fmadd_ps(xv, w0, a0[r]);
-        a1[r] = _mm512_fmadd_ps(xv, w1, a1[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) store_row_avx512<Epi>(a0[r], a1[r], out + r * ldo, ncols);
+    fma_tile_avx512<F16Slab512, R, Epi>(w, K, x, ldx, out, ldo, ncols);
   }
 };
 
