@@ -525,3 +525,30 @@ TEST_CASE("row lengths that are not whole blocks are ConfigErrors", "[quant][err
   CHECK_THROWS_AS(dequantize_row_q8_0(a, x.data(), 17), ConfigError);
   CHECK_NOTHROW(quantize_row_q4_k(x.data(), nullptr, 0));  // an empty row writes nothing
 }
+
+TEST_CASE("MXFP4 in OpenAI's layout converts to ggml's block and back without changing a weight",
+          "[quant][mxfp4][gpt_oss]") {
+  // Fixed vector from the two definitions: code(i) = i mod 16. OpenAI's byte j
+  // holds codes 2j, 2j+1; ggml's qs[j] holds codes j, j+16, so qs[j] = j·0x11.
+  std::uint8_t openai[16];
+  for (int j = 0; j < 16; ++j) openai[j] = static_cast<std::uint8_t>(((2 * j) % 16) | (((2 * j + 1) % 16) << 4));
+  const BlockMXFP4 b = mxfp4_from_openai(openai, 121);
+  CHECK(b.e == 121);
+  for (int j = 0; j < 16; ++j) CHECK(b.qs[j] == std::uint8_t(0x11 * j));
+  std::uint8_t back[16], scale = 0;
+  mxfp4_to_openai(b, back, scale);
+  CHECK(std::memcmp(back, openai, 16) == 0);
+  CHECK(scale == 121);
+  // Values: OpenAI's FP4 table (OCP E2M1) times 2^(e − 127) equals ggml's
+  // dequantization, for every code at every exponent of a normal float.
+  const float fp4[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+  for (int e = 2; e <= 254; ++e) {
+    const BlockMXFP4 be = mxfp4_from_openai(openai, std::uint8_t(e));
+    float y[32];
+    dequantize_row_mxfp4(&be, y, 32);
+    for (int i = 0; i < 32; ++i) {
+      INFO("e " << e << ", weight " << i);
+      CHECK(y[i] == std::ldexp(fp4[openai[i / 2] >> (4 * (i % 2)) & 0x0F], e - 127));
+    }
+  }
+}

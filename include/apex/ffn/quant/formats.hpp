@@ -8,6 +8,7 @@
 #include "blocks.hpp"
 #include "half.hpp"
 #include "k_quant_search.hpp"
+#include "mxfp4_openai.hpp"
 #include "quantize_mxfp4.hpp"
 #include "quantize_q4_0.hpp"
 #include "quantize_q4_k.hpp"
