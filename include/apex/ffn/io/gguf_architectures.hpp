@@ -96,7 +96,7 @@ enum class GatingFunc : unsigned { none = 0, softmax = 1, sigmoid = 2, softmax_w
 enum class ExpertKind { SwiGLU, ClampedSwiGLU };
 
 inline const char* expert_kind_name(ExpertKind k) {
-  return k == ExpertKind::SwiGLU ? "SwiGLU" : "clamped SwiGLU with biases";
+  return k == ExpertKind::SwiGLU ? "SwiGLU" : "clamped-SwiGLU (with biases)";
 }
 
 /// How one architecture's MoE block is laid out and routed. The fields
