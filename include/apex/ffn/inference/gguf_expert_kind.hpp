@@ -20,6 +20,7 @@
 /// A GGUF bias tensor of the experts is ne [cols, E]: row e is expert e's.
 
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../core/errors.hpp"
@@ -91,10 +92,19 @@ struct GgufExpertKind<ClampedSwiGLU<T>> {
 
 namespace detail::gguf_moe {
 
+/// Whether `Expert` has a GGUF row (κ-SwiGLU, say, has none: llama.cpp has no such expert).
+template <class Expert, class = void>
+struct has_gguf_kind : std::false_type {};
+template <class Expert>
+struct has_gguf_kind<Expert, std::void_t<decltype(GgufExpertKind<Expert>::kKind)>> : std::true_type {};
+
 /// ConfigError unless the file's architecture `a` has experts of `Expert`'s
 /// kind: naming the architecture, its experts and the type asked for.
 template <class Expert>
 void check_expert_kind(const std::string& where, const gguf::Architecture& a) {
+  static_assert(has_gguf_kind<Expert>::value,
+                "GGUF MoE blocks: this expert type has no llama.cpp form (a GgufExpertKind<Expert> specialisation, "
+                "inference/gguf_expert_kind.hpp)");
   const gguf::ExpertKind want = GgufExpertKind<Expert>::kKind;
   if (a.expert_kind != want)
     throw ConfigError(where + ": architecture '" + a.name + "' has " + gguf::expert_kind_name(a.expert_kind) +

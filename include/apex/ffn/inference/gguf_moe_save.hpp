@@ -193,6 +193,9 @@ template <class Storage, class Expert>
 void save_gguf_moe(const std::string& path, const PackedMoE<Storage, Expert>& layer, const GgufSaveOptions& options = {}) {
   namespace g = detail::gguf_moe;
   namespace tn = gguf::tensor_names;
+  static_assert(g::has_gguf_kind<Expert>::value,
+                "save_gguf_moe: this expert type has no llama.cpp form (no GgufExpertKind<Expert>, "
+                "inference/gguf_expert_kind.hpp)");
   using GKind = GgufExpertKind<Expert>;
   using Kind = typename PackedMoE<Storage, Expert>::Kind;
   const std::string where_s = "save_gguf_moe(" + path + ")";
