@@ -55,7 +55,9 @@ struct GgufSaveOptions {
   Index layer = 0;                    ///< the block index N of `blk.N.`
   std::optional<MoEFamily> family;    ///< write as this family's architecture; unset: chosen (file comment)
   double rms_eps = 1e-6;              ///< `attention.layer_norm_rms_epsilon` (llama.cpp requires the key)
-  std::optional<RowVector<float>> norm_gain;  ///< `ffn_norm.weight` (1 × d), written when set
+  /// The FFN norm's gain (1 × d), written when set as the architecture's
+  /// norm tensor: `ffn_norm.weight` (gpt-oss: `post_attention_norm.weight`).
+  std::optional<RowVector<float>> norm_gain;
 };
 
 namespace detail::gguf_moe {
