@@ -7,6 +7,14 @@
 ///     auto moe = apex::load_gguf_moe(file, 7);            // PackedMoE in the file's types
 ///     auto sub = apex::load_gguf_sublayer(file, 7);       // with blk.7.ffn_norm
 ///     auto ref = apex::load_gguf_moe_float<float>(file, 7);  // MoEFFN, dequantized
+///     auto oss = apex::load_gguf_moe<float, ClampedSwiGLU<float>>(gpt_oss_file, 7);
+///     auto oss_ref = apex::load_gguf_moe_float<float, ClampedSwiGLU<float>>(gpt_oss_file, 7);  // GptOssMoE
+///
+/// The expert type is a template parameter (SwiGLU by default); it must be
+/// the architecture's (io/gguf_architectures.hpp `expert_kind`: gpt-oss's
+/// are ClampedSwiGLU), else ConfigError naming both. A kind's float parts
+/// (gpt-oss's `ffn_{gate,up,down}_exps.bias`) and the router's logit bias
+/// (`ffn_gate_inp.bias`) are decoded to float, α and L come from the row.
 ///
 /// The architecture (io/gguf_architectures.hpp) gives the layer's keys,
 /// tensors and routing; every check (inference/gguf_moe_check.hpp) runs on
@@ -29,6 +37,7 @@
 #include "../core/state_names.hpp"
 #include "../layers/ffn_sublayer.hpp"
 #include "../moe/moe_ffn.hpp"
+#include "gguf_expert_kind.hpp"
 #include "gguf_moe_check.hpp"
 #include "packed_moe.hpp"
 #include "packed_sublayer.hpp"
@@ -66,6 +75,31 @@ inline std::pair<Matrix<float>, RowVector<float>> router_and_bias(const std::str
   return {std::move(router), std::move(bias)};
 }
 
+/// ValueError naming tensor t unless its decoded rows m are finite.
+inline void check_finite_tensor(const std::string& where, const Tensor& t, const Matrix<float>& m, const char* why) {
+  if (!m.allFinite()) throw ValueError(where + ": tensor '" + t.info->name + "' contains NaN or Inf (" + why + ")");
+}
+
+/// The router's logit bias b_r (1 × E): `ffn_gate_inp.bias`, or empty
+/// without architecture.router_bias. ValueError for NaN or Inf.
+inline RowVector<float> logit_bias(const std::string& where, const gguf::File& file, const Plan& p) {
+  if (!p.router_bias.info) return {};
+  RowVector<float> b = decode(file, p.router_bias, 0, 1, p.config.n_experts);
+  check_finite_tensor(where, p.router_bias, b, "the float layer rejects the router logits it would give");
+  return b;
+}
+
+/// Expert e's float parts (1 × cols each, the plan's order). ValueError for NaN or Inf.
+inline std::vector<RowVector<float>> extra_rows(const std::string& where, const gguf::File& file, const Plan& p, Index e) {
+  std::vector<RowVector<float>> rows;
+  for (const Tensor& t : p.extras) {
+    const Index cols = Index(t.info->ne[0]);
+    rows.push_back(decode(file, t, e, 1, cols));
+    check_finite_tensor(where, t, rows.back(), "an expert's bias must be finite");
+  }
+  return rows;
+}
+
 /// The rows of one tensor that hold one parameter: rows row0 … row0 + rows − 1
 /// of its flattened rows (cols weights each), decoded as rows × cols.
 struct Slice {
@@ -87,12 +121,15 @@ inline Slice slice_of(const std::string& where, const Plan& p, const std::string
   const MoEConfig& c = p.config;
   const Index d = c.d_model, f = c.d_ffn, fs = c.shared_ffn();
   if (name == sn::kRouter) return {&p.router, 0, c.n_experts, d};
+  if (name == sn::kRouterBias && p.router_bias.info) return {&p.router_bias, 0, 1, c.n_experts};
   if (name == sn::kSharedGate && c.shared_expert_gate) return {&p.shared_gate, 0, 1, d};
   const auto projection = [&](const std::string& w, const Tensor& g, const Tensor& u, const Tensor& dn, Index e,
                               Index width) -> Slice {
     if (w == sn::kGate) return {&g, e * width, width, d};
     if (w == sn::kUp) return {&u, e * width, width, d};
     if (w == sn::kDown) return {&dn, e * d, d, width};
+    for (std::size_t i = 0; &g == &p.gate && i < p.extras.size(); ++i)  // a routed expert's float parts: row e
+      if (w == p.extra_names[i]) return {&p.extras[i], e, 1, Index(p.extras[i].info->ne[0])};
     return {};
   };
   Slice s;
@@ -108,7 +145,7 @@ inline Slice slice_of(const std::string& where, const Plan& p, const std::string
   }
   if (!s.tensor)
     throw ConfigError(where + ": the layer's parameter '" + name + "' has no tensor in a GGUF block (which holds a "
-                      "router, SwiGLU experts, one shared expert and its gate)");
+                      "router and its bias, the architecture's experts, one shared expert and its gate)");
   return s;
 }
 
@@ -135,52 +172,69 @@ inline packed::PackedExpert expert(const gguf::File& file, const Tensor& g, cons
 
 /// The MoE layer of block `layer` of `file` as a PackedMoE in the file's
 /// types (layer.types()): see the file comment. `Storage` is only the layer's
-/// default type for from(); the experts keep the file's.
-template <class Storage = float>
-PackedMoE<Storage> load_gguf_moe(const gguf::File& file, Index layer) {
+/// default type for from(); the experts keep the file's. `Expert` is the
+/// architecture's expert type (ConfigError otherwise).
+template <class Storage = float, class Expert = SwiGLU<float>>
+PackedMoE<Storage, Expert> load_gguf_moe(const gguf::File& file, Index layer) {
   namespace g = detail::gguf_moe;
+  using Layer = PackedMoE<Storage, Expert>;
   const std::string where = "load_gguf_moe(" + file.description() + ", block " + std::to_string(layer) + ")";
-  const g::Plan p = g::plan(where, file, layer, false);
+  const g::Plan p = g::plan<Expert>(where, file, layer, false);
   const MoEConfig& c = p.config;
   auto [router, bias] = g::router_and_bias(where, file, p);
+  const RowVector<float> logit_bias = g::logit_bias(where, file, p);
   std::vector<packed::PackedExpert> experts, shared;
+  std::vector<typename Layer::Extra> extras;
   experts.reserve(std::size_t(c.n_experts));
-  for (Index e = 0; e < c.n_experts; ++e) experts.push_back(g::expert(file, p.gate, p.up, p.down, e, c.d_model, c.d_ffn));
+  for (Index e = 0; e < c.n_experts; ++e) {
+    experts.push_back(g::expert(file, p.gate, p.up, p.down, e, c.d_model, c.d_ffn));
+    if constexpr (Layer::kHasExtra)
+      extras.push_back(Layer::Kind::make_extra(g::extra_rows(where, file, p, e), GgufExpertKind<Expert>::options(*p.arch)));
+  }
   if (c.n_shared > 0) shared.push_back(g::expert(file, p.shared_gate_w, p.shared_up, p.shared_down, 0, c.d_model, c.shared_ffn()));
   Matrix<float> shared_gate;  // 1 × d, or empty
   if (c.shared_expert_gate) shared_gate = g::decode(file, p.shared_gate, 0, 1, c.d_model);
-  return PackedMoE<Storage>(c, router, bias, std::move(experts), {}, std::move(shared), std::move(shared_gate));
+  Layer out(c, router, bias, std::move(experts), std::move(extras), std::move(shared), std::move(shared_gate));
+  if (c.router_bias) out.set_logit_bias(logit_bias);
+  return out;
 }
 
-/// The same block as a float MoEFFN<T>: every weight decoded to float (a
-/// quantized file's through ggml's dequantizers), then converted to T.
-template <class T = float>
-MoEFFN<T> load_gguf_moe_float(const gguf::File& file, Index layer) {
+/// The same block as a float MoEFFN<T, Expert>: every weight decoded to
+/// float (a quantized file's through ggml's dequantizers), then converted
+/// to T; a kind's options (gpt-oss's α and L) from the architecture row.
+template <class T = float, class Expert = SwiGLU<T>>
+MoEFFN<T, Expert> load_gguf_moe_float(const gguf::File& file, Index layer) {
   namespace g = detail::gguf_moe;
   const std::string where = "load_gguf_moe_float(" + file.description() + ", block " + std::to_string(layer) + ")";
-  const g::Plan p = g::plan(where, file, layer, false);
+  const g::Plan p = g::plan<Expert>(where, file, layer, false);
   const MoEConfig& c = p.config;
   auto [router, bias] = g::router_and_bias(where, file, p);
-  MoEFFN<T> out(c);
+  const RowVector<float> logit_bias = g::logit_bias(where, file, p);
+  for (Index e = 0; e < c.n_experts && !p.extras.empty(); ++e) (void)g::extra_rows(where, file, p, e);  // finite
+  MoEFFN<T, Expert> out(c);
+  GgufExpertKind<Expert>::configure(out, *p.arch);
   out.balancer().set_bias(bias.cast<T>());
   for (auto& q : out.param_values()) {  // by name: the expert-parallel loader (mpi/gguf_checkpoint.hpp) reads the same slices
-    const Matrix<float> m = q.name == state_names::kRouter ? router : g::decode(file, g::slice_of(where, p, q.name));
+    const Matrix<float> m = q.name == state_names::kRouter       ? router
+                            : q.name == state_names::kRouterBias ? Matrix<float>(logit_bias)
+                                                                 : g::decode(file, g::slice_of(where, p, q.name));
     q.value() = m.cast<T>();
   }
   return out;
 }
 
-/// The FFN sublayer of block `layer`: RMSNorm with gain `blk.N.ffn_norm.weight`
+/// The FFN sublayer of block `layer`: RMSNorm with the architecture's norm
+/// gain (`blk.N.ffn_norm.weight`; gpt-oss: `blk.N.post_attention_norm.weight`)
 /// and ε `<arch>.attention.layer_norm_rms_epsilon` (FormatError if either is
 /// absent), around load_gguf_moe, in inference mode.
-template <class Storage = float>
-PackedSublayer<PackedMoE<Storage>> load_gguf_sublayer(const gguf::File& file, Index layer) {
+template <class Storage = float, class Expert = SwiGLU<float>>
+PackedSublayer<PackedMoE<Storage, Expert>> load_gguf_sublayer(const gguf::File& file, Index layer) {
   namespace g = detail::gguf_moe;
   const std::string where = "load_gguf_sublayer(" + file.description() + ", block " + std::to_string(layer) + ")";
-  const g::Plan p = g::plan(where, file, layer, true);
+  const g::Plan p = g::plan<Expert>(where, file, layer, true);
   RMSNorm<float> norm(p.config.d_model, p.rms_eps);
   norm.gain() = g::decode(file, p.norm, 0, 1, p.config.d_model);
-  PackedSublayer<PackedMoE<Storage>> out(p.config.d_model, load_gguf_moe<Storage>(file, layer));
+  PackedSublayer<PackedMoE<Storage, Expert>> out(p.config.d_model, load_gguf_moe<Storage, Expert>(file, layer));
   out.norm() = std::move(norm);
   out.set_mode(SublayerMode::inference);
   return out;

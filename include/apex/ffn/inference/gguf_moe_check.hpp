@@ -3,14 +3,16 @@
 /// plan(): every check of a GGUF MoE load, reading metadata and tensor infos
 /// only (no weight byte), in the order they are reported:
 ///
-///  1. `general.architecture` is a row of io/gguf_architectures.hpp (ConfigError);
+///  1. `general.architecture` is a row of io/gguf_architectures.hpp, whose
+///     experts are of the kind asked for (ConfigError naming both);
 ///  2. the block exists (`block_count`) and is an MoE block (deepseek2's
 ///     `leading_dense_block_count`): ConfigError naming it;
 ///  3. the layer's keys are present (FormatError naming a missing one) and of
 ///     an integer, float or bool type (FormatError from the reader), and form
 ///     a valid MoEConfig (ConfigError: MoEConfig::validate);
 ///  4. `expert_gating_func` is one the library computes (ConfigError);
-///  5. every tensor is present (FormatError listing the missing), of a type
+///  5. every tensor is present (FormatError listing the missing: gpt-oss's
+///     router and expert biases too), of a type
 ///     with storage (FormatError naming the type), of the ggml shape the
 ///     metadata implies (ShapeError naming both shapes);
 ///  6. gate and up share a type (ConfigError), and the layer fits in memory.
@@ -20,6 +22,7 @@
 #include <vector>
 
 #include "../moe/config.hpp"
+#include "gguf_expert_kind.hpp"
 #include "gguf_moe_plan.hpp"
 #include "packed_moe.hpp"
 
@@ -110,8 +113,9 @@ inline void plan_config(const std::string& where, const gguf::File& file, Index 
     throw ConfigError(where + ": " + a.key(gguf::keys::kExpertCount) + " = 0: a dense model has no MoE layer");
   c.n_active = count_key(where, file, a.key(gguf::keys::kExpertUsed), true);
   c.d_ffn = width_key(where, file, a, layer);
-  c.routing.scoring = Scoring::SoftmaxAll;
+  c.routing.scoring = a.scoring;
   c.routing.renormalize = a.renormalize;
+  c.router_bias = a.router_bias;
   if (a.reads_routing_keys) deepseek_routing(where, file, a, c);
   if (a.shared == FamilySharedLayout::OneGated) {
     c.n_shared = 1;
@@ -184,12 +188,15 @@ inline packed::ExpertDtypes expert_types(const std::string& where, const Tensor&
   return {g.dtype, d.dtype};
 }
 
-/// Every check of the file comment; reads metadata and tensor infos only.
+/// Every check of the file comment for a layer of `Expert` experts (the
+/// float expert type; GgufExpertKind); reads metadata and tensor infos only.
 /// `whole_layer` false skips the memory check of step 6: an expert-parallel
 /// rank holds only its experts (mpi/gguf_checkpoint.hpp).
-inline Plan plan(const std::string& where, const gguf::File& file, Index layer, bool need_norm,
-                 bool whole_layer = true) {
+template <class Expert = SwiGLU<float>>
+Plan plan(const std::string& where, const gguf::File& file, Index layer, bool need_norm, bool whole_layer = true) {
+  using GKind = GgufExpertKind<Expert>;
   Plan p;
+  check_expert_kind<Expert>(where, gguf::architecture(file.architecture(), where));
   plan_config(where, file, layer, p);
   const MoEConfig& c = p.config;
   namespace tn = gguf::tensor_names;
@@ -207,7 +214,12 @@ inline Plan plan(const std::string& where, const gguf::File& file, Index layer, 
   }
   if (c.shared_expert_gate) p.shared_gate = t.want(tn::kSharedGate, {d});
   if (p.arch->probs_bias) p.bias = t.want(tn::kProbsBias, {e}, false);
-  if (need_norm) p.norm = t.want(tn::kNorm, {d});
+  if (p.arch->router_bias) p.router_bias = t.want(tn::kRouterBias, {e});
+  for (const GgufExtraTensor& x : GKind::extra_tensors(c.d_model, c.d_ffn))  // ne [cols, E]: row e is expert e's
+    p.extras.push_back(t.want(x.name, {std::uint64_t(x.cols), e}));
+  for (const ExpertExtraTensor& x : PackedExpertKind<typename GKind::Packed>::extra_tensors(c.d_model, c.d_ffn))
+    p.extra_names.emplace_back(x.name);
+  if (need_norm) p.norm = t.want(p.arch->norm_tensor, {d});
   t.report(where);
   if (need_norm && !(p.rms_eps > 0))
     throw FormatError(where + ": the file has no metadata key '" + p.arch->key(gguf::keys::kRmsEps) +
@@ -217,7 +229,7 @@ inline Plan plan(const std::string& where, const gguf::File& file, Index layer, 
   if (!whole_layer) return p;
   // The rows move from the mapping into the panels: no staging. Also refuses
   // widths that are not whole blocks of their type.
-  PackedMoE<float>::check_fits(where.c_str(), c, 0, p.types);
+  PackedMoE<float, typename GKind::Packed>::check_fits(where.c_str(), c, 0, p.types);
   return p;
 }
 

@@ -22,6 +22,15 @@
 /// a capacity factor (llama.cpp is dropless), a gated shared expert outside
 /// qwen2moe's routing, a family whose fixed routing differs from the layer's.
 ///
+/// gpt-oss: a layer of ClampedSwiGLU experts (PackedMoE<S, ClampedSwiGLU<float>>,
+/// GptOssMoE<float>) is written as the row of its expert kind, `gpt-oss`
+/// (inference/gguf_expert_kind.hpp): gate and up as ffn_gate_exps /
+/// ffn_up_exps with their biases `ffn_{gate,up,down}_exps.bias` (F32, ne
+/// [f, E], [f, E], [d, E]), the router's logit bias as `ffn_gate_inp.bias`
+/// (zeros for a layer without one), the norm as `post_attention_norm`.
+/// Refused: α or L other than llama.cpp's 1.702 and 7, routing other than
+/// softmax over the K selected, a balancing bias, shared experts.
+///
 /// Types: the packed layer's own (a MoEFFN is packed first in `types`, f32 by
 /// default, which is exact); the router, bias, shared gate and norm are F32.
 /// The file holds this one block (`block_count` = layer + 1, no attention or
@@ -34,6 +43,7 @@
 
 #include "../core/errors.hpp"
 #include "../moe/moe_ffn.hpp"
+#include "gguf_expert_kind.hpp"
 #include "gguf_moe_plan.hpp"
 #include "packed_moe.hpp"
 #include "packed_sublayer.hpp"
@@ -45,7 +55,9 @@ struct GgufSaveOptions {
   Index layer = 0;                    ///< the block index N of `blk.N.`
   std::optional<MoEFamily> family;    ///< write as this family's architecture; unset: chosen (file comment)
   double rms_eps = 1e-6;              ///< `attention.layer_norm_rms_epsilon` (llama.cpp requires the key)
-  std::optional<RowVector<float>> norm_gain;  ///< `ffn_norm.weight` (1 × d), written when set
+  /// The FFN norm's gain (1 × d), written when set as the architecture's
+  /// norm tensor: `ffn_norm.weight` (gpt-oss: `post_attention_norm.weight`).
+  std::optional<RowVector<float>> norm_gain;
 };
 
 namespace detail::gguf_moe {
@@ -60,11 +72,14 @@ inline void check_expressible(const char* where, const gguf::Architecture& a, co
   };
   const RoutingConfig& r = c.routing;
   need(r.capacity_factor == 0, "llama.cpp routes without a capacity limit (capacity_factor must be 0)");
+  need(!c.router_bias || a.router_bias, "its router has no logit bias (ffn_gate_inp.bias), the layer's has");
   if (!a.reads_routing_keys) {
-    need(r.scoring == Scoring::SoftmaxAll, std::string("its router is a softmax over all experts, the layer's is ") +
-                                               scoring_name(r.scoring));
-    need(r.renormalize == a.renormalize, std::string("its weights are ") + (a.renormalize ? "" : "not ") +
-                                             "renormalised, the layer's are " + (r.renormalize ? "" : "not"));
+    need(r.scoring == a.scoring, std::string("its router's scoring is ") + scoring_name(a.scoring) + ", the layer's is " +
+                                     scoring_name(r.scoring));
+    // softmax over the selected sums to 1: renormalisation does not apply
+    need(r.scoring == Scoring::SoftmaxSelected || r.renormalize == a.renormalize,
+         std::string("its weights are ") + (a.renormalize ? "" : "not ") + "renormalised, the layer's are " +
+             (r.renormalize ? "" : "not"));
     need(r.n_groups == 1 && r.routed_scale == 1.0, "it has no expert groups and no routed scale");
     need(all_zero(b), "it has no selection bias (exp_probs_b), the layer's balancing bias is not zero");
     if (a.shared == FamilySharedLayout::OneGated)
@@ -79,10 +94,18 @@ inline void check_expressible(const char* where, const gguf::Architecture& a, co
        "ones and its balancing bias is not zero");
 }
 
-/// The architecture a layer is written as (file comment).
+/// The architecture a layer of `kind` experts is written as (file comment).
 inline const gguf::Architecture& choose(const char* where, const MoEConfig& c, const RowVector<float>& bias,
-                                        const std::optional<MoEFamily>& family) {
-  if (family) return gguf::architecture_of(*family);
+                                        const std::optional<MoEFamily>& family, gguf::ExpertKind kind) {
+  if (family) {
+    const gguf::Architecture& a = gguf::architecture_of(*family);
+    apex::detail::require_config(a.expert_kind == kind, where,
+                                 std::string("family ") + family_name(*family) + "'s architecture " + a.name + " has " +
+                                     gguf::expert_kind_name(a.expert_kind) + " experts, the layer's are " +
+                                     gguf::expert_kind_name(kind));
+    return a;
+  }
+  if (kind != gguf::ExpertKind::SwiGLU) return gguf::architecture_of(kind, where);
   const RoutingConfig& r = c.routing;
   const bool plain = r.scoring == Scoring::SoftmaxAll && r.n_groups == 1 && r.routed_scale == 1.0 && all_zero(bias);
   if (plain && c.n_shared == 0 && !c.shared_expert_gate) return gguf::architecture(r.renormalize ? "qwen3moe" : "olmoe", where);
@@ -151,20 +174,38 @@ inline ExpertBytes expert_bytes(const std::vector<packed::PackedExpert>& experts
   return out;
 }
 
+/// Float part i (Kind::extra_rows order, 1 × cols) of every expert, by
+/// expert: the F32 rows of a GGUF ne [cols, E] tensor.
+template <class Kind>
+std::vector<float> extra_column(const std::vector<typename Kind::Extra>& extras, std::size_t i) {
+  std::vector<float> out;
+  for (const auto& x : extras) {
+    const RowVector<float>& r = *Kind::extra_rows(x).at(i);
+    out.insert(out.end(), r.data(), r.data() + r.size());
+  }
+  return out;
+}
+
 }  // namespace detail::gguf_moe
 
 /// Writes `layer` as block options.layer of a GGUF file at `path` (file
 /// comment). ConfigError for a layer llama.cpp cannot express, before any
 /// byte is written; a failed save leaves an existing file unchanged.
-template <class Storage>
-void save_gguf_moe(const std::string& path, const PackedMoE<Storage>& layer, const GgufSaveOptions& options = {}) {
+template <class Storage, class Expert>
+void save_gguf_moe(const std::string& path, const PackedMoE<Storage, Expert>& layer, const GgufSaveOptions& options = {}) {
   namespace g = detail::gguf_moe;
   namespace tn = gguf::tensor_names;
+  static_assert(g::has_gguf_kind<Expert>::value,
+                "save_gguf_moe: this expert type has no llama.cpp form (no GgufExpertKind<Expert>, "
+                "inference/gguf_expert_kind.hpp)");
+  using GKind = GgufExpertKind<Expert>;
+  using Kind = typename PackedMoE<Storage, Expert>::Kind;
   const std::string where_s = "save_gguf_moe(" + path + ")";
   const char* where = where_s.c_str();
   const MoEConfig& c = layer.config();
-  const gguf::Architecture& a = g::choose(where, c, layer.bias(), options.family);
+  const gguf::Architecture& a = g::choose(where, c, layer.bias(), options.family, GKind::kKind);
   g::check_expressible(where, a, c, layer.bias());
+  GKind::check_extras(where, layer.extras(), a);
   if (options.norm_gain) detail::check_shape(where, "options.norm_gain", *options.norm_gain, 1, c.d_model);
   gguf::Writer w;
   g::write_keys(w, a, c, options);
@@ -175,12 +216,21 @@ void save_gguf_moe(const std::string& path, const PackedMoE<Storage>& layer, con
   };
   const Matrix<float>& router = layer.router().weight();  // E × d: ne [d, E]
   f32(tn::kRouter, router.data(), {d, e}, std::size_t(router.size()));
+  const RowVector<float> logit_bias =  // 1 × E; zeros: a router without one
+      c.router_bias ? layer.router().logit_bias() : RowVector<float>(RowVector<float>::Zero(c.n_experts));
+  if (a.router_bias) f32(tn::kRouterBias, logit_bias.data(), {e}, std::size_t(e));
   if (!g::all_zero(layer.bias())) f32(tn::kProbsBias, layer.bias().data(), {e}, std::size_t(e));
   const packed::ExpertDtypes rt = layer.types().routed, st = layer.types().shared;
   const g::ExpertBytes routed = g::expert_bytes(layer.experts());
   w.add_tensor(name(tn::kGateExps), g::file_type_of(rt.gate_up), {d, f, e}, routed.gate.data(), routed.gate.size());
   w.add_tensor(name(tn::kUpExps), g::file_type_of(rt.gate_up), {d, f, e}, routed.up.data(), routed.up.size());
   w.add_tensor(name(tn::kDownExps), g::file_type_of(rt.down), {f, d, e}, routed.down.data(), routed.down.size());
+  const std::vector<GgufExtraTensor> extra = GKind::extra_tensors(c.d_model, c.d_ffn);
+  std::vector<std::vector<float>> columns;  // kept alive until w.save
+  for (std::size_t i = 0; i < extra.size(); ++i) {  // ne [cols, E]: row e is expert e's
+    columns.push_back(g::extra_column<Kind>(layer.extras(), i));
+    f32(extra[i].name, columns.back().data(), {std::uint64_t(extra[i].cols), e}, columns.back().size());
+  }
   // deepseek2: count × f units; qwen2moe: its one expert as it is
   const Index fused = a.reads_routing_keys ? g::shared_count(c) * c.d_ffn : c.shared_ffn();
   const g::ExpertBytes shared = g::expert_bytes(layer.shared_experts(), fused);
@@ -191,21 +241,23 @@ void save_gguf_moe(const std::string& path, const PackedMoE<Storage>& layer, con
     w.add_tensor(name(tn::kDownShexp), g::file_type_of(st.down), {fs, d}, shared.down.data(), shared.down.size());
   }
   if (c.shared_expert_gate) f32(tn::kSharedGate, layer.shared_gate_weight().data(), {d}, std::size_t(d));
-  if (options.norm_gain) f32(tn::kNorm, options.norm_gain->data(), {d}, std::size_t(d));
+  if (options.norm_gain) f32(a.norm_tensor, options.norm_gain->data(), {d}, std::size_t(d));
   w.save(path);
 }
 
 /// A trained float layer, packed in `types` (f32: exact; block formats:
 /// ggml's reference quantizers) and written as above.
-inline void save_gguf_moe(const std::string& path, const MoEFFN<float>& layer, const PackedTypes& types = packed::Dtype::f32,
-                          const GgufSaveOptions& options = {}) {
-  save_gguf_moe(path, PackedMoE<float>::from(layer, types), options);
+template <class Expert>
+void save_gguf_moe(const std::string& path, const MoEFFN<float, Expert>& layer,
+                   const PackedTypes& types = packed::Dtype::f32, const GgufSaveOptions& options = {}) {
+  save_gguf_moe(path, PackedMoE<float, Expert>::from(layer, types), options);
 }
 
-/// A packed sublayer: its MoE and its norm's gain and ε (`ffn_norm`).
-/// ConfigError for a skip gate, which llama.cpp has no form for.
-template <class Storage>
-void save_gguf_sublayer(const std::string& path, const PackedSublayer<PackedMoE<Storage>>& sub,
+/// A packed sublayer: its MoE and its norm's gain and ε (`ffn_norm`;
+/// gpt-oss: `post_attention_norm`). ConfigError for a skip gate, which
+/// llama.cpp has no form for.
+template <class Storage, class Expert>
+void save_gguf_sublayer(const std::string& path, const PackedSublayer<PackedMoE<Storage, Expert>>& sub,
                         GgufSaveOptions options = {}) {
   apex::detail::require_config(!sub.skip_gate(), ("save_gguf_sublayer(" + path + ")").c_str(),
                                "llama.cpp has no skip gate: save the sublayer without one");

@@ -10,6 +10,16 @@
 ///     olmoe                 OLMoE        feed_forward_length         —                         softmax, no renorm
 ///     llama (with experts)  Mixtral      feed_forward_length (array) —                         softmax, renorm
 ///     deepseek2             DeepSeek-V3  expert_feed_forward_length  count × width, ungated    read from the keys
+///     gpt-oss               gpt-oss      expert_feed_forward_length  —                         top-K of ℓ + b_r, softmax over the K
+///
+/// gpt-oss (llama.cpp's LLM_ARCH_OPENAI_MOE) is the one row whose experts are
+/// not plain SwiGLU: they are clamped SwiGLU with gate, up and down biases
+/// (`expert_kind`: `ffn_{gate,up,down}_exps.bias`; layers/clamped_swiglu.hpp), its router has
+/// a bias (`ffn_gate_inp.bias`, `router_bias`), and the FFN's RMSNorm is
+/// `post_attention_norm` (`norm_tensor`). llama.cpp fixes α = 1.702 and
+/// L = 7 in its graph (LLM_FFN_SWIGLU_OAI_MOE): gpt-oss files carry no key
+/// for them (`<arch>.swiglu_clamp_exp` is other architectures'), so the row
+/// holds them (`clamp_alpha`, `clamp_limit`).
 ///
 /// The fixed choices are those of llama.cpp's graph for the architecture
 /// (llama-model.cpp: build_moe_ffn's norm_w, scale_w and gating_op per
@@ -21,6 +31,7 @@
 
 #include <cstddef>
 #include <iterator>
+#include <optional>
 #include <string>
 
 #include "../core/errors.hpp"
@@ -42,6 +53,11 @@ inline constexpr const char* kDownShexp = "ffn_down_shexp.weight";        ///< n
 inline constexpr const char* kSharedGate = "ffn_gate_inp_shexp.weight";   ///< ne [d] (qwen2moe)
 inline constexpr const char* kProbsBias = "exp_probs_b.bias";             ///< ne [E] (deepseek2)
 inline constexpr const char* kNorm = "ffn_norm.weight";                   ///< ne [d]
+inline constexpr const char* kPostAttnNorm = "post_attention_norm.weight";  ///< ne [d] (gpt-oss's FFN norm)
+inline constexpr const char* kRouterBias = "ffn_gate_inp.bias";           ///< ne [E] (gpt-oss)
+inline constexpr const char* kGateExpsBias = "ffn_gate_exps.bias";        ///< ne [f, E] (gpt-oss)
+inline constexpr const char* kUpExpsBias = "ffn_up_exps.bias";            ///< ne [f, E]
+inline constexpr const char* kDownExpsBias = "ffn_down_exps.bias";        ///< ne [d, E]
 /// The dense FFN of a deepseek2 leading block (refused by the MoE loaders).
 inline constexpr const char* kDenseGate = "ffn_gate.weight";
 }  // namespace tensor_names
@@ -75,10 +91,19 @@ inline constexpr const char* kRmsEps = "attention.layer_norm_rms_epsilon";
 /// llama.cpp's `expert_gating_func` values (llama-hparams.h).
 enum class GatingFunc : unsigned { none = 0, softmax = 1, sigmoid = 2, softmax_weight = 3 };
 
-/// How one architecture's MoE block is laid out and routed.
+/// What a block's routed experts compute: the loaders' and savers' expert
+/// type must be this one (inference/gguf_expert_kind.hpp maps the types).
+enum class ExpertKind { SwiGLU, ClampedSwiGLU };
+
+inline const char* expert_kind_name(ExpertKind k) {
+  return k == ExpertKind::SwiGLU ? "SwiGLU" : "clamped-SwiGLU (with biases)";
+}
+
+/// How one architecture's MoE block is laid out and routed. The fields
+/// after `probs_bias` have the plain SwiGLU blocks' values by default.
 struct Architecture {
   const char* name;    ///< `general.architecture`
-  MoEFamily family;    ///< the library family whose block this computes (moe/families.hpp)
+  std::optional<MoEFamily> family;  ///< the library family whose block this computes (moe/families.hpp); none for gpt-oss
   const char* width_key;  ///< the routed experts' width f
   bool width_per_layer;   ///< the width key may be an array over blocks (llama's feed_forward_length)
   FamilySharedLayout shared;  ///< None; OneGated (qwen2moe); OneMLP: count × f wide (deepseek2)
@@ -86,6 +111,12 @@ struct Architecture {
   bool reads_routing_keys;  ///< deepseek2: norm, scale, gating func, groups from the metadata
   bool leading_dense;       ///< blocks below `leading_dense_block_count` are dense
   bool probs_bias;          ///< `exp_probs_b.bias` may be present (optional)
+  Scoring scoring = Scoring::SoftmaxAll;  ///< the fixed scoring (deepseek2 reads its own)
+  ExpertKind expert_kind = ExpertKind::SwiGLU;  ///< clamped SwiGLU: with its three bias tensors (required)
+  bool router_bias = false;    ///< `ffn_gate_inp.bias` (required): the router's logit bias
+  const char* norm_tensor = tensor_names::kNorm;  ///< the FFN's RMSNorm gain
+  double clamp_alpha = 1.702;  ///< clamped SwiGLU's α (llama.cpp's constant)
+  double clamp_limit = 7.0;    ///< and L
 
   std::string key(const char* k) const { return std::string(name) + "." + k; }
 };
@@ -99,6 +130,9 @@ inline const Architecture* architecture_rows(std::size_t& n) {
       {"olmoe", MoEFamily::OLMoE, keys::kFeedForward, false, L::None, false, false, false, false},
       {"llama", MoEFamily::Mixtral, keys::kFeedForward, true, L::None, true, false, false, false},
       {"deepseek2", MoEFamily::DeepSeekV3, keys::kExpertFeedForward, false, L::OneMLP, false, true, true, true},
+      // llama.cpp's gating SOFTMAX_WEIGHT: top-K of ℓ + b_r, softmax over the K (no renormalisation)
+      {"gpt-oss", std::nullopt, keys::kExpertFeedForward, false, L::None, false, false, false, false,
+       Scoring::SoftmaxSelected, ExpertKind::ClampedSwiGLU, true, tensor_names::kPostAttnNorm},
   };
   n = std::size(rows);
   return rows;
@@ -137,6 +171,21 @@ inline const Architecture& architecture_of(MoEFamily family) {
   for (std::size_t i = 0; i < n; ++i)
     if (rows[i].family == family) return rows[i];
   throw ConfigError(std::string("gguf::architecture_of: no architecture for family ") + family_name(family));
+}
+
+/// The one row whose experts are of `kind`, other than SwiGLU (whose rows
+/// the savers choose among by routing); ConfigError if none or several.
+inline const Architecture& architecture_of(ExpertKind kind, const std::string& where = "gguf::architecture_of") {
+  std::size_t n = 0;
+  const Architecture* rows = detail::architecture_rows(n);
+  const Architecture* found = nullptr;
+  for (std::size_t i = 0; i < n; ++i)
+    if (rows[i].expert_kind == kind) {
+      if (found) throw ConfigError(where + ": several architectures have " + expert_kind_name(kind) + " experts");
+      found = &rows[i];
+    }
+  if (!found) throw ConfigError(where + ": no architecture has " + expert_kind_name(kind) + " experts");
+  return *found;
 }
 
 }  // namespace apex::gguf
