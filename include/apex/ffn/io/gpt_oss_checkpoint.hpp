@@ -1,7 +1,7 @@
 #pragma once
 /// \file io/gpt_oss_checkpoint.hpp
 /// Checkpoints of a gpt-oss MoE block (GptOssMoE, moe/gpt_oss.hpp) under
-/// Hugging Face's names (docs/checkpoints.md#gpt-oss). Unlike the other
+/// Hugging Face's names (docs/routing.md#gpt-oss-checkpoints). Unlike the other
 /// families (io/name_maps.hpp), gpt-oss stores its experts fused, one tensor
 /// per kind for all E experts, in × out, with gate and up interleaved:
 ///
