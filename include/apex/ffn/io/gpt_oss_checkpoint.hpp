@@ -22,7 +22,8 @@
 ///
 /// A load checks everything — names, both forms present, dtypes, shapes,
 /// MXFP4 dims, NaN/Inf, the layer's config — before the first write: a
-/// rejected load leaves the layer as it was. A save writes the dense names
+/// rejected load leaves the layer as it was (transient memory: one copy of
+/// the block's values in T, plus the MXFP4 bytes). A save writes the dense names
 /// atomically (io/checkpoint.hpp), so PyTorch / transformers load the file.
 
 #include <cmath>
@@ -336,8 +337,8 @@ LoadResult load_gpt_oss(const GptOssSource& s, GptOssMoE<T>& moe, const std::str
     if (!used.count(name)) r.unexpected.push_back(name);
   r.unexpected.insert(r.unexpected.end(), s.outside.begin(), s.outside.end());
   if (!r.unexpected.empty() && !options.allow_unexpected)
-    throw FormatError(s.where + ": unexpected " + name_list(r.unexpected) + " under prefix '" + prefix +
-                      "' (LoadOptions::allow_unexpected to ignore other tensors)");
+    throw FormatError(s.where + ": unexpected " + name_list(r.unexpected) + ", which the block under prefix '" +
+                      prefix + "' does not use (LoadOptions::allow_unexpected to ignore other tensors)");
   commit_gpt_oss(h, moe);  // every check passed: nothing below throws
   return r;
 }
