@@ -29,6 +29,12 @@
 /// noaux_tc, a Qwen2-MoE block without its shared expert. A missing key is a
 /// FormatError naming it; the file is read as the shard index is (regular
 /// files only, bounded size, bounded nesting, no repeated keys).
+///
+/// gpt-oss (model_type "gpt_oss") has its own reader, read_gpt_oss_config:
+/// its experts are clamped SwiGLUs with options of their own
+/// (ClampedSwiGLUOptions: swiglu_alpha, swiglu_limit) and it is not a row
+/// of the family table; read_hf_config refuses it with a ConfigError naming
+/// read_gpt_oss_config.
 
 #include <cstdint>
 #include <filesystem>
@@ -40,7 +46,9 @@
 
 #include "../core/errors.hpp"
 #include "../moe/config.hpp"
+#include "../layers/clamped_swiglu.hpp"
 #include "../moe/families.hpp"
+#include "../moe/gpt_oss.hpp"
 #include "shard_index.hpp"
 
 namespace apex {
@@ -160,10 +168,15 @@ inline void read_family_keys(const HfKeys& k, HfModelConfig& out) {
   detail::require_config(out.moe_every >= 1, where, "config.json's MoE block frequency must be at least 1");
 }
 
-}  // namespace detail
 
-/// Parses the text of a config.json; `where` starts every message.
-inline HfModelConfig parse_hf_config(std::string_view text, const std::string& where) {
+/// `path` itself, or its config.json if it is a folder.
+inline std::string config_json_path(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  return fs::is_directory(path, ec) ? (fs::path(path) / "config.json").string() : path;
+}
+/// The parsed JSON object of a config.json's text.
+inline nlohmann::json parse_config_object(std::string_view text, const std::string& where) {
   nlohmann::json j;
   try {
     detail::ShardIndexGuard guard(where, "config.json");
@@ -172,9 +185,19 @@ inline HfModelConfig parse_hf_config(std::string_view text, const std::string& w
     throw FormatError(where + ": not valid JSON: " + e.what());
   }
   if (!j.is_object()) throw FormatError(where + ": config.json is not a JSON object");
+  return j;
+}
+}  // namespace detail
+
+/// Parses the text of a config.json; `where` starts every message.
+inline HfModelConfig parse_hf_config(std::string_view text, const std::string& where) {
+  const nlohmann::json j = detail::parse_config_object(text, where);
   const detail::HfKeys k{j, where};
   HfModelConfig out;
-  out.family = family_by_name(k.text_or("model_type", ""));  // ConfigError for another model_type
+  const std::string model_type = k.text_or("model_type", "");
+  detail::require_config(model_type != "gpt_oss", where.c_str(),
+                         "model_type \"gpt_oss\" is read by read_gpt_oss_config (its experts and block differ)");
+  out.family = family_by_name(model_type);  // ConfigError for another model_type
   out.moe = family_preset(out.family);  // the family's routing and shared layout; shapes below
   out.moe.d_model = k.count("hidden_size");
   out.moe.n_active = k.count("num_experts_per_tok");
@@ -186,14 +209,51 @@ inline HfModelConfig parse_hf_config(std::string_view text, const std::string& w
 }
 
 /// Reads `path` (a model folder, or its config.json) as the shard index is
-/// read: a regular file, at most `limits.max_index_bytes`.
+/// read: a regular file, at most `limits.max_index_bytes`. ConfigError for
+/// model_type "gpt_oss" (read_gpt_oss_config reads those).
 inline HfModelConfig read_hf_config(const std::string& path, const safetensors::Limits& limits = {}) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  const std::string file = fs::is_directory(path, ec) ? (fs::path(path) / "config.json").string() : path;
+  const std::string file = detail::config_json_path(path);
   const std::string where = "read_hf_config('" + file + "')";
   const std::string text = detail::read_small_file(where, file, "config.json", limits);
   return parse_hf_config(text, where);
+}
+
+/// What a gpt-oss config.json says of its MoE blocks (every block is MoE).
+struct GptOssModelConfig {
+  MoEConfig moe;                 ///< gpt_oss_moe(hidden_size, intermediate_size, num_local_experts, num_experts_per_tok)
+  ClampedSwiGLUOptions experts;  ///< swiglu_alpha (default 1.702), swiglu_limit (default 7)
+  Index n_layers = 0;            ///< num_hidden_layers
+  double rms_eps = 1e-5;         ///< rms_norm_eps (transformers' GptOssConfig default)
+};
+
+/// Parses the text of a gpt-oss config.json; `where` starts every message.
+/// ConfigError for another model_type or out-of-range values, FormatError
+/// for a missing or mistyped key (named).
+inline GptOssModelConfig parse_gpt_oss_config(std::string_view text, const std::string& where) {
+  const nlohmann::json j = detail::parse_config_object(text, where);
+  const detail::HfKeys k{j, where};
+  const std::string model_type = k.text_or("model_type", "");
+  detail::require_config(model_type == "gpt_oss", where.c_str(),
+                         "model_type is \"" + model_type.substr(0, 40) +
+                             "\", not \"gpt_oss\" (read_hf_config reads the other families)");
+  GptOssModelConfig out;
+  const Index d = k.count("hidden_size"), f = k.count("intermediate_size");  // in order: the first missing key is named
+  const Index experts = k.count("num_local_experts"), active = k.count("num_experts_per_tok");
+  out.moe = gpt_oss_moe(d, f, experts, active);
+  out.experts.alpha = k.number_or("swiglu_alpha", out.experts.alpha);
+  out.experts.limit = k.number_or("swiglu_limit", out.experts.limit);
+  out.n_layers = k.count("num_hidden_layers");
+  out.rms_eps = k.number_or("rms_norm_eps", out.rms_eps);
+  out.moe.validate(where.c_str());
+  out.experts.validate(where.c_str());
+  return out;
+}
+
+/// Reads a gpt-oss `path` (a model folder, or its config.json) as read_hf_config does.
+inline GptOssModelConfig read_gpt_oss_config(const std::string& path, const safetensors::Limits& limits = {}) {
+  const std::string file = detail::config_json_path(path);
+  const std::string where = "read_gpt_oss_config('" + file + "')";
+  return parse_gpt_oss_config(detail::read_small_file(where, file, "config.json", limits), where);
 }
 
 }  // namespace apex
