@@ -10,9 +10,12 @@
 #include <apex/ffn/inference.hpp>
 #include <apex/ffn/inference/packed_layout_file.hpp>
 #include <apex/ffn/inference/packed_layout_map.hpp>
+#include <apex/ffn/inference/packed_gpt_oss.hpp>
 #include <apex/ffn/inference/packed_load.hpp>
+#include <apex/ffn/io/gpt_oss_checkpoint.hpp>
 #include <apex/ffn/moe/gpt_oss.hpp>
 
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -201,4 +204,82 @@ TEST_CASE("gpt-oss packed layer: the kind's parts are checked", "[inference][gpt
   b16.set_kernel_options({packed::kDefaultIsa, packed::Bf16Products::paired});
   CHECK_THROWS_CONTAINING(b16.forward(test::rnd<float>(2, 32, 42)), ConfigError,
                           "paired is not supported for clamped-SwiGLU experts");
+}
+
+namespace {
+std::string packed_gptoss_fixture(const char* name) {
+  return (std::filesystem::path(__FILE__).parent_path() / "data" / name).string();
+}
+/// A fixture tensor as a float matrix of `rows` rows.
+Matrix<float> packed_gptoss_tensor(const safetensors::Reader& file, const std::string& name, Index rows) {
+  const safetensors::TensorInfo& t = file.at(name);
+  Matrix<float> m(rows, Index(t.numel()) / rows);
+  file.read(t, m.data());
+  return m;
+}
+}  // namespace
+
+TEST_CASE("gpt-oss's published MXFP4 experts load into MXFP4 panels as shipped", "[inference][gpt_oss][mxfp4]") {
+  const std::string path = packed_gptoss_fixture("family_gpt_oss_mxfp4.safetensors");
+  const safetensors::Reader file(path);
+  const MoEConfig cfg = gpt_oss_moe(64, 32, 4, 2);
+  PackedLoadOptions o;
+  o.prefix = "model.layers.1.";
+  o.allow_unexpected = true;  // the fixture's test.* tensors
+  const auto p = load_packed_gpt_oss<packed::mxfp4>(path, cfg, o);
+  CHECK(p.types() == PackedTypes(packed::Dtype::mxfp4));
+  // The panels' weights are the checkpoint's, exactly (as its dequantized tensors: E × d × 2f, E × f × d).
+  const Matrix<float> gu = packed_gptoss_tensor(file, "test.gate_up_proj", 4 * 64);
+  const Matrix<float> dn = packed_gptoss_tensor(file, "test.down_proj", 4 * 32);
+  for (Index e = 0; e < 4; ++e) {
+    const Matrix<float> g = p.experts()[std::size_t(e)].w_gate(), u = p.experts()[std::size_t(e)].w_up();
+    const Matrix<float> w = p.experts()[std::size_t(e)].w_down();
+    for (Index i = 0; i < 64; ++i)
+      for (Index j = 0; j < 32; ++j) {
+        CHECK(g(j, i) == gu(e * 64 + i, 2 * j));  // == : −0 and 0 are one value
+        CHECK(u(j, i) == gu(e * 64 + i, 2 * j + 1));
+        CHECK(w(i, j) == dn(e * 32 + j, i));
+      }
+  }
+  // Against the float layer the Hugging Face loader gives on the same file, and the fixture's output.
+  GptOssMoE<float> moe(cfg, 0);
+  LoadOptions lo;
+  lo.allow_unexpected = true;
+  load_gpt_oss_checkpoint(path, moe, o.prefix, lo);
+  const Matrix<float> x = packed_gptoss_tensor(file, "test.x", 3), want = packed_gptoss_tensor(file, "test.y", 3);
+  GptOssMoE<float>::Cache c0;
+  decltype(p)::Cache c1;
+  const Matrix<float> y = p.forward(x, &c1);
+  CHECK(c1.routing.experts == (moe.forward(x, &c0), c0.routing.experts));
+  CHECK(rel(y, moe.forward(x)) < 0.02);  // the activations' Q8_0 rounding alone
+  CHECK(rel(y, want) < 0.02);
+  // Into bf16 panels: FP4 values times powers of two are exact in bf16.
+  PackedLoadOptions ob = o;
+  ob.types = PackedTypes(packed::Dtype::bf16);
+  const auto b = load_packed_gpt_oss<packed::mxfp4>(path, cfg, ob);
+  CHECK(rel(b.forward(x), moe.forward(x)) < 1e-5);
+}
+
+TEST_CASE("gpt-oss dense Hugging Face experts load packed; bad configs and files are refused",
+          "[inference][gpt_oss][errors]") {
+  const std::string path = packed_gptoss_fixture("family_gpt_oss.safetensors");
+  const safetensors::Reader file(path);
+  const MoEConfig cfg = gpt_oss_moe(4, 3, 6, 2);
+  PackedLoadOptions o;
+  o.prefix = "model.layers.1.";
+  o.allow_unexpected = true;  // the fixture's test.* tensors
+  const auto p = load_packed_gpt_oss<float>(path, cfg, o);
+  const Matrix<float> x = packed_gptoss_tensor(file, "test.x", 5), want = packed_gptoss_tensor(file, "test.y", 5);
+  CHECK(rel(p.forward(x), want) < 1e-5);
+  CHECK_THROWS_CONTAINING(load_packed_gpt_oss<float>(path, cfg, [&] { auto q = o; q.allow_unexpected = false; return q; }()),
+                          FormatError, "unexpected");
+  MoEConfig no_bias = cfg;
+  no_bias.router_bias = false;
+  CHECK_THROWS_CONTAINING(load_packed_gpt_oss<float>(path, no_bias, o), ConfigError, "router_bias");
+  CHECK_THROWS_CONTAINING(load_packed_gpt_oss<float>(path, gpt_oss_moe(4, 5, 6, 2), o), ShapeError,
+                          "mlp.experts.gate_up_proj");
+  CHECK_THROWS_CONTAINING(load_packed_gpt_oss<packed::q8_0>(path, cfg, o), ConfigError, "q8_0");  // d = 4: no whole block
+  PackedLoadOptions fam = o;
+  fam.family = MoEFamily::Mixtral;
+  CHECK_THROWS_CONTAINING(load_packed_gpt_oss<float>(path, cfg, fam), ConfigError, "options.family");
 }

@@ -38,160 +38,11 @@
 #include "sharded_checkpoint.hpp"
 #include "../core/errors.hpp"
 #include "../moe/gpt_oss.hpp"
-#include "../quant/blocks.hpp"
-#include "../quant/half.hpp"
+#include "gpt_oss_layout.hpp"
 
 namespace apex {
 
-/// The gpt-oss tensor names, without the layer prefix.
-namespace gpt_oss_names {
-inline constexpr const char* kRouterWeight = "mlp.router.weight";
-inline constexpr const char* kRouterBias = "mlp.router.bias";
-inline constexpr const char* kGateUp = "mlp.experts.gate_up_proj";
-inline constexpr const char* kGateUpBias = "mlp.experts.gate_up_proj_bias";
-inline constexpr const char* kDown = "mlp.experts.down_proj";
-inline constexpr const char* kDownBias = "mlp.experts.down_proj_bias";
-inline constexpr const char* kBlocks = "_blocks";  ///< suffix of an MXFP4 weight's codes
-inline constexpr const char* kScales = "_scales";  ///< suffix of its E8M0 scales
-}  // namespace gpt_oss_names
-
 namespace detail {
-
-using Shape = std::vector<std::uint64_t>;
-
-/// The six tensors of a gpt-oss block in Hugging Face's layout, row-major.
-template <class T>
-struct GptOssFused {
-  std::vector<T> router_w;   ///< E × d
-  std::vector<T> router_b;   ///< E
-  std::vector<T> gate_up;    ///< E × d × 2f (in × out, gate/up interleaved)
-  std::vector<T> gate_up_b;  ///< E × 2f
-  std::vector<T> down;       ///< E × f × d (in × out)
-  std::vector<T> down_b;     ///< E × d
-};
-
-/// Every tensor of a checkpoint under `prefix`, whether in one file or in
-/// the shards of an index: the readers (owned for shards) and each entry.
-struct GptOssSource {
-  std::string where;
-  std::vector<std::unique_ptr<safetensors::Reader>> owned;
-  std::map<std::string, std::pair<const safetensors::Reader*, const safetensors::TensorInfo*>> tensors;
-  std::vector<std::string> outside;  ///< tensors of a one-file checkpoint not under the prefix
-
-  const safetensors::TensorInfo* find(const std::string& name) const {
-    auto it = tensors.find(name);
-    return it == tensors.end() ? nullptr : it->second.second;
-  }
-  template <class T>
-  std::vector<T> read(const std::string& name) const {
-    const auto& [file, info] = tensors.at(name);
-    std::vector<T> out(std::size_t(info->numel()));
-    file->read(*info, out.data());
-    return out;
-  }
-  std::vector<std::uint8_t> bytes(const std::string& name) const {
-    const auto& [file, info] = tensors.at(name);
-    std::vector<std::uint8_t> out(std::size_t(info->nbytes()));
-    file->read_bytes(*info, out.data());
-    return out;
-  }
-};
-
-inline GptOssSource gpt_oss_source(const safetensors::Reader& file, const std::string& prefix) {
-  GptOssSource s{"load_gpt_oss_checkpoint(" + file.source().description() + ")", {}, {}, {}};
-  for (const auto& t : file.tensors()) {
-    if (t.name.rfind(prefix, 0) == 0) s.tensors[t.name] = {&file, &t};
-    else s.outside.push_back(t.name);
-  }
-  return s;
-}
-
-/// The tensors the index places under `prefix`, each shard opened once.
-/// FormatError if a shard lacks a tensor the index places in it.
-inline GptOssSource gpt_oss_source(const std::string& index_path, const ShardIndex& index, const std::string& prefix,
-                                   const safetensors::Limits& limits) {
-  namespace fs = std::filesystem;
-  GptOssSource s{"load_gpt_oss_checkpoint('" + index_path + "')", {}, {}, {}};
-  std::map<std::string, const safetensors::Reader*> opened;
-  for (auto it = index.weight_map.lower_bound(prefix); it != index.weight_map.end(); ++it) {
-    if (it->first.rfind(prefix, 0) != 0) break;
-    const safetensors::Reader*& r = opened[it->second];
-    if (!r) {
-      s.owned.push_back(std::make_unique<safetensors::Reader>(
-          (fs::path(index_path).parent_path() / it->second).string(), limits));
-      r = s.owned.back().get();
-    }
-    const safetensors::TensorInfo* t = r->header().find(it->first);
-    if (!t)
-      throw FormatError(s.where + ": the index places tensor " + safetensors::quote_name(it->first) + " in '" +
-                        it->second + "', which lacks it");
-    s.tensors[it->first] = {r, t};
-  }
-  return s;
-}
-
-/// FormatError unless `name` is present as a float tensor (F32, F64, BF16);
-/// ShapeError unless its shape is `want` (leading 1s aside).
-inline void check_gpt_oss_dense(const GptOssSource& s, const std::string& name, const Shape& want) {
-  const safetensors::TensorInfo* t = s.find(name);
-  if (!t) throw FormatError(s.where + ": missing tensor " + safetensors::quote_name(name));
-  if (!safetensors::is_float_convertible(t->dtype))
-    throw FormatError(s.where + ": tensor " + safetensors::quote_name(name) + " is " +
-                      safetensors::dtype_name(t->dtype) + ", wanted F32, F64 or BF16");
-  if (drop_leading_ones(t->shape) != drop_leading_ones(want))
-    throw ShapeError(s.where + ": tensor " + safetensors::quote_name(name) + " has shape " +
-                     safetensors::shape_string(t->shape) + ", wanted " + safetensors::shape_string(want));
-}
-
-/// As check_gpt_oss_dense, for a U8 tensor of exactly `want`.
-inline void check_gpt_oss_u8(const GptOssSource& s, const std::string& name, const Shape& want) {
-  const safetensors::TensorInfo* t = s.find(name);
-  if (!t) throw FormatError(s.where + ": missing tensor " + safetensors::quote_name(name) + " (MXFP4 form)");
-  if (t->dtype != safetensors::DType::U8)
-    throw FormatError(s.where + ": tensor " + safetensors::quote_name(name) + " is " +
-                      safetensors::dtype_name(t->dtype) + ", wanted U8 (MXFP4 form)");
-  if (t->shape != want)
-    throw ShapeError(s.where + ": tensor " + safetensors::quote_name(name) + " has shape " +
-                     safetensors::shape_string(t->shape) + ", wanted " + safetensors::shape_string(want));
-}
-
-/// ValueError naming `name` if `v` holds NaN or Inf.
-template <class T>
-void check_gpt_oss_finite(const std::string& where, const std::string& name, const std::vector<T>& v) {
-  for (T x : v)
-    if (!std::isfinite(x))
-      throw ValueError(where + ": tensor " + safetensors::quote_name(name) + " contains NaN or Inf");
-}
-
-/// The MXFP4 weight `name` (`_blocks` E × R × G × 16, `_scales` E × R × G)
-/// dequantized into Hugging Face's dense layout E × 32G × R (in × out).
-/// Exact: a value is a 2-bit significand times a power of two. E8M0 code
-/// 255 is NaN (OCP MX): ValueError naming the scales tensor.
-template <class T>
-std::vector<T> dequantize_gpt_oss(const GptOssSource& s, const std::string& name, Index E, Index R, Index in) {
-  const Index G = in / quant::kQK;
-  const std::vector<std::uint8_t> q = s.bytes(name + gpt_oss_names::kBlocks);   // E × R × G × 16
-  const std::vector<std::uint8_t> sc = s.bytes(name + gpt_oss_names::kScales);  // E × R × G
-  std::vector<T> out(std::size_t(E * in * R));                                  // E × in × R
-  for (Index e = 0; e < E; ++e)
-    for (Index r = 0; r < R; ++r)
-      for (Index g = 0; g < G; ++g) {
-        const std::uint8_t code = sc[std::size_t((e * R + r) * G + g)];
-        if (code == 0xFF)
-          throw ValueError(s.where + ": tensor " + safetensors::quote_name(name + gpt_oss_names::kScales) +
-                           " holds E8M0 code 255 (NaN)");
-        // kMxfp4Values are the FP4 values doubled, e8m0_to_fp32_half halves the scale: FP4·2^(s−127).
-        const T scale = T(quant::e8m0_to_fp32_half(code));
-        const std::uint8_t* b = &q[std::size_t(((e * R + r) * G + g) * 16)];
-        for (Index i = 0; i < quant::kQK; ++i) {
-          const unsigned nib = i % 2 ? b[i / 2] >> 4 : b[i / 2] & 0x0F;
-          T v = T(quant::kMxfp4Values[nib & 7]) * scale;
-          if (nib & 8) v = -v;  // code 8 is −0: the table stores it as 0, the sign bit restores it
-          out[std::size_t((e * in + g * quant::kQK + i) * R + r)] = v;
-        }
-      }
-  return out;
-}
 
 /// The layer's parameter list by name.
 template <class T>
@@ -267,39 +118,18 @@ void commit_gpt_oss(const GptOssFused<T>& h, GptOssMoE<T>& moe) {
   }
 }
 
-/// ConfigError unless the layer is a gpt-oss block: the router's bias on, no shared experts.
-inline void check_gpt_oss_config(const char* where, const MoEConfig& c) {
-  require_config(c.router_bias, where, "a gpt-oss block needs MoEConfig::router_bias (the router's logit bias)");
-  require_config(c.n_shared == 0 && !c.shared_expert_gate, where,
-                 "a gpt-oss block has no shared experts, got n_shared = " + std::to_string(c.n_shared));
-}
-
-/// One expert weight (dense or MXFP4, refusing both or neither) checked and
+/// One expert weight (dense or MXFP4) checked (check_gpt_oss_weight) and
 /// read into Hugging Face's layout E × in × R.
 template <class T>
 std::vector<T> read_gpt_oss_weight(const GptOssSource& s, const std::string& name, Index E, Index in, Index R,
                                    std::set<std::string>& used) {
-  const std::string blocks = name + gpt_oss_names::kBlocks, scales = name + gpt_oss_names::kScales;
-  const bool dense = s.find(name) != nullptr, packed = s.find(blocks) || s.find(scales);
-  if (dense && packed)
-    throw FormatError(s.where + ": tensor " + safetensors::quote_name(name) + " is stored both dense and as MXFP4 " +
-                      safetensors::quote_name(blocks) + "/" + safetensors::quote_name(scales) + "; keep one");
-  if (!packed) {
-    check_gpt_oss_dense(s, name, {std::uint64_t(E), std::uint64_t(in), std::uint64_t(R)});
-    used.insert(name);
+  if (!check_gpt_oss_weight(s, name, E, in, R, used)) {
     std::vector<T> v = s.read<T>(name);
     check_gpt_oss_finite(s.where, name, v);
     return v;
   }
-  if (in % quant::kQK != 0)
-    throw ShapeError(s.where + ": MXFP4 tensor " + safetensors::quote_name(blocks) + " needs its input width " +
-                     std::to_string(in) + " to be a multiple of 32");
-  const std::uint64_t e = std::uint64_t(E), r = std::uint64_t(R), g = std::uint64_t(in / quant::kQK);
-  check_gpt_oss_u8(s, blocks, {e, r, g, 16});
-  check_gpt_oss_u8(s, scales, {e, r, g});
-  used.insert(blocks), used.insert(scales);
   std::vector<T> v = dequantize_gpt_oss<T>(s, name, E, R, in);
-  check_gpt_oss_finite(s.where, blocks, v);  // a float T overflows at the largest scales
+  check_gpt_oss_finite(s.where, name + gpt_oss_names::kBlocks, v);  // a float T overflows at the largest scales
   return v;
 }
 
@@ -333,12 +163,7 @@ LoadResult load_gpt_oss(const GptOssSource& s, GptOssMoE<T>& moe, const std::str
   LoadResult r;
   r.metadata = metadata;
   r.loaded.assign(used.begin(), used.end());
-  for (const auto& [name, where] : s.tensors)
-    if (!used.count(name)) r.unexpected.push_back(name);
-  r.unexpected.insert(r.unexpected.end(), s.outside.begin(), s.outside.end());
-  if (!r.unexpected.empty() && !options.allow_unexpected)
-    throw FormatError(s.where + ": unexpected " + name_list(r.unexpected) + ", which the block under prefix '" +
-                      prefix + "' does not use (LoadOptions::allow_unexpected to ignore other tensors)");
+  r.unexpected = gpt_oss_unexpected(s, used, prefix, options.allow_unexpected);
   commit_gpt_oss(h, moe);  // every check passed: nothing below throws
   return r;
 }
