@@ -1,6 +1,6 @@
 # Family references generated live (the committed tests/data/family_*.safetensors
-# already cover every family without torch): tools/moe_families.py writes a
-# fresh set with other seeds, then apex_ffn_tests "[families][reference]"
+# already cover every family without torch): tools/moe_families.py and
+# tools/gpt_oss_reference.py write a fresh set with other seeds, then apex_ffn_tests "[families][reference]"
 # matches them too (APEX_FFN_FAMILY_DIR). Registered only when
 # test_families.cpp is part of the build and a Python interpreter can
 # `import torch` (APEX_FFN_TORCH_PYTHON, else tests/find_python.cmake's search).
@@ -20,6 +20,11 @@ add_test(NAME routing.families.torch_fixtures
   COMMAND "${_apex_family_python}" "${PROJECT_SOURCE_DIR}/tools/moe_families.py" fixtures "${_apex_family_dir}"
           --seed-base 1000)
 set_tests_properties(routing.families.torch_fixtures PROPERTIES
+  FIXTURES_SETUP apex_ffn_families LABELS interop)
+add_test(NAME routing.gpt_oss.torch_fixtures
+  COMMAND "${_apex_family_python}" "${PROJECT_SOURCE_DIR}/tools/gpt_oss_reference.py" fixtures "${_apex_family_dir}"
+          --seed-base 1000)
+set_tests_properties(routing.gpt_oss.torch_fixtures PROPERTIES
   FIXTURES_SETUP apex_ffn_families LABELS interop)
 add_test(NAME routing.families.apex_matches_torch
   COMMAND apex_ffn_tests "[families][reference]" --warn NoTests)

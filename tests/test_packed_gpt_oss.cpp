@@ -260,7 +260,7 @@ TEST_CASE("gpt-oss's published MXFP4 experts load into MXFP4 panels as shipped",
   CHECK(rel(b.forward(x), moe.forward(x)) < 1e-5);
 }
 
-TEST_CASE("gpt-oss dense Hugging Face experts load packed; bad configs and files are refused",
+TEST_CASE("gpt-oss dense Hugging Face experts load packed, and bad configs and files are refused",
           "[inference][gpt_oss][errors]") {
   const std::string path = packed_gptoss_fixture("family_gpt_oss.safetensors");
   const safetensors::Reader file(path);
