@@ -11,6 +11,7 @@
 #include <apex/ffn/inference/packed_layout_file.hpp>
 #include <apex/ffn/inference/packed_layout_map.hpp>
 #include <apex/ffn/inference/packed_gpt_oss.hpp>
+#include <apex/ffn/inference/packed_gpt_oss_save.hpp>
 #include <apex/ffn/inference/packed_load.hpp>
 #include <apex/ffn/io/gpt_oss_checkpoint.hpp>
 #include <apex/ffn/moe/gpt_oss.hpp>
@@ -282,4 +283,47 @@ TEST_CASE("gpt-oss dense Hugging Face experts load packed, and bad configs and f
   PackedLoadOptions fam = o;
   fam.family = MoEFamily::Mixtral;
   CHECK_THROWS_CONTAINING(load_packed_gpt_oss<float>(path, cfg, fam), ConfigError, "options.family");
+}
+
+TEST_CASE("gpt-oss packed layers save under Hugging Face's names: MXFP4 as published, byte for byte",
+          "[inference][gpt_oss][mxfp4][checkpoint]") {
+  const std::string path = packed_gptoss_fixture("family_gpt_oss_mxfp4.safetensors");
+  const safetensors::Reader fixture(path);
+  const MoEConfig cfg = gpt_oss_moe(64, 32, 4, 2);
+  PackedLoadOptions o;
+  o.prefix = "model.layers.1.";
+  o.allow_unexpected = true;
+  const auto p = load_packed_gpt_oss<packed::mxfp4>(path, cfg, o);
+  test::TempDir dir;
+  const std::string saved = dir / "gpt_oss_mxfp4.safetensors";
+  save_packed_gpt_oss(saved, p, o.prefix);
+  const safetensors::Reader back(saved);
+  CHECK(back.tensors().size() == 8);
+  for (const auto& t : back.tensors()) {  // every tensor the fixture's bytes: blocks, scales, biases, router
+    INFO(t.name);
+    const safetensors::TensorInfo& want = fixture.at(t.name);
+    REQUIRE(t.dtype == want.dtype);
+    REQUIRE(t.shape == want.shape);
+    std::vector<unsigned char> a(t.nbytes()), b(want.nbytes());
+    back.read_bytes(t, a.data());
+    fixture.read_bytes(want, b.data());
+    CHECK(a == b);
+  }
+  // Other types are saved dense with the packed values; the float loader and the packed loader read them back.
+  const auto b16 = PackedMoE<packed::bf16, ClampedSwiGLU<float>>::from(clamped_layer(32, 64, 51));
+  const std::string dense = dir / "gpt_oss_bf16.safetensors";
+  save_packed_gpt_oss(dense, b16, "model.layers.0.");
+  PackedLoadOptions od;
+  od.prefix = "model.layers.0.";
+  const auto again = load_packed_gpt_oss<packed::bf16>(dense, b16.config(), od);
+  const Matrix<float> x = test::rnd<float>(7, 32, 52);
+  CHECK(bitwise_equal(again.forward(x), b16.forward(x)));
+  GptOssMoE<float> moe(b16.config(), 0);
+  load_gpt_oss_checkpoint(dense, moe, "model.layers.0.");
+  CHECK(rel(moe.forward(x), b16.forward(x)) < 1e-5);
+  // A clamped layer without the router's bias is no gpt-oss block: refused, nothing written.
+  const auto plain = PackedMoE<float, ClampedSwiGLU<float>>::from(
+      MoEFFN<float, ClampedSwiGLU<float>>(test::moe_config(4, 2, 0, 32, 32), 1));
+  CHECK_THROWS_CONTAINING(save_packed_gpt_oss(dir / "x.safetensors", plain), ConfigError, "router_bias");
+  CHECK(!std::filesystem::exists(dir / "x.safetensors"));
 }
