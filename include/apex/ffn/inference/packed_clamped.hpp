@@ -30,6 +30,7 @@
 #include "../kernels/fused_expert.hpp"
 #include "../layers/clamped_swiglu.hpp"
 #include "packed_expert_kind.hpp"
+#include "packed_two_pass.hpp"
 
 namespace apex {
 
@@ -42,15 +43,6 @@ struct ClampedBiases {
 };
 
 namespace detail::inference {
-
-struct ClampedScratch {
-  packed::detail::AlignedArray<float> gu;  // rows × 32·panels: [G | U] per panel
-  packed::detail::AlignedArray<float> a;   // rows × lda: A
-};
-inline ClampedScratch& clamped_scratch() {
-  thread_local ClampedScratch s;
-  return s;
-}
 
 inline void clamped_block(packed::Isa isa, const packed::PackedExpert& e, const ClampedBiases& b, const float* x,
                           Index ldx, Index rows, float* gu, Index ldgu, float* a, Index lda, float* y, Index ldy) {
@@ -84,23 +76,11 @@ inline void clamped_block(packed::Isa isa, const packed::PackedExpert& e, const 
 /// products (the biases need G and U apart) and as packed::forward.
 inline void clamped_forward(const packed::PackedExpert& e, const ClampedBiases& b, const float* x, Index ldx, Index m,
                             float* y, Index ldy, const packed::ForwardOptions& opt = {}) {
-  constexpr const char* where = "clamped_forward";
-  detail::require_config(opt.bf16_products != packed::Bf16Products::paired, where,
-                         "bf16_products = paired is not supported for clamped-SwiGLU experts");
-  detail::require_config(m >= 0, where, "row count m = " + std::to_string(m) + " is negative");
-  packed::detail::check_forward_options(where, opt);
-  if (m == 0) return;
-  const Index f = e.d_ffn();
-  const Index block = m <= packed::kSmallRows ? m : packed::kRowBlock;
-  const Index ldgu = e.gate_up().panels() * 2 * packed::PackedExpert::kHiddenPerPanel;
-  const Index lda = (f + 15) / 16 * 16;  // 64-byte aligned rows
-  detail::inference::ClampedScratch& s = detail::inference::clamped_scratch();
-  float* gu = packed::detail::grow(s.gu, detail::checked_product(where, "scratch rows x 2*panels*16", {block, ldgu}));
-  float* a = packed::detail::grow(s.a, detail::checked_product(where, "scratch rows x d_ffn", {block, lda}));
-  for (Index r0 = 0; r0 < m; r0 += block) {
-    const Index rows = std::min(block, m - r0);
-    detail::inference::clamped_block(opt.isa, e, b, x + r0 * ldx, ldx, rows, gu, ldgu, a, lda, y + r0 * ldy, ldy);
-  }
+  detail::inference::two_pass_forward(
+      "clamped_forward", "clamped-SwiGLU", e, x, ldx, m, y, ldy, opt,
+      [&](const float* xr, Index, Index rows, float* gu, Index ldgu, float* a, Index lda, float* yr) {
+        detail::inference::clamped_block(opt.isa, e, b, xr, ldx, rows, gu, ldgu, a, lda, yr, ldy);
+      });
 }
 
 /// The clamped SwiGLU's row of the expert-kind table.

@@ -31,6 +31,7 @@
 #include "../core/state_names.hpp"
 #include "../core/types.hpp"
 #include "packed_expert_kind.hpp"
+#include "packed_two_pass.hpp"
 
 namespace apex {
 
@@ -42,15 +43,6 @@ struct KappaGate {
 };
 
 namespace detail::inference {
-
-struct KappaScratch {
-  packed::detail::AlignedArray<float> gu;  // rows × 32·panels: [G | U] per panel
-  packed::detail::AlignedArray<float> a;   // rows × lda: A
-};
-inline KappaScratch& kappa_scratch() {
-  thread_local KappaScratch s;
-  return s;
-}
 
 inline void kappa_block(packed::Isa isa, const packed::PackedExpert& e, const KappaGate& k, const float* x, Index ldx,
                  const float* logit, Index rows, float* gu, Index ldgu, float* a, Index lda, float* y, Index ldy) {
@@ -87,21 +79,11 @@ inline void kappa_forward(const packed::PackedExpert& e, const KappaGate& k, con
   detail::require_config(opt.bf16_products != packed::Bf16Products::paired, where,
                  "bf16_products = paired is not supported for kappa-SwiGLU experts");
   if (k.options.U == 1.0) return packed::forward(e, x, ldx, m, y, ldy, opt);  // κ ≡ 1: SwiGLU
-  detail::require_config(m >= 0, where, "row count m = " + std::to_string(m) + " is negative");
-  packed::detail::check_forward_options(where, opt);
-  if (m == 0) return;
-  const Index f = e.d_ffn();
-  const Index block = m <= packed::kSmallRows ? m : packed::kRowBlock;
-  const Index ldgu = e.gate_up().panels() * 2 * packed::PackedExpert::kHiddenPerPanel;
-  const Index lda = (f + 15) / 16 * 16;  // 64-byte aligned rows
-  detail::inference::KappaScratch& s = detail::inference::kappa_scratch();
-  float* gu = packed::detail::grow(s.gu, detail::checked_product(where, "scratch rows x 2*panels*16", {block, ldgu}));
-  float* a = packed::detail::grow(s.a, detail::checked_product(where, "scratch rows x d_ffn", {block, lda}));
-  for (Index r0 = 0; r0 < m; r0 += block) {
-    const Index rows = std::min(block, m - r0);
-    detail::inference::kappa_block(opt.isa, e, k, x + r0 * ldx, ldx, logit + r0, rows, gu, ldgu, a, lda,
-                                   y + r0 * ldy, ldy);
-  }
+  detail::inference::two_pass_forward(
+      where, "kappa-SwiGLU", e, x, ldx, m, y, ldy, opt,
+      [&](const float* xr, Index r0, Index rows, float* gu, Index ldgu, float* a, Index lda, float* yr) {
+        detail::inference::kappa_block(opt.isa, e, k, xr, ldx, logit + r0, rows, gu, ldgu, a, lda, yr, ldy);
+      });
 }
 
 /// κ-SwiGLU's row of the expert-kind table (inference/packed_expert_kind.hpp):
