@@ -134,6 +134,9 @@ TEST_CASE("gguf general.alignment must be a u32 power of two", "[gguf]") {
   CHECK_THAT(rejection(aligned(GgufBytes().str("general.alignment").u32(5).u32(32).b)),
              Catch::Contains("key 'general.alignment' must be u32, is i32"));
   CHECK(test::open_bytes(aligned(kv_u32("general.alignment", 4096))).alignment() == 4096);
+  // A power of two beyond the limit (a fuzzer's 2^31: writing the file again would pad by 2 GiB).
+  CHECK_THAT(rejection(aligned(kv_u32("general.alignment", 1u << 31))),
+             Catch::Contains("alignment 2147483648 exceeds the limit of 1048576 (Limits::max_alignment)"));
 }
 
 TEST_CASE("gguf malformed tensor infos are a FormatError naming the tensor", "[gguf]") {

@@ -41,6 +41,9 @@ struct Limits {
   std::uint64_t max_array_elements = 8ull << 20;   ///< summed over every array in the file
   std::uint32_t max_depth = 4;                     ///< array nesting (an array of scalars is 1)
   std::uint64_t max_tensor_name_bytes = 63;        ///< ggml's GGML_MAX_NAME less its NUL
+  /// general.alignment (ggml's default is 32; a page is 4096). A larger one
+  /// would make a writer of the file pad its data section by up to that much.
+  std::uint32_t max_alignment = 1u << 20;
 };
 
 /// One tensor of a validated file.
@@ -188,6 +191,9 @@ inline void Parser::alignment(Header& h) const {
       throw fail(std::string("key 'general.alignment' must be u32, is ") + value_type_name(v.type_));
     if (v.bits_ == 0 || (v.bits_ & (v.bits_ - 1)) != 0)
       throw fail("alignment " + std::to_string(v.bits_) + " is not a power of 2");
+    if (v.bits_ > lim.max_alignment)
+      throw fail("alignment " + std::to_string(v.bits_) + " exceeds the limit of " + std::to_string(lim.max_alignment) +
+                 " (Limits::max_alignment)");
     h.alignment = v.bits_;
   }
 }
