@@ -427,7 +427,7 @@ void BM_BlockFormats(benchmark::State& state, int shape_index, Index n, int thre
   }
   state.counters["tokens/s(bf16)"] = benchmark::Counter(double(n), benchmark::Counter::kIsIterationInvariantRate);
   std::string label = std::string(s.name) + " isa=" + packed::isa_name(packed::kDefaultIsa) +
-                      " block_tiles=" + (packed::kDefaultIsa == packed::Isa::scalar ? "scalar" : "avx2");
+                      " block_tiles=" + packed::block_format_tiles(packed::kDefaultIsa);
   if (!skipped.empty()) label += " skipped=" + skipped + " (d_ffn " + std::to_string(s.f) + " not whole blocks)";
   state.SetLabel(label);
 }
@@ -623,8 +623,7 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::AddCustomContext("packed_isa", apex::packed::isa_name(apex::packed::kDefaultIsa));
-  benchmark::AddCustomContext("block_format_tiles",
-                              apex::packed::kDefaultIsa == apex::packed::Isa::scalar ? "scalar" : "avx2");
+  benchmark::AddCustomContext("block_format_tiles", apex::packed::block_format_tiles(apex::packed::kDefaultIsa));
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

@@ -188,6 +188,61 @@ TEST_CASE("block formats: every kernel path gives the scalar path's bits", "[qua
   }
 }
 
+namespace {
+/// A type-t tensor of `rows` rows × K whose codes are random bytes (so every
+/// code of the format occurs, Q8_0's −128 included, which ggml's quantizer
+/// never writes but a file may hold) and whose scales are small and finite.
+std::vector<std::byte> extreme_tensor(Dtype t, Index rows, Index K, std::uint32_t seed) {
+  return visit_dtype(t, [&](auto tag) {
+    using W = WeightType<decltype(tag)::value>;
+    std::vector<std::byte> out;
+    if constexpr (W::kQuantized) {
+      std::vector<typename W::Block> blocks(std::size_t(rows * K / W::kBlockWeights));
+      std::uint32_t state = seed;
+      for (auto& blk : blocks) {
+        auto* bytes = reinterpret_cast<unsigned char*>(&blk);
+        for (std::size_t i = 0; i < sizeof blk; ++i) bytes[i] = static_cast<unsigned char>((state = state * 1664525u + 1013904223u) >> 24);
+        const std::uint16_t small = quant::fp32_to_fp16(float(1 + (state >> 28)) * 1e-3f);
+        if constexpr (decltype(tag)::value == Dtype::mxfp4) blk.e = std::uint8_t(118 + (state >> 29));
+        else blk.d = small;
+        if constexpr (decltype(tag)::value == Dtype::q4_k) blk.dmin = small;
+      }
+      out.resize(blocks.size() * sizeof(typename W::Block));
+      std::memcpy(out.data(), blocks.data(), out.size());
+    }
+    return out;
+  });
+}
+}  // namespace
+
+TEST_CASE("block formats: extreme codes and activations give the scalar path's bits on every path",
+          "[quant][isa]") {
+  // Activations of ±1 and ±0.5, the first of each block negative: Q8_0
+  // codes ±127 and Q8_K codes −128 and 127, the largest products every
+  // integer step of the SIMD tiles must hold without saturating.
+  for (const Dtype t : kQuantTypes) {
+    const Index B = block_of(t), d = 2 * B, f = B == 32 ? 96 : 256;
+    const auto g = extreme_tensor(t, f, d, 21), u = extreme_tensor(t, f, d, 22), dn = extreme_tensor(t, d, f, 23);
+    const PackedExpert e = PackedExpert::from_file_rows(d, f, t, g.data(), u.data(), dn.data());
+    Matrix<float> x(7, d);  // 7 × d
+    for (Index r = 0; r < x.rows(); ++r)
+      for (Index k = 0; k < d; ++k) x(r, k) = (k % 32 == 0 || (k * 7 + r) % 3 == 0 ? -1.0f : 1.0f) * (r % 2 ? 0.5f : 1.0f);
+    CAPTURE(dtype_name(t));
+    const Matrix<float> want = forward(e, x, {Isa::scalar});
+    REQUIRE(want.allFinite());
+    CHECK(rel_err(want, reference(e, x)) < 1e-3);
+    for (const Isa isa : kAllIsas) {
+      if (isa == Isa::scalar) continue;
+      if (!cpu_supports(isa)) {
+        WARN("kernel path " << isa_name(isa) << " skipped: this CPU does not support it");
+        continue;
+      }
+      CAPTURE(isa_name(isa));
+      CHECK(same_bits(forward(e, x, {isa}), want));
+    }
+  }
+}
+
 TEST_CASE("block formats: gate/up and down of different types", "[quant][mixed]") {
   const Index d = 512, f = 256;
   const Matrix<float> wg = weights(f, d, 11), wu = weights(f, d, 12), wd = weights(d, f, 13);
@@ -203,7 +258,8 @@ TEST_CASE("block formats: gate/up and down of different types", "[quant][mixed]"
     const Matrix<float> y = forward(e, x, {Isa::scalar});
     CHECK(rel_err(y, reference(e, x)) < 1e-3);  // as in the test above
     CHECK(rel_err(y, exact) < 0.15);
-    if (cpu_supports(Isa::avx2)) CHECK(same_bits(forward(e, x, {Isa::avx2}), y));
+    for (const Isa isa : kAllIsas)
+      if (isa != Isa::scalar && cpu_supports(isa)) CHECK(same_bits(forward(e, x, {isa}), y));
   }
   CHECK(dtypes_name({Dtype::q4_k, Dtype::q6_k}) == "q4_k/q6_k");
   CHECK(dtypes_name(Dtype::q8_0) == "q8_0");

@@ -110,7 +110,7 @@ APEX_TARGET_AVX512 inline void to_float_avx512(const bf16* src, float* dst, Inde
 /// dst[i] = bf16(src[i]), i < n, on path `isa` (all paths give the same bits).
 inline void to_bf16_n(const float* src, bf16* dst, Index n, Isa isa) {
 #if APEX_PACKED_X86
-  if (isa == Isa::avx512 || isa == Isa::avx512_bf16) return to_bf16_avx512(src, dst, n);
+  if (is_avx512(isa)) return to_bf16_avx512(src, dst, n);
   if (isa == Isa::avx2) return to_bf16_avx2(src, dst, n);
 #endif
   (void)isa;
@@ -119,7 +119,7 @@ inline void to_bf16_n(const float* src, bf16* dst, Index n, Isa isa) {
 
 inline void to_float_n(const bf16* src, float* dst, Index n, Isa isa) {
 #if APEX_PACKED_X86
-  if (isa == Isa::avx512 || isa == Isa::avx512_bf16) return to_float_avx512(src, dst, n);
+  if (is_avx512(isa)) return to_float_avx512(src, dst, n);
   if (isa == Isa::avx2) return to_float_avx2(src, dst, n);
 #endif
 #if defined(__GNUC__) && !defined(__clang__)

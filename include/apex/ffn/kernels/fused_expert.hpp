@@ -76,6 +76,8 @@
 #include "arch/avx2.hpp"
 #include "arch/avx2_quant.hpp"
 #include "arch/avx512.hpp"
+#include "arch/avx512_quant.hpp"
+#include "arch/avx512_vnni_quant.hpp"
 #include "arch/scalar.hpp"
 #include "epilogue.hpp"
 #include "packed_weights.hpp"
@@ -130,14 +132,14 @@ inline Scratch& thread_scratch() {
 }
 
 /// One panel (codes w, scales) on path `isa`: the tiles the table has for
-/// (T, isa), the portable kernel on the scalar path. avx512_bf16 runs the
-/// avx512 tiles (it differs only for paired bf16 products).
+/// (T, isa), the portable kernel on the scalar path. avx512_vnni and
+/// avx512_bf16 run the avx512 tiles (they differ only for block formats and
+/// paired bf16 products).
 template <Dtype T, class Epi>
 void run_panel(Isa isa, const typename WeightType<T>::Element* w, const std::byte* scales, Index K, const float* x,
                Index ldx, Index rows, float* out, Index ldo, Index ncols) {
 #if APEX_PACKED_X86
-  if (isa == Isa::avx512 || isa == Isa::avx512_bf16)
-    return panel_avx512<T, Epi>(w, scales, K, x, ldx, rows, out, ldo, ncols);
+  if (is_avx512(isa)) return panel_avx512<T, Epi>(w, scales, K, x, ldx, rows, out, ldo, ncols);
   if (isa == Isa::avx2) return panel_avx2<T, Epi>(w, scales, K, x, ldx, rows, out, ldo, ncols);
 #endif
   panel_scalar<T, Epi>(w, scales, K, x, ldx, rows, out, ldo, ncols);
@@ -150,13 +152,20 @@ void run_panel(Isa isa, const PanelMatrix& pm, Index p, const float* x, Index ld
   run_panel<T, Epi>(isa, pm.panel<T>(p), pm.scales(p), pm.k(), x, ldx, rows, out, ldo, ncols);
 }
 
-/// One block-format panel against quantized rows: the AVX2 tiles on every
-/// SIMD path (kernels/arch/avx2_quant.hpp), the entry's dot_block on scalar.
+/// One block-format panel against quantized rows: the VNNI tiles on
+/// avx512_vnni and avx512_bf16 (kernels/arch/avx512_vnni_quant.hpp), the
+/// AVX-512BW tiles on avx512 (arch/avx512_quant.hpp), the AVX2 tiles
+/// (arch/avx2_quant.hpp), the entry's dot_block on scalar.
 template <Dtype T, class Epi>
 void run_quant_panel(Isa isa, const PanelMatrix& pm, Index p, const QuantRows& x, Index rows, float* out, Index ldo,
                      Index ncols) {
 #if APEX_PACKED_X86
-  if (isa != Isa::scalar) return quant_panel_avx2<T, Epi>(pm.panel<T>(p), pm.scales(p), pm.k(), x, rows, out, ldo, ncols);
+  const std::byte* codes = pm.panel<T>(p);
+  if (isa == Isa::avx512_vnni || isa == Isa::avx512_bf16)
+    return quant_panel_512<QuantTilesVnni, T, Epi>(codes, pm.scales(p), pm.k(), x, rows, out, ldo, ncols);
+  if (isa == Isa::avx512)
+    return quant_panel_512<QuantTilesAvx512, T, Epi>(codes, pm.scales(p), pm.k(), x, rows, out, ldo, ncols);
+  if (isa == Isa::avx2) return quant_panel_avx2<T, Epi>(codes, pm.scales(p), pm.k(), x, rows, out, ldo, ncols);
 #endif
   (void)isa;
   quant_panel_scalar<T, Epi>(pm.panel<T>(p), pm.scales(p), pm.k(), x, rows, out, ldo, ncols);

@@ -5,7 +5,8 @@
 /// Every path is compiled into every build: the SIMD paths are ordinary
 /// functions carrying GCC/Clang `__attribute__((target(...)))`, so a build for
 /// the compiler's default target (x86-64 baseline, as the test and sanitizer
-/// presets use) still contains the AVX2, AVX-512 and AVX-512 BF16 kernels.
+/// presets use) still contains the AVX2, AVX-512, AVX-512 VNNI and AVX-512
+/// BF16 kernels.
 /// Which path a call uses by default is fixed at compile time from the
 /// compiler's target macros (`-march=native` on this machine selects
 /// `avx512_bf16`); a caller may name another path explicitly, which is checked
@@ -25,23 +26,37 @@
 // entered after cpu_supports() said yes.
 // F16C (fp16 scales of the block formats) came with AVX2 on every x86 CPU.
 #define APEX_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define APEX_TARGET_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
-#define APEX_TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bf16,avx2,fma,f16c")))
+// AVX-512BW (byte and word integer ops on zmm: the block formats' tiles)
+// came with AVX-512F on every CPU since Skylake-SP; VNNI (`vpdpbusd`) with
+// Ice Lake / Cascade Lake, and every CPU with AVX-512 BF16 has VNNI too.
+#define APEX_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
+#define APEX_TARGET_AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c")))
+#define APEX_TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vnni,avx512bf16,avx2,fma,f16c")))
+// A tile's per-block step, inlined so the tile's accumulators stay in
+// registers (GCC otherwise keeps the larger block bodies out of line).
+#define APEX_KERNEL_INLINE __attribute__((always_inline))
 #else
 #define APEX_PACKED_X86 0
 #endif
 
 namespace apex::packed {
 
-/// A kernel path. `avx512_bf16` differs from `avx512` only for bf16 weights
-/// and many rows, where it multiplies bf16 pairs with `vdpbf16ps`.
-enum class Isa { scalar, avx2, avx512, avx512_bf16 };
+/// A kernel path. Each includes the one before it:
+/// - `avx512`: AVX-512F and BW; the block formats' integer products with
+///   `vpmaddubsw`/`vpmaddwd` on zmm;
+/// - `avx512_vnni`: as avx512, the block formats' products with `vpdpbusd`;
+/// - `avx512_bf16`: as avx512_vnni, and bf16 weights may be multiplied in
+///   pairs with `vdpbf16ps` (Bf16Products::paired).
+/// Float weights run the same AVX-512 tiles on the last three.
+enum class Isa { scalar, avx2, avx512, avx512_vnni, avx512_bf16 };
 
 /// The path the compiler targets (see the file comment).
 inline constexpr Isa kDefaultIsa =
-#if APEX_PACKED_X86 && defined(__AVX512BF16__) && defined(__AVX512F__)
+#if APEX_PACKED_X86 && defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
     Isa::avx512_bf16;
-#elif APEX_PACKED_X86 && defined(__AVX512F__)
+#elif APEX_PACKED_X86 && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    Isa::avx512_vnni;
+#elif APEX_PACKED_X86 && defined(__AVX512F__) && defined(__AVX512BW__)
     Isa::avx512;
 #elif APEX_PACKED_X86 && defined(__AVX2__) && defined(__FMA__)
     Isa::avx2;
@@ -50,13 +65,14 @@ inline constexpr Isa kDefaultIsa =
 #endif
 
 /// All paths, in increasing order of capability.
-inline constexpr Isa kAllIsas[] = {Isa::scalar, Isa::avx2, Isa::avx512, Isa::avx512_bf16};
+inline constexpr Isa kAllIsas[] = {Isa::scalar, Isa::avx2, Isa::avx512, Isa::avx512_vnni, Isa::avx512_bf16};
 
 inline const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::scalar: return "scalar";
     case Isa::avx2: return "avx2";
     case Isa::avx512: return "avx512";
+    case Isa::avx512_vnni: return "avx512_vnni";
     case Isa::avx512_bf16: return "avx512_bf16";
   }
   return "unknown";
@@ -79,13 +95,29 @@ inline bool cpu_supports(Isa isa) {
     case Isa::scalar: return true;
 #if APEX_PACKED_X86
     case Isa::avx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && detail::cpu_has_f16c();
-    case Isa::avx512: return __builtin_cpu_supports("avx512f") && cpu_supports(Isa::avx2);
-    case Isa::avx512_bf16: return cpu_supports(Isa::avx512) && __builtin_cpu_supports("avx512bf16");
+    case Isa::avx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && cpu_supports(Isa::avx2);
+    case Isa::avx512_vnni: return cpu_supports(Isa::avx512) && __builtin_cpu_supports("avx512vnni");
+    case Isa::avx512_bf16: return cpu_supports(Isa::avx512_vnni) && __builtin_cpu_supports("avx512bf16");
 #else
     default: return false;
 #endif
   }
   return false;
+}
+
+/// Whether `isa` is one of the AVX-512 paths (which share the float tiles).
+constexpr bool is_avx512(Isa isa) {
+  return isa == Isa::avx512 || isa == Isa::avx512_vnni || isa == Isa::avx512_bf16;
+}
+
+/// Which tiles the block formats (Q8_0 … MXFP4) run on path `isa`: "vnni"
+/// (`vpdpbusd`), "avx512bw", "avx2" or "scalar" (for benchmark reports).
+constexpr const char* block_format_tiles(Isa isa) {
+  return isa == Isa::avx512_vnni || isa == Isa::avx512_bf16 ? "vnni"
+         : isa == Isa::avx512                               ? "avx512bw"
+         : isa == Isa::avx2                                 ? "avx2"
+                                                            : "scalar";
 }
 
 namespace detail {
@@ -95,7 +127,7 @@ inline void require_isa(const char* where, Isa isa) {
   bool known = false;  // a value cast from an integer: name it, not "unknown"
   for (Isa i : kAllIsas) known = known || i == isa;
   apex::detail::require_config(known, where,
-                               "isa must be one of scalar, avx2, avx512, avx512_bf16, got " + std::to_string(int(isa)));
+                               "isa must be one of scalar, avx2, avx512, avx512_vnni, avx512_bf16, got " + std::to_string(int(isa)));
   apex::detail::require_config(cpu_supports(isa), where,
                                std::string("kernel path '") + isa_name(isa) + "' is not supported by this CPU");
 }

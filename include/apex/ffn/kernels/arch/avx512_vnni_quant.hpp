@@ -1,0 +1,169 @@
+#pragma once
+/// \file kernels/arch/avx512_vnni_quant.hpp
+/// AVX-512 VNNI tiles of the block formats: `vpdpbusd` adds four u8 × s8
+/// products of each 32-bit lane to an int32 accumulator in one instruction,
+/// without the int16 step of `vpmaddubsw` (so no runs to keep below 2^15
+/// and no saturation to design around). The integer block sums are the
+/// scalar path's exactly, and the float step is the same, so the bits are.
+///
+/// Unsigned operand per format:
+/// - Q8_0: u = w + 128 (the sign bit flipped), then Σ w·x = Σ u·x − 128·Σ x
+///   with the activation block sum: one xor a weight vector instead of a
+///   per-row sign fix;
+/// - Q4_0, MXFP4, Q4_K, Q6_K: the offset codes of the AVX2 tiles
+///   (kernels/arch/avx2_quant.hpp), the offset taken off with Σ x.
+/// Loads, scales and the tile's shape are the AVX-512BW tiles'
+/// (kernels/arch/avx512_quant.hpp).
+
+#include "avx512_quant.hpp"
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+#if APEX_PACKED_X86
+namespace apex::packed::detail {
+
+/// acc + Σ of the 4 products u·s in each 32-bit lane.
+APEX_TARGET_AVX512VNNI inline __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {
+  return _mm512_dpbusd_epi32(acc, u, s);
+}
+
+/// Blocks of 32 weights (Q8_0, Q4_0, MXFP4), half v of block b, R rows.
+template <Dtype T>
+struct Block32Vnni {
+  template <int R>
+  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b, const QuantRows& x,
+                                           int v, __m512* acc) {
+    __m512i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    if constexpr (T == Dtype::q8_0) {
+      const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+      for (int q = 0; q < 8; ++q) {
+        const __m512i u = _mm512_xor_si512(load_half512(slab, q, v), flip);  // w + 128 ∈ [0, 255]
+        for (int r = 0; r < R; ++r) isum[r] = dpbusd(isum[r], u, bcast4_512(x.q + r * x.ldq + 32 * b + 4 * q));
+      }
+    } else {
+      for (int o = 0; o < 4; ++o) {
+        const __m512i raw = load_half512(slab, o, v);
+        __m512i lo = low_nibbles512(raw), hi = high_nibbles512(raw);
+        if constexpr (T == Dtype::mxfp4) lo = mxfp4_offsets512(lo), hi = mxfp4_offsets512(hi);
+        for (int r = 0; r < R; ++r) {
+          const std::int8_t* xq = x.q + r * x.ldq + 32 * b + 8 * o;
+          isum[r] = dpbusd(dpbusd(isum[r], lo, bcast4_512(xq)), hi, bcast4_512(xq + 4));
+        }
+      }
+    }
+    constexpr std::int32_t offset = T == Dtype::q8_0 ? 128 : T == Dtype::mxfp4 ? 12 : 8;
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(offset * x.row(r).sum32(b)));
+    const __m512 dw = block32_scale512<T>(area, v);
+    for (int r = 0; r < R; ++r)
+      acc[r] = accumulate16(acc[r], isum[r], _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r * x.ldd + b])));
+  }
+};
+
+/// Q4_K, one super-block: Σ_j sc_j·Σ q·x and Σ_j m_j·Σ x per lane, then two fmas.
+struct Q4KVnni {
+  using W = WeightType<Dtype::q4_k>;
+  template <int R>
+  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b, const QuantRows& x,
+                                           int v, __m512* acc) {
+    const std::byte* planes = area + W::kScalePlanes + 16 * v;
+    __m512i sumi[R], mins[R], m_even = _mm512_setzero_si512();
+    for (int r = 0; r < R; ++r) sumi[r] = mins[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      __m512i sc, m;
+      q4_k_scale_min16(planes, j, sc, m);
+      __m512i s[R];  // Σ q·x of sub-block j, |s| ≤ 32·15·128
+      for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
+      for (int o = 4 * j; o < 4 * j + 4; ++o) {
+        const __m512i raw = load_half512(slab, o, v);
+        const __m512i lo = low_nibbles512(raw), hi = high_nibbles512(raw);
+        for (int r = 0; r < R; ++r) {
+          const std::int8_t* xq = x.q + r * x.ldq + 256 * b + 8 * o;
+          s[r] = dpbusd(dpbusd(s[r], lo, bcast4_512(xq)), hi, bcast4_512(xq + 4));
+        }
+      }
+      for (int r = 0; r < R; ++r) sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(sc, s[r]));
+      if (j % 2 == 0) {
+        m_even = m;
+        continue;
+      }
+      for (int r = 0; r < R; ++r) mins[r] = _mm512_add_epi32(mins[r], q4_k_min_pair16(m_even, m, x.row(r), 8 * b + j));
+    }
+    const __m512 d = load_fp16x16(area + 32 * v), dmin = load_fp16x16(area + W::kDminPlane + 32 * v);
+    const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+    for (int r = 0; r < R; ++r) {
+      const __m512 xd = _mm512_set1_ps(x.d[r * x.ldd + b]);
+      acc[r] = accumulate16(acc[r], sumi[r], _mm512_mul_ps(d, xd));
+      acc[r] = accumulate16(acc[r], mins[r],
+                            _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, xd)), sign)));
+    }
+  }
+};
+
+/// Q6_K, one super-block: Σ_g sc_g·(Σ u·x − 32·Σ x) per lane, then one fma.
+struct Q6KVnni {
+  using W = WeightType<Dtype::q6_k>;
+  template <int R>
+  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b, const QuantRows& x,
+                                           int v, __m512* acc) {
+    __m512i sumi[R];
+    for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
+    for (int g = 0; g < 16; ++g) {
+      const __m512i hraw = load_half512(slab + W::kHighBits, g, v);
+      __m512i isum[R];
+      for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+      for (int half = 0; half < 2; ++half) {
+        const int o = 2 * g + half;
+        __m512i u0, u1;
+        q6_k_codes16(load_half512(slab, o, v), hraw, half, u0, u1);
+        for (int r = 0; r < R; ++r) {
+          const std::int8_t* xq = x.q + r * x.ldq + 256 * b + 8 * o;
+          isum[r] = dpbusd(dpbusd(isum[r], u0, bcast4_512(xq)), u1, bcast4_512(xq + 4));
+        }
+      }
+      const __m512i sc = load_i8x16(area + W::kScalePlanes + g * kPanelLanes + 16 * v);
+      for (int r = 0; r < R; ++r) {
+        const __m512i centred = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(32 * x.s16[r * x.lds + 16 * b + g]));
+        sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(sc, centred));
+      }
+    }
+    const __m512 d = load_fp16x16(area + 32 * v);
+    for (int r = 0; r < R; ++r) acc[r] = accumulate16(acc[r], sumi[r], _mm512_mul_ps(d, _mm512_set1_ps(x.d[r * x.ldd + b])));
+  }
+};
+
+template <Dtype T>
+struct QuantBlockVnni : Block32Vnni<T> {};
+template <>
+struct QuantBlockVnni<Dtype::q4_k> : Q4KVnni {};
+template <>
+struct QuantBlockVnni<Dtype::q6_k> : Q6KVnni {};
+
+/// The VNNI tiles: QuantTilesAvx512's loop on the VNNI block products.
+struct QuantTilesVnni {
+  template <Dtype T, int R, class Epi>
+  APEX_TARGET_AVX512VNNI static void tile(const std::byte* codes, const std::byte* scales, Index K, const QuantRows& x,
+                                          float* out, Index ldo, Index ncols) {
+    using W = WeightType<T>;
+    __m512 acc[2][R];  // half v of row r: acc[v][r]
+    for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+    constexpr Index slab_bytes = kPanelLanes * W::kCodeBytes, area_bytes = kPanelLanes * W::kScaleBytes;
+    for (Index b = 0; b < K / W::kBlockWeights; ++b) {
+      const std::byte* slab = codes + b * slab_bytes;
+      const std::byte* area = scales + b * area_bytes;
+      prefetch_bytes(slab, slab_bytes);
+      prefetch_bytes(area, area_bytes);
+      for (int v = 0; v < 2; ++v) QuantBlockVnni<T>::template block<R>(slab, area, b, x, v, acc[v]);
+    }
+    for (int r = 0; r < R; ++r) store_row_avx512<Epi>(acc[0][r], acc[1][r], out + r * ldo, ncols);
+  }
+};
+
+}  // namespace apex::packed::detail
+#endif
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
