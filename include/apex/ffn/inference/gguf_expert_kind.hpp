@@ -10,8 +10,8 @@
 ///
 ///     static constexpr gguf::ExpertKind kKind;     // the rows it reads and writes
 ///     using Packed;                                // the packed layer's expert type (float)
-///     static std::vector<GgufExtraTensor> extra_tensors(Index d, Index f);  // in
-///         PackedExpertKind's extra_tensors() order: GGUF name, 1 × cols per expert
+///     static std::vector<ExpertExtraTensor> extra_tensors(Index d, Index f);  // in
+///         PackedExpertKind's extra_tensors() order: GGUF name under `blk.N.`, 1 × cols per expert
 ///     static Options options(const gguf::Architecture&);    // the row's hyper-parameters
 ///     template <class Layer> static void configure(Layer&, const Architecture&);
 ///     static void check_extras(const char* where, const std::vector<Extra>&, const Architecture&);
@@ -33,12 +33,6 @@
 
 namespace apex {
 
-/// One per-expert float tensor of a GGUF block: its name under `blk.N.`.
-struct GgufExtraTensor {
-  const char* name;
-  Index cols;
-};
-
 template <class Expert>
 struct GgufExpertKind;
 
@@ -48,7 +42,7 @@ struct GgufExpertKind<SwiGLU<T>> {
   static constexpr gguf::ExpertKind kKind = gguf::ExpertKind::SwiGLU;
   using Packed = SwiGLU<float>;  ///< the packed layer's expert type
   using Options = NoExpertOptions;
-  static std::vector<GgufExtraTensor> extra_tensors(Index, Index) { return {}; }
+  static std::vector<ExpertExtraTensor> extra_tensors(Index, Index) { return {}; }
   static Options options(const gguf::Architecture&) { return {}; }
   template <class Layer>
   static void configure(Layer&, const gguf::Architecture&) {}
@@ -63,7 +57,7 @@ struct GgufExpertKind<ClampedSwiGLU<T>> {
   using Packed = ClampedSwiGLU<float>;
   using Options = ClampedSwiGLUOptions;
   /// In PackedExpertKind<ClampedSwiGLU<float>>::extra_tensors() order: b_gate, b_up, b_down.
-  static std::vector<GgufExtraTensor> extra_tensors(Index d, Index f) {
+  static std::vector<ExpertExtraTensor> extra_tensors(Index d, Index f) {
     namespace tn = gguf::tensor_names;
     return {{tn::kGateExpsBias, f}, {tn::kUpExpsBias, f}, {tn::kDownExpsBias, d}};
   }

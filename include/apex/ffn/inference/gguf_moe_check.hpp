@@ -215,7 +215,7 @@ Plan plan(const std::string& where, const gguf::File& file, Index layer, bool ne
   if (c.shared_expert_gate) p.shared_gate = t.want(tn::kSharedGate, {d});
   if (p.arch->probs_bias) p.bias = t.want(tn::kProbsBias, {e}, false);
   if (p.arch->router_bias) p.router_bias = t.want(tn::kRouterBias, {e});
-  for (const GgufExtraTensor& x : GKind::extra_tensors(c.d_model, c.d_ffn))  // ne [cols, E]: row e is expert e's
+  for (const ExpertExtraTensor& x : GKind::extra_tensors(c.d_model, c.d_ffn))  // ne [cols, E]: row e is expert e's
     p.extras.push_back(t.want(x.name, {std::uint64_t(x.cols), e}));
   for (const ExpertExtraTensor& x : PackedExpertKind<typename GKind::Packed>::extra_tensors(c.d_model, c.d_ffn))
     p.extra_names.emplace_back(x.name);

@@ -225,7 +225,7 @@ void save_gguf_moe(const std::string& path, const PackedMoE<Storage, Expert>& la
   w.add_tensor(name(tn::kGateExps), g::file_type_of(rt.gate_up), {d, f, e}, routed.gate.data(), routed.gate.size());
   w.add_tensor(name(tn::kUpExps), g::file_type_of(rt.gate_up), {d, f, e}, routed.up.data(), routed.up.size());
   w.add_tensor(name(tn::kDownExps), g::file_type_of(rt.down), {f, d, e}, routed.down.data(), routed.down.size());
-  const std::vector<GgufExtraTensor> extra = GKind::extra_tensors(c.d_model, c.d_ffn);
+  const std::vector<ExpertExtraTensor> extra = GKind::extra_tensors(c.d_model, c.d_ffn);
   std::vector<std::vector<float>> columns;  // kept alive until w.save
   for (std::size_t i = 0; i < extra.size(); ++i) {  // ne [cols, E]: row e is expert e's
     columns.push_back(g::extra_column<Kind>(layer.extras(), i));

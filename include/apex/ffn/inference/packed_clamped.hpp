@@ -52,7 +52,8 @@ inline void clamped_block(packed::Isa isa, const packed::PackedExpert& e, const 
   constexpr Index H = packed::PackedExpert::kHiddenPerPanel, O = packed::PackedExpert::kOutPerPanel;
   run_matrix<PlainEpilogue>(isa, e.gate_up(), x, ldx, rows, gu, ldgu, 2 * H, e.gate_up().panels() * 2 * H);
   const float alpha = float(b.options.alpha), limit = float(b.options.limit);
-  array::Row<float> g(f), u(f);  // 1 × f each: G + b_gate, U + b_up
+  float* units = unit_rows(2, f);
+  Eigen::Map<array::Row<float>> g(units, f), u(units + f, f);  // 1 × f each: G + b_gate, U + b_up
   for (Index t = 0; t < rows; ++t) {
     const float* r = gu + t * ldgu;
     for (Index p = 0; p * H < f; ++p) {  // panel p holds units [pH, pH + H): G then U

@@ -53,7 +53,8 @@ inline void kappa_block(packed::Isa isa, const packed::PackedExpert& e, const Ka
   // [G | U] of 16 hidden units per panel, plain epilogue (all 32 lanes)
   run_matrix<PlainEpilogue>(isa, e.gate_up(), x, ldx, rows, gu, ldgu, 2 * H, e.gate_up().panels() * 2 * H);
   // A = G·σ(κG) ⊙ U, a row at a time, κ by the float layer's own function
-  array::Row<float> g(f), u(f), tau(f), kap(f);  // 1 × f each
+  float* units = unit_rows(4, f);
+  Eigen::Map<array::Row<float>> g(units, f), u(units + f, f), tau(units + 2 * f, f), kap(units + 3 * f, f);  // 1 × f each
   for (Index t = 0; t < rows; ++t) {
     const float* r = gu + t * ldgu;
     for (Index j = 0; j < f; ++j) {

@@ -20,12 +20,20 @@
 namespace apex::detail::inference {
 
 struct TwoPassScratch {
-  packed::detail::AlignedArray<float> gu;  // rows × 32·panels: [G | U] per panel
-  packed::detail::AlignedArray<float> a;   // rows × lda: A
+  packed::detail::AlignedArray<float> gu;     // rows × 32·panels: [G | U] per panel
+  packed::detail::AlignedArray<float> a;      // rows × lda: A
+  packed::detail::AlignedArray<float> units;  // count × f: a kind's per-unit rows
 };
 inline TwoPassScratch& two_pass_scratch() {
   thread_local TwoPassScratch s;
   return s;
+}
+
+/// `count` rows of f floats from the thread's scratch, row i at i·f (kept
+/// between calls: a decode step allocates nothing).
+inline float* unit_rows(Index count, Index f) {
+  return packed::detail::grow(two_pass_scratch().units,
+                              checked_product("packed expert kinds", "scratch units x d_ffn", {count, f}));
 }
 
 /// Runs `block(x_rows, r0, rows, gu, ldgu, a, lda, y_rows)` over blocks of the
