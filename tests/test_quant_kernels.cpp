@@ -98,6 +98,19 @@ double rel_err(const Matrix<float>& a, const Matrix<float>& b) {
   return (a.cast<double>() - b.cast<double>()).norm() / b.cast<double>().norm();
 }
 
+/// Runs f(isa) on every SIMD path this CPU has, and says which it skipped.
+template <class F>
+void on_simd_paths(F&& f) {
+  for (const Isa isa : kAllIsas) {
+    if (isa == Isa::scalar) continue;
+    if (!cpu_supports(isa)) {
+      WARN("kernel path " << isa_name(isa) << " skipped: this CPU does not support it");
+      continue;
+    }
+    f(isa);
+  }
+}
+
 bool same_bits(const Matrix<float>& a, const Matrix<float>& b) {
   return a.rows() == b.rows() && a.cols() == b.cols() &&
          std::memcmp(a.data(), b.data(), std::size_t(a.size()) * sizeof(float)) == 0;
@@ -166,15 +179,10 @@ TEST_CASE("block formats: every kernel path gives the scalar path's bits", "[qua
       for (const Index m : {Index(1), Index(3), Index(6), Index(37)}) {
         const Matrix<float> x = random_matrix(m, s.d, std::uint64_t(10 + m)).cast<float>();  // m × d
         const Matrix<float> want = forward(e, x, {Isa::scalar});
-        for (const Isa isa : kAllIsas) {
-          if (isa == Isa::scalar) continue;
-          if (!cpu_supports(isa)) {
-            WARN("kernel path " << isa_name(isa) << " skipped: this CPU does not support it");
-            continue;
-          }
+        on_simd_paths([&](Isa isa) {
           CAPTURE(isa_name(isa), m);
           CHECK(same_bits(forward(e, x, {isa}), want));
-        }
+        });
         // a row's bits do not depend on the other rows of the call
         if (m > 1) CHECK(same_bits(forward(e, x.bottomRows(1), {kDefaultIsa}), forward(e, x, {kDefaultIsa}).bottomRows(1)));
         // The reference forms A in double, the kernels in float: an element of A
@@ -231,15 +239,10 @@ TEST_CASE("block formats: extreme codes and activations give the scalar path's b
     const Matrix<float> want = forward(e, x, {Isa::scalar});
     REQUIRE(want.allFinite());
     CHECK(rel_err(want, reference(e, x)) < 1e-3);
-    for (const Isa isa : kAllIsas) {
-      if (isa == Isa::scalar) continue;
-      if (!cpu_supports(isa)) {
-        WARN("kernel path " << isa_name(isa) << " skipped: this CPU does not support it");
-        continue;
-      }
+    on_simd_paths([&](Isa isa) {
       CAPTURE(isa_name(isa));
       CHECK(same_bits(forward(e, x, {isa}), want));
-    }
+    });
   }
 }
 
@@ -300,3 +303,93 @@ TEST_CASE("block formats: non-finite weights are refused, non-finite activations
                       Catch::Contains(std::string("packing weights as ") + dtype_name(t) + ": weight 7 of a row is inf"));
   }
 }
+
+namespace {
+/// Activation rows that reach every branch of the two activation
+/// quantizers: exact ties of both roundings, a largest |x| held by two
+/// elements of opposite sign, zero, −0, NaN and Inf blocks, scales too small
+/// to invert, the largest floats, and ordinary values of every magnitude.
+Matrix<float> activation_cases(Index block, Index blocks) {
+  Matrix<float> x = random_matrix(12, block * blocks, 31).cast<float>();  // 12 × K
+  const float tiny = std::numeric_limits<float>::denorm_min(), inf = std::numeric_limits<float>::infinity();
+  for (Index r = 0; r < x.rows(); ++r) {
+    float* row = x.row(r).data();
+    for (Index k = 0; k < x.cols(); ++k) row[k] *= std::pow(10.0f, float(r % 7) * 3.0f - 9.0f);
+  }
+  auto blk = [&](Index r, Index b) { return x.row(r).data() + b * block; };
+  for (Index b = 0; b < blocks; ++b)  // row 0: ties (Q8_0: largest 127 gives id 1; Q8_K: max −127 gives iscale 1)
+    for (Index k = 0; k < block; ++k) blk(0, b)[k] = k == 0 ? -127.0f : float(k % 60) - 29.5f;
+  for (Index b = 0; b < blocks; ++b)  // row 1: the same with largest +127 (Q8_K: iscale −1)
+    for (Index k = 0; k < block; ++k) blk(1, b)[k] = k == 1 ? 127.0f : 0.5f + float(k % 9) * (k % 2 ? 1.0f : -1.0f);
+  for (Index b = 0; b < blocks; ++b) {  // row 2: |max| twice, signs either way round
+    blk(2, b)[3] = (b % 2 ? -1 : 1) * 40.0f;
+    blk(2, b)[block - 2] = (b % 2 ? 1 : -1) * 40.0f;
+  }
+  x.row(3).setZero();                                 // all-zero blocks
+  x.row(4).setConstant(-0.0f);                        // −0
+  blk(5, 0)[5] = std::numeric_limits<float>::quiet_NaN();
+  blk(5, blocks - 1)[block - 1] = -inf;
+  x.row(6) /= x.row(6).cwiseAbs().maxCoeff();  // largest |x| 1: then 1e-38, where 1/d overflows
+  x.row(6) *= 1e-38f;
+  x.row(7).setConstant(tiny);
+  blk(7, 0)[0] = -tiny;
+  x.row(8) /= x.row(8).cwiseAbs().maxCoeff();  // largest |x| 1: then 1e38, near FLT_MAX (3.4e38)
+  x.row(8) *= 1e38f;
+  return x;
+}
+}  // namespace
+
+TEST_CASE("activation quantizers: every path gives the reference quantizers' bytes", "[quant][isa][activations]") {
+  for (const ActivationFormat fmt : {ActivationFormat::q8_0, ActivationFormat::q8_k}) {
+    const Index block = fmt == ActivationFormat::q8_0 ? 32 : 256, blocks = fmt == ActivationFormat::q8_0 ? 37 : 5;
+    const Matrix<float> x = activation_cases(block, blocks);  // 12 × K
+    const Index K = x.cols();
+    CAPTURE(fmt == ActivationFormat::q8_0 ? "q8_0" : "q8_k");
+    for (Index r = 0; r < x.rows(); ++r) {
+      CAPTURE(r);
+      const auto nk = static_cast<std::size_t>(K), nb = static_cast<std::size_t>(blocks);
+      std::vector<std::int8_t> q0(nk), q(nk);
+      std::vector<float> d0(nb), d(nb);
+      std::vector<std::int32_t> s0(nk / 16), s(nk / 16);
+      packed::detail::quantize_row(fmt, x.row(r).data(), K, q0.data(), d0.data(), s0.data());
+      if (r == 0) {  // the ties are ties: Q8_0 rounds them away from zero, Q8_K to even
+        const bool away = fmt == ActivationFormat::q8_0;
+        CHECK(int(q0[1]) == (away ? -29 : -28));  // −28.5
+        CHECK(int(q0[3]) == (away ? -27 : -26));  // −26.5
+      }
+      on_simd_paths([&](Isa isa) {
+        CAPTURE(isa_name(isa));
+        packed::detail::quantize_row(isa, fmt, x.row(r).data(), K, q.data(), d.data(), s.data());
+        CHECK(std::memcmp(q.data(), q0.data(), q.size()) == 0);
+        CHECK(std::memcmp(d.data(), d0.data(), d.size() * sizeof(float)) == 0);
+        CHECK(s == s0);
+      });
+    }
+  }
+}
+
+#if APEX_PACKED_X86
+TEST_CASE("activation quantizers: the vector step takes ordinary blocks and hands the rest to the reference",
+          "[quant][isa][activations]") {
+  // The byte comparison above would pass if every block fell back to the
+  // reference; this checks which blocks the vector step itself quantizes.
+  if (!cpu_supports(Isa::avx2)) {
+    WARN("kernel path avx2 skipped: this CPU does not support it");
+    return;
+  }
+  std::int8_t q[256];
+  float d = 0;
+  const Matrix<float> x0 = activation_cases(32, 1), xk = activation_cases(256, 1);  // 12 × 32, 12 × 256
+  for (const Index r : {0, 1, 2, 3, 4, 8, 9, 10, 11}) {
+    CAPTURE(r);
+    CHECK(packed::detail::quantize_q8_0_block_avx2(x0.row(r).data(), q, &d));
+    CHECK(packed::detail::quantize_q8_k_block_avx2(xk.row(r).data(), q, &d));
+  }
+  for (const Index r : {5, 6}) {  // NaN and −Inf; 1/d overflows
+    CAPTURE(r);
+    CHECK_FALSE(packed::detail::quantize_q8_0_block_avx2(x0.row(r).data(), q, &d));
+    CHECK_FALSE(packed::detail::quantize_q8_k_block_avx2(xk.row(r).data(), q, &d));
+  }
+  CHECK_FALSE(packed::detail::quantize_q8_k_block_avx2(xk.row(7).data(), q, &d));  // −127/denorm overflows
+}
+#endif

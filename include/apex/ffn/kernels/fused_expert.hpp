@@ -181,7 +181,7 @@ void run_matrix(Isa isa, const PanelMatrix& pm, const float* x, Index ldx, Index
     constexpr Dtype T = decltype(tag)::value;
     using W = WeightType<T>;
     if constexpr (W::kQuantized) {
-      const QuantRows xq = quantize_rows(W::kActivation, x, ldx, rows, pm.k());
+      const QuantRows xq = quantize_rows(isa, W::kActivation, x, ldx, rows, pm.k());
       for (Index p = 0; p < pm.panels(); ++p)
         run_quant_panel<T, Epi>(isa, pm, p, xq, rows, out + p * step, ldo, std::min(step, n - p * step));
     } else {

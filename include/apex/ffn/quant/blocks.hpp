@@ -133,11 +133,14 @@ namespace detail {
 
 /// Throws ConfigError unless `k` is a non-negative multiple of `block`;
 /// returns the number of blocks. `what` names the block in the message.
+/// The message is built only on failure: the quantizers call this once per
+/// block where a product quantizes its activations.
 inline Index blocks_in_row(const char* where, Index k, Index block, const char* what) {
-  apex::detail::require_config(k >= 0, where, "row length " + std::to_string(k) + " is negative");
-  apex::detail::require_config(k % block == 0, where,
-                               "row length " + std::to_string(k) + " is not a multiple of " +
-                                   std::to_string(block) + " (" + what + ")");
+  if (k < 0) apex::detail::require_config(false, where, "row length " + std::to_string(k) + " is negative");
+  if (k % block != 0)
+    apex::detail::require_config(false, where,
+                                 "row length " + std::to_string(k) + " is not a multiple of " +
+                                     std::to_string(block) + " (" + what + ")");
   return k / block;
 }
 
