@@ -26,13 +26,14 @@
 // coarse (1024/3584/E8/K2/S0); medium (2048/5504/E64/K4/S2) for memory only.
 //
 // BM_BlockFormats/<shape>/N:<n>/threads:<t> — every storage type (f32, bf16,
-// q8_0, q4_0, q4_k, q6_k, mxfp4) of one layer, all run once per iteration in
+// f16, q8_0, q4_0, q4_k, q6_k, mxfp4) of one layer, all run once per iteration in
 // a rotating order; manual time is bf16's. Block formats need whole blocks
 // along d_model and d_ffn (32 weights; 256 for q4_k, q6_k), so small
 // (d_ffn 1376 = 43·32) skips q4_k and q6_k (named in the label), and
 // small_f1280 (512/1280/E8/K2/S1, the nearest whole number of 256-weight
-// super-blocks) runs all seven. The label names the kernel path
-// (packed::kDefaultIsa; block formats run the AVX2 tiles on every SIMD path).
+// super-blocks) runs all eight. The label names the kernel path
+// (packed::kDefaultIsa) and the tiles the block formats ran on it
+// (packed::block_format_tiles: vnni, avx512bw, avx2 or scalar).
 // Counters per type T, as "T:counter":
 //   x_bf16, x_f32, x_q8_0 (4- and 6-bit types) — T's time / that type's
 //              time, each the median over the same iterations (< 1: T is
@@ -49,6 +50,7 @@
 //
 //   build/bench/benchmarks/bench_inference --benchmark_filter=BM_BlockFormats --benchmark_repetitions=3
 //       --benchmark_out=block_formats.json    (≈ 35 min on 2 busy cores; ≈ 2.5 GB)
+//   (docs/performance.md lists the subsets its tables ran.)
 #include <apex/ffn/inference.hpp>
 #include <apex/ffn/moe/gpt_oss.hpp>
 #include <apex/ffn/moe/moe_ffn.hpp>
