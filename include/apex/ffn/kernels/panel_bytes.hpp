@@ -6,7 +6,7 @@
 /// (io/mapped_file.hpp), kept alive by a shared pointer to the mapping.
 ///
 /// Exists so that a layer saved in the library's panel order (the pack-once
-/// file, inference/packed_layout_file.hpp) computes from the page cache
+/// file, inference/files/pack_once/file.hpp) computes from the page cache
 /// without a copy: a kernel asks for `data()` and cannot tell the two kinds
 /// apart, so every kernel path runs unchanged on mapped weights.
 ///

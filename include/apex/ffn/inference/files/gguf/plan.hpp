@@ -1,6 +1,6 @@
 #pragma once
-/// \file inference/gguf_moe_plan.hpp
-/// What the GGUF MoE loaders (inference/gguf_moe.hpp) check before they build
+/// \file inference/files/gguf/plan.hpp
+/// What the GGUF MoE loaders (inference/files/gguf/load.hpp) check before they build
 /// anything: the architecture (io/gguf_architectures.hpp), the layer
 /// configuration from its metadata keys, every tensor's presence, type and
 /// ggml shape, the storage types the experts go into, and memory. Also the
@@ -18,12 +18,12 @@
 #include <string>
 #include <vector>
 
-#include "../core/errors.hpp"
-#include "../core/types.hpp"
-#include "../io/gguf.hpp"
-#include "../io/gguf_architectures.hpp"
-#include "../quant/formats.hpp"
-#include "common.hpp"
+#include "../../../core/errors.hpp"
+#include "../../../core/types.hpp"
+#include "../../../io/gguf.hpp"
+#include "../../../io/gguf_architectures.hpp"
+#include "../../../quant/formats.hpp"
+#include "../../engine/packed_types.hpp"
 
 namespace apex::detail::gguf_moe {
 

@@ -1,8 +1,9 @@
 #pragma once
-/// \file inference/common.hpp
-/// What the inference layers share: the storage type → packed dtype map and
-/// the expert bytes (both from the weight-type table), the row tiles their
-/// threads take, and the fingerprint that tells a packed copy from a stale one.
+/// \file inference/engine/packed_types.hpp
+/// The packed layers' storage types (`PackedTypes`, the storage type →
+/// packed dtype map) and what the layers built on them share: the expert
+/// bytes (from the weight-type table), the row tiles their threads take, and
+/// the fingerprint that tells a packed copy from a stale one.
 ///
 /// Staleness. A packed layer is a snapshot: an optimiser step on the float
 /// layer it came from does not reach it. At packing time the layer records
@@ -22,11 +23,11 @@
 #include <type_traits>
 #include <vector>
 
-#include "../core/checked_size.hpp"
-#include "../core/errors.hpp"
-#include "../kernels/bf16_vectors.hpp"
-#include "../kernels/packed_weights.hpp"
-#include "../core/types.hpp"
+#include "../../core/checked_size.hpp"
+#include "../../core/errors.hpp"
+#include "../../kernels/bf16_vectors.hpp"
+#include "../../kernels/packed_weights.hpp"
+#include "../../core/types.hpp"
 
 namespace apex {
 

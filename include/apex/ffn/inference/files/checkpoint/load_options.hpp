@@ -1,5 +1,5 @@
 #pragma once
-/// \file inference/packed_load_options.hpp
+/// \file inference/files/checkpoint/load_options.hpp
 /// The options of the packed loaders (`load_packed_moe`, `load_packed_swiglu`,
 /// `load_packed_sublayer`, `map_packed_moe`): where the layer's tensors are in
 /// the file, under which names, in which storage types, with which expert
@@ -8,11 +8,11 @@
 #include <optional>
 #include <string>
 
-#include "../io/safetensors.hpp"
-#include "../layers/clamped_swiglu.hpp"
-#include "../layers/kappa_options.hpp"
-#include "../moe/families.hpp"
-#include "common.hpp"
+#include "../../../io/safetensors.hpp"
+#include "../../../layers/clamped_swiglu.hpp"
+#include "../../../layers/kappa_options.hpp"
+#include "../../../moe/families.hpp"
+#include "../../engine/packed_types.hpp"
 
 namespace apex {
 
@@ -41,7 +41,7 @@ struct PackedLoadOptions {
   /// Storage types of the experts, quantized from the file's F32/BF16/F64
   /// weights expert by expert as they are read (routed and shared, gate/up
   /// and down each their own). Unset: the layer's Storage for every matrix.
-  /// A quantized checkpoint (inference/packed_save.hpp) has its own types:
+  /// A quantized checkpoint (inference/files/checkpoint/save.hpp) has its own types:
   /// set, they must be the file's (ConfigError naming both otherwise).
   std::optional<PackedTypes> types;
   /// Caps applied while reading the file.

@@ -1,13 +1,13 @@
 #pragma once
-/// \file inference/packed_layout_format.hpp
+/// \file inference/files/pack_once/format.hpp
 /// The pack-once file's format: its metadata keys, the layout facts a
 /// reader must share with the writer, and the tensor names and sizes of a
-/// layer's panels. inference/packed_layout_file.hpp saves and maps it.
+/// layer's panels. inference/files/pack_once/file.hpp saves and maps it.
 ///
 /// A pack-once file is a standard safetensors file whose expert matrices
 /// are stored in the library's panel order (kernels/packed_weights.hpp,
 /// kernels/quant_layout.hpp) instead of the file-row order of a quantized
-/// checkpoint (inference/packed_save.hpp), so a load maps the bytes and the
+/// checkpoint (inference/files/checkpoint/save.hpp), so a load maps the bytes and the
 /// kernels read them where they lie:
 ///
 ///     router.weight [E, d], expert_bias [E],
@@ -35,12 +35,12 @@
 #include <string>
 #include <vector>
 
-#include "../core/errors.hpp"
-#include "../core/state_names.hpp"
-#include "../io/safetensors.hpp"
-#include "../kernels/packed_weights.hpp"
-#include "../moe/config.hpp"
-#include "common.hpp"
+#include "../../../core/errors.hpp"
+#include "../../../core/state_names.hpp"
+#include "../../../io/safetensors.hpp"
+#include "../../../kernels/packed_weights.hpp"
+#include "../../../moe/config.hpp"
+#include "../../engine/packed_types.hpp"
 
 namespace apex::detail::inference {
 

@@ -1,5 +1,5 @@
 #pragma once
-/// \file inference/packed_moe.hpp
+/// \file inference/engine/packed_moe.hpp
 /// `PackedMoE<Storage, Expert, Activation>`: the inference-only MoE layer on packed
 /// weights (kernels/packed_weights.hpp) in float or bf16 — the forward of
 /// `MoEFFN<float, Expert>` without gradients, caches for backward, or a float
@@ -8,22 +8,18 @@
 ///     MoE(X) = Σ_s γ ⊙ Shared_s(X) + Σ_k g_k · Expert_{e_k}(X)
 ///
 /// with γ = σ(X·w_gateᵀ) per token under `shared_expert_gate` (Qwen2-MoE,
-/// else 1) and shared experts of width `d_shared_ffn` (inference/packed_shared.hpp).
+/// else 1) and shared experts of width `d_shared_ffn` (inference/engine/packed_shared.hpp).
 /// It is the MoE pipeline (moe/pipeline.hpp) over packed experts
-/// (inference/packed_runner.hpp): routing, bias, capacity, κ's α and b and
+/// (inference/engine/packed_runner.hpp): routing, bias, capacity, κ's α and b and
 /// the shared gate stay float and are the float layer's code, so the top-K
 /// choice, weights, drops, κ and γ are its bits; only the expert products run
 /// on packed weights, bitwise the same for any thread count and tiling.
 ///
 /// Build one with `PackedMoE<S, E>::from(trained_layer)` or
-/// `load_packed_moe<S, E>(file, config)` (inference/packed_load.hpp). A
+/// `load_packed_moe<S, E>(file, config)` (inference/files/checkpoint/load.hpp). A
 /// packed layer is a snapshot: rebuild it after every optimiser step of its
-/// source (`check_source` detects a stale copy, inference/common.hpp).
-///
-/// Memory: the packed experts (padding included), the router weights (E × d
-/// floats), the bias and the shared gate weight (d floats): `weight_bytes`.
-/// The router's gradient is never allocated (gradients are lazy, core/param.hpp,
-/// and a packed layer has no backward).
+/// source (`check_source` detects a stale copy, inference/engine/packed_types.hpp).
+/// Memory: `weight_bytes`.
 
 #include <cstdint>
 #include <string>
@@ -31,18 +27,18 @@
 #include <utility>
 #include <vector>
 
-#include "../core/errors.hpp"
-#include "../core/memory_budget.hpp"
-#include "../core/types.hpp"
-#include "../kernels/fused_expert.hpp"
-#include "../layers/kappa_swiglu.hpp"
-#include "../layers/swiglu.hpp"
-#include "../moe/config.hpp"
-#include "../moe/moe_cache.hpp"
-#include "../moe/moe_ffn.hpp"
-#include "../moe/pipeline.hpp"
-#include "../moe/router.hpp"
-#include "common.hpp"
+#include "../../core/errors.hpp"
+#include "../../core/memory_budget.hpp"
+#include "../../core/types.hpp"
+#include "../../kernels/fused_expert.hpp"
+#include "../../layers/kappa_swiglu.hpp"
+#include "../../layers/swiglu.hpp"
+#include "../../moe/config.hpp"
+#include "../../moe/moe_cache.hpp"
+#include "../../moe/moe_ffn.hpp"
+#include "../../moe/pipeline.hpp"
+#include "../../moe/router.hpp"
+#include "packed_types.hpp"
 #include "packed_clamped.hpp"
 #include "packed_expert_kind.hpp"
 #include "packed_kappa.hpp"
@@ -52,21 +48,19 @@
 namespace apex {
 
 /// Inference MoE on packed `Storage` weights (float, packed::bf16 or a block
-/// format such as packed::q4_k: the default of from() and the loaders,
-/// which take other types per matrix and for the shared experts), the
-/// forward of `MoEFFN<float, Expert>`; Expert is any float expert type with
-/// a row in the expert-kind table (inference/packed_expert_kind.hpp):
+/// format such as packed::q4_k: the default of from() and the loaders, which
+/// take other types per matrix and for the shared experts). Expert: any float
+/// expert type with a row in the expert-kind table (packed_expert_kind.hpp):
 /// SwiGLU<float>, KappaSwiGLU<float>, ClampedSwiGLU<float> (gpt-oss), or a
-/// user's. Shared experts are SwiGLU, of width config.shared_ffn().
-/// `Activation` is the routed SwiGLU experts' gated activation, a policy of
-/// the kernels' epilogue (kernels/epilogue.hpp): SiLU by default, or any
-/// user-defined one over the same gate, up and down weights (a GEGLU model's
-/// experts, say); other kinds have their own.
+/// user's; shared experts are SwiGLU, of width config.shared_ffn().
+/// Activation: the routed SwiGLU experts' gated activation, a policy of the
+/// kernels' epilogue (kernels/epilogue.hpp): SiLU by default, or any user's
+/// over the same weights (a GEGLU model's experts, say); other kinds have their own.
 template <class Storage, class Expert = SwiGLU<float>, class Activation = packed::SiluGate>
 class PackedMoE {
   static_assert(detail::inference::has_packed_kind<Expert>::value,
                 "PackedMoE<Storage, Expert>: Expert needs a row in the expert-kind table, a specialisation of "
-                "PackedExpertKind<Expert> (inference/packed_expert_kind.hpp)");
+                "PackedExpertKind<Expert> (inference/engine/packed_expert_kind.hpp)");
   static_assert(PackedExpertKind<Expert>::kCustomActivation || std::is_same_v<Activation, packed::SiluGate>,
                 "PackedMoE<Storage, Expert, Activation>: this expert kind has its own activation");
 
@@ -139,13 +133,10 @@ class PackedMoE {
     detail::check_shape(where, "bias", bias_, 1, config.n_experts);
     detail::check_finite(where, "bias", bias_);
     router_.weight() = router_weight;
-    const auto check_list = [&](const char* arg, const std::vector<packed::PackedExpert>& list, Index want) {
-      if (Index(list.size()) != want)
-        throw ShapeError(std::string(where) + ": argument '" + arg + "' holds " + std::to_string(list.size()) +
-                         " experts, expected " + std::to_string(want));
-      for (const auto& e : list) detail::check_shape(where, arg, e.d_ffn(), e.d_model(), f, d);
-    };
-    check_list("experts", experts_, config.n_experts);
+    if (Index(experts_.size()) != config.n_experts)
+      throw ShapeError(std::string(where) + ": argument 'experts' holds " + std::to_string(experts_.size()) +
+                       " experts, expected " + std::to_string(config.n_experts));
+    for (const auto& e : experts_) detail::check_shape(where, "experts", e.d_ffn(), e.d_model(), f, d);
     if (Index(extras_.size()) != (kHasExtra ? config.n_experts : 0))
       throw ShapeError(std::string(where) + ": argument 'extras' holds " + std::to_string(extras_.size()) + " " +
                        Kind::kName + " expert parts, expected " + std::to_string(kHasExtra ? config.n_experts : 0));
@@ -249,7 +240,7 @@ class PackedMoE {
   /// if src's shapes differ (d, f, E, K, S, the shared width f_s and whether
   /// the shared experts are gated), ValueError if its weights, bias or
   /// shared gate weight changed since packing (sampled fingerprint,
-  /// inference/common.hpp) or this layer was not packed from a float layer.
+  /// inference/engine/packed_types.hpp) or this layer was not packed from a float layer.
   void check_source(const Source& src) const {
     constexpr const char* where = "PackedMoE::check_source";
     const auto shape = [](const MoEConfig& c) {

@@ -1,5 +1,5 @@
 #pragma once
-/// \file inference/packed_kappa.hpp
+/// \file inference/engine/packed_kappa.hpp
 /// κ-SwiGLU's forward on packed weights (docs/math.md#kappa-swiglu):
 ///
 ///     Y = (G·σ(κ ⊙ G) ⊙ U)·W_downᵀ,   [G | U] = X·[W_gate; W_up]ᵀ,
@@ -21,15 +21,15 @@
 #include <cmath>
 #include <limits>
 
-#include "../layers/activations.hpp"
-#include "../core/checked_size.hpp"
-#include "../core/errors.hpp"
-#include "../layers/kappa_options.hpp"
-#include "../layers/kappa_row.hpp"
-#include "../layers/kappa_swiglu.hpp"
-#include "../kernels/fused_expert.hpp"
-#include "../core/state_names.hpp"
-#include "../core/types.hpp"
+#include "../../layers/activations.hpp"
+#include "../../core/checked_size.hpp"
+#include "../../core/errors.hpp"
+#include "../../layers/kappa_options.hpp"
+#include "../../layers/kappa_row.hpp"
+#include "../../layers/kappa_swiglu.hpp"
+#include "../../kernels/fused_expert.hpp"
+#include "../../core/state_names.hpp"
+#include "../../core/types.hpp"
 #include "packed_expert_kind.hpp"
 #include "packed_two_pass.hpp"
 
@@ -87,7 +87,7 @@ inline void kappa_forward(const packed::PackedExpert& e, const KappaGate& k, con
       });
 }
 
-/// κ-SwiGLU's row of the expert-kind table (inference/packed_expert_kind.hpp):
+/// κ-SwiGLU's row of the expert-kind table (inference/engine/packed_expert_kind.hpp):
 /// its α and b kept as float, κ from each row's router logit (the side input).
 template <>
 struct PackedExpertKind<KappaSwiGLU<float>> {

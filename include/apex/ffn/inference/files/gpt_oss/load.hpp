@@ -1,5 +1,5 @@
 #pragma once
-/// \file inference/packed_gpt_oss.hpp
+/// \file inference/files/gpt_oss/load.hpp
 /// `load_packed_gpt_oss<Storage>`: a gpt-oss MoE block of a Hugging Face
 /// checkpoint (io/gpt_oss_layout.hpp: one file or a sharded folder) as a
 /// `PackedMoE<Storage, ClampedSwiGLU<float>>`, expert by expert, with no
@@ -26,12 +26,12 @@
 #include <string>
 #include <vector>
 
-#include "../core/errors.hpp"
-#include "../io/gpt_oss_layout.hpp"
-#include "../quant/mxfp4_openai.hpp"
-#include "packed_clamped.hpp"
-#include "packed_load_options.hpp"
-#include "packed_moe.hpp"
+#include "../../../core/errors.hpp"
+#include "../../../io/gpt_oss_layout.hpp"
+#include "../../../quant/mxfp4_openai.hpp"
+#include "../../engine/packed_clamped.hpp"
+#include "../checkpoint/load_options.hpp"
+#include "../../engine/packed_moe.hpp"
 
 namespace apex {
 namespace detail::gpt_oss {

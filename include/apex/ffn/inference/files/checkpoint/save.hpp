@@ -1,9 +1,9 @@
 #pragma once
-/// \file inference/packed_save.hpp
+/// \file inference/files/checkpoint/save.hpp
 /// Quantized checkpoints: a PackedMoE saved with its expert weights in their
 /// storage types, so a model quantized once loads again without its float
 /// weights and with the same bits (`save_packed_moe`, `write_packed_moe`),
-/// and the format's side of the load that inference/packed_read.hpp runs:
+/// and the format's side of the load that read.hpp runs:
 /// the metadata keys, the checks of a file's stored tensors and their read.
 ///
 /// The file (docs/checkpoints.md, "Quantized checkpoints"), under the names
@@ -17,21 +17,20 @@
 ///     __metadata__: apex.quant.version = "1",
 ///                   apex.quant.<tensor name> = "q4_k" for every U8 tensor
 ///
-/// A U8 tensor's bytes are the rows PackedExpert::file_rows gives, which are
-/// ggml's blocks (GGUF's layout of a row), so they are also what ggml's
-/// quantizer gives for the float weights the layer was packed from. Needs
-/// the `apex::checkpoint` target (nlohmann_json), like the loaders.
+/// A U8 tensor's bytes are the rows PackedExpert::file_rows gives: ggml's
+/// blocks (GGUF's layout of a row), what ggml's quantizer gives for the float
+/// weights the layer was packed from. Needs `apex::checkpoint` (nlohmann_json).
 
 #include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
 
-#include "../core/state_names.hpp"
-#include "../io/safetensors.hpp"
-#include "../kernels/weight_types.hpp"
-#include "packed_moe.hpp"
-#include "packed_source.hpp"
+#include "../../../core/state_names.hpp"
+#include "../../../io/safetensors.hpp"
+#include "../../../kernels/weight_types.hpp"
+#include "../../engine/packed_moe.hpp"
+#include "source.hpp"
 
 namespace apex {
 namespace detail::inference {

@@ -1,5 +1,5 @@
 #pragma once
-/// \file inference/packed_shared.hpp
+/// \file inference/engine/packed_shared.hpp
 /// The shared experts of a PackedMoE (docs/inference.md): S always-active
 /// SwiGLU experts, packed at their own hidden width f_s =
 /// MoEConfig::shared_ffn() (Qwen2-MoE's shared expert is 4× as wide as its
@@ -17,12 +17,12 @@
 #include <utility>
 #include <vector>
 
-#include "../core/checked_size.hpp"
-#include "../core/errors.hpp"
-#include "../moe/config.hpp"
-#include "../kernels/fused_expert.hpp"
-#include "../core/types.hpp"
-#include "common.hpp"
+#include "../../core/checked_size.hpp"
+#include "../../core/errors.hpp"
+#include "../../moe/config.hpp"
+#include "../../kernels/fused_expert.hpp"
+#include "../../core/types.hpp"
+#include "packed_types.hpp"
 
 namespace apex::detail::inference {
 

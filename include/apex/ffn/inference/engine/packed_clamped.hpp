@@ -1,7 +1,7 @@
 #pragma once
-/// \file inference/packed_clamped.hpp
+/// \file inference/engine/packed_clamped.hpp
 /// gpt-oss's clamped SwiGLU with biases on packed weights, and its row of the
-/// expert-kind table (inference/packed_expert_kind.hpp):
+/// expert-kind table (inference/engine/packed_expert_kind.hpp):
 ///
 ///     [G | U] = X·[W_gate; W_up]ᵀ                  packed gate/up panels, any storage type
 ///     A = (clamp(U + b_up, −L, L) + 1) ⊙ Ĝ·σ(α·Ĝ),  Ĝ = min(G + b_gate, L)
@@ -24,11 +24,11 @@
 #include <utility>
 #include <vector>
 
-#include "../core/checked_size.hpp"
-#include "../core/errors.hpp"
-#include "../core/types.hpp"
-#include "../kernels/fused_expert.hpp"
-#include "../layers/clamped_swiglu.hpp"
+#include "../../core/checked_size.hpp"
+#include "../../core/errors.hpp"
+#include "../../core/types.hpp"
+#include "../../kernels/fused_expert.hpp"
+#include "../../layers/clamped_swiglu.hpp"
 #include "packed_expert_kind.hpp"
 #include "packed_two_pass.hpp"
 

@@ -1,6 +1,6 @@
 #pragma once
-/// \file inference/packed_source.hpp
-/// `PackedSource`: the tensors a packed loader reads (inference/packed_read.hpp),
+/// \file inference/files/checkpoint/source.hpp
+/// `PackedSource`: the tensors a packed loader reads (inference/files/checkpoint/read.hpp),
 /// from one safetensors file (a `safetensors::Reader`) or from a Hugging Face
 /// sharded folder opened through mappings (`io::MappedShards`).
 ///
@@ -20,11 +20,11 @@
 #include <string>
 #include <vector>
 
-#include "../core/errors.hpp"
-#include "../io/checkpoint.hpp"
-#include "../io/mapped_shards.hpp"
-#include "../io/name_maps.hpp"
-#include "../io/safetensors.hpp"
+#include "../../../core/errors.hpp"
+#include "../../../io/checkpoint.hpp"
+#include "../../../io/mapped_shards.hpp"
+#include "../../../io/name_maps.hpp"
+#include "../../../io/safetensors.hpp"
 
 namespace apex {
 namespace detail::inference {

@@ -1,5 +1,5 @@
 #pragma once
-/// \file inference/gguf_moe_check.hpp
+/// \file inference/files/gguf/check.hpp
 /// plan(): every check of a GGUF MoE load, reading metadata and tensor infos
 /// only (no weight byte), in the order they are reported:
 ///
@@ -21,10 +21,10 @@
 #include <string>
 #include <vector>
 
-#include "../moe/config.hpp"
-#include "gguf_expert_kind.hpp"
-#include "gguf_moe_plan.hpp"
-#include "packed_moe.hpp"
+#include "../../../moe/config.hpp"
+#include "expert_kind.hpp"
+#include "plan.hpp"
+#include "../../engine/packed_moe.hpp"
 
 namespace apex::detail::gguf_moe {
 

@@ -1,5 +1,5 @@
 #pragma once
-/// \file inference/packed_expert_kind.hpp
+/// \file inference/engine/packed_expert_kind.hpp
 /// The open table of routed-expert kinds of the packed engine: how
 /// `PackedMoE<Storage, Expert>` packs, stores, checks and runs one float
 /// expert type, so the MoE layer, its runner and its loaders and savers never
@@ -24,8 +24,8 @@
 ///         const packed::ForwardOptions&);       // y (m × d) = expert(x (m × d)); side: each
 ///                                               // row's side input (moe/expert_contract.hpp) or null
 ///
-/// The library's kinds: SwiGLU (here), κ-SwiGLU (inference/packed_kappa.hpp)
-/// and gpt-oss's clamped SwiGLU with biases (inference/packed_clamped.hpp).
+/// The library's kinds: SwiGLU (here), κ-SwiGLU (inference/engine/packed_kappa.hpp)
+/// and gpt-oss's clamped SwiGLU with biases (inference/engine/packed_clamped.hpp).
 /// A new expert type is a new specialisation, in its own header, and
 /// nothing else: the layer, the runner, pack-once files and packed
 /// checkpoints read everything through this table.
@@ -33,10 +33,10 @@
 #include <type_traits>
 #include <vector>
 
-#include "../core/errors.hpp"
-#include "../core/types.hpp"
-#include "../kernels/fused_expert.hpp"
-#include "../layers/swiglu.hpp"
+#include "../../core/errors.hpp"
+#include "../../core/types.hpp"
+#include "../../kernels/fused_expert.hpp"
+#include "../../layers/swiglu.hpp"
 
 namespace apex {
 

@@ -1,5 +1,5 @@
 #pragma once
-/// \file inference/packed_swiglu.hpp
+/// \file inference/engine/packed_swiglu.hpp
 /// `PackedSwiGLU<Storage, Activation>`: the inference-only dense SwiGLU FFN on packed
 /// float or bf16 weights — the forward of `SwiGLU<float>` with no gradient
 /// buffers and no float copy of the weights (docs/inference.md):
@@ -10,20 +10,20 @@
 /// OpenMP threads; each tile is one call of the packed kernels, which give
 /// every row the same bits whatever the tiling, so results do not depend on
 /// the thread count. Rebuild after an optimiser step of the source
-/// (`check_source` detects a stale copy, inference/common.hpp).
+/// (`check_source` detects a stale copy, inference/engine/packed_types.hpp).
 
 #include <cstdint>
 #include <string>
 #include <utility>
 
-#include "../core/errors.hpp"
-#include "../moe/expert_tasks.hpp"
-#include "../core/memory_budget.hpp"
-#include "../kernels/fused_expert.hpp"
-#include "../core/parallel.hpp"
-#include "../layers/swiglu.hpp"
-#include "../core/types.hpp"
-#include "common.hpp"
+#include "../../core/errors.hpp"
+#include "../../moe/expert_tasks.hpp"
+#include "../../core/memory_budget.hpp"
+#include "../../kernels/fused_expert.hpp"
+#include "../../core/parallel.hpp"
+#include "../../layers/swiglu.hpp"
+#include "../../core/types.hpp"
+#include "packed_types.hpp"
 
 namespace apex {
 

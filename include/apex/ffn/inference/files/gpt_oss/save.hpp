@@ -1,5 +1,5 @@
 #pragma once
-/// \file inference/packed_gpt_oss_save.hpp
+/// \file inference/files/gpt_oss/save.hpp
 /// `save_packed_gpt_oss`: a packed gpt-oss block written under Hugging Face's
 /// names (io/gpt_oss_layout.hpp), the inverse of load_packed_gpt_oss:
 ///
@@ -19,11 +19,11 @@
 #include <string>
 #include <vector>
 
-#include "../io/gpt_oss_layout.hpp"
-#include "../io/safetensors.hpp"
-#include "../quant/mxfp4_openai.hpp"
-#include "packed_clamped.hpp"
-#include "packed_moe.hpp"
+#include "../../../io/gpt_oss_layout.hpp"
+#include "../../../io/safetensors.hpp"
+#include "../../../quant/mxfp4_openai.hpp"
+#include "../../engine/packed_clamped.hpp"
+#include "../../engine/packed_moe.hpp"
 
 namespace apex {
 namespace detail::gpt_oss {

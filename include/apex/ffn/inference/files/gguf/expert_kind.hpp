@@ -1,7 +1,7 @@
 #pragma once
-/// \file inference/gguf_expert_kind.hpp
-/// How the GGUF MoE loaders and savers (inference/gguf_moe.hpp,
-/// gguf_moe_save.hpp) map an expert type to an architecture row's
+/// \file inference/files/gguf/expert_kind.hpp
+/// How the GGUF MoE loaders and savers (inference/files/gguf/load.hpp,
+/// save.hpp) map an expert type to an architecture row's
 /// `expert_kind` (io/gguf_architectures.hpp) and to llama.cpp's tensors of
 /// its float parts, so that neither the loaders nor the savers name an
 /// architecture or an expert type. A specialisation of `GgufExpertKind<Expert>`
@@ -23,13 +23,13 @@
 #include <type_traits>
 #include <vector>
 
-#include "../core/errors.hpp"
-#include "../core/types.hpp"
-#include "../io/gguf_architectures.hpp"
-#include "../layers/clamped_swiglu.hpp"
-#include "../layers/swiglu.hpp"
-#include "packed_clamped.hpp"
-#include "packed_expert_kind.hpp"
+#include "../../../core/errors.hpp"
+#include "../../../core/types.hpp"
+#include "../../../io/gguf_architectures.hpp"
+#include "../../../layers/clamped_swiglu.hpp"
+#include "../../../layers/swiglu.hpp"
+#include "../../engine/packed_clamped.hpp"
+#include "../../engine/packed_expert_kind.hpp"
 
 namespace apex {
 
@@ -98,7 +98,7 @@ template <class Expert>
 void check_expert_kind(const std::string& where, const gguf::Architecture& a) {
   static_assert(has_gguf_kind<Expert>::value,
                 "GGUF MoE blocks: this expert type has no llama.cpp form (a GgufExpertKind<Expert> specialisation, "
-                "inference/gguf_expert_kind.hpp)");
+                "inference/files/gguf/expert_kind.hpp)");
   const gguf::ExpertKind want = GgufExpertKind<Expert>::kKind;
   if (a.expert_kind != want)
     throw ConfigError(where + ": architecture '" + a.name + "' has " + gguf::expert_kind_name(a.expert_kind) +

@@ -1,6 +1,6 @@
 #pragma once
-/// \file inference/packed_read.hpp
-/// How the packed loaders (inference/packed_load.hpp) read a checkpoint: the
+/// \file inference/files/checkpoint/read.hpp
+/// How the packed loaders (inference/files/checkpoint/load.hpp) read a checkpoint: the
 /// tensor list a layer needs under the library's or a family's
 /// names, the checks that all run before the first weight is read (names,
 /// dtypes, shapes, a quantized checkpoint's types, memory, κ options), and
@@ -13,16 +13,16 @@
 #include <string>
 #include <vector>
 
-#include "../core/state_names.hpp"
-#include "../io/checkpoint.hpp"
-#include "../core/errors.hpp"
-#include "../moe/families.hpp"
-#include "../io/name_maps.hpp"
-#include "../io/safetensors.hpp"
-#include "packed_load_options.hpp"
-#include "packed_moe.hpp"
-#include "packed_save.hpp"
-#include "packed_source.hpp"
+#include "../../../core/state_names.hpp"
+#include "../../../io/checkpoint.hpp"
+#include "../../../core/errors.hpp"
+#include "../../../moe/families.hpp"
+#include "../../../io/name_maps.hpp"
+#include "../../../io/safetensors.hpp"
+#include "load_options.hpp"
+#include "../../engine/packed_moe.hpp"
+#include "save.hpp"
+#include "source.hpp"
 
 namespace apex {
 

@@ -1,5 +1,5 @@
 #pragma once
-/// \file inference/packed_load.hpp
+/// \file inference/files/checkpoint/load.hpp
 /// Packed inference layers straight from a safetensors checkpoint, under the
 /// state_dict names the training layers save (`router.weight`,
 /// `experts.3.w_gate.weight`, `experts.3.kappa_alpha`,
@@ -7,14 +7,14 @@
 /// MoEFFN::param_values) or, with `PackedLoadOptions::family`, under the
 /// Hugging Face names of an open MoE family (io/name_maps.hpp: DeepSeek-V3,
 /// Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), in F32, F64 or BF16 — or a
-/// quantized checkpoint (inference/packed_save.hpp: save_packed_moe), whose
+/// quantized checkpoint (inference/files/checkpoint/save.hpp: save_packed_moe), whose
 /// U8 expert tensors hold the blocks of the type its metadata names; they go
 /// into the panels bit for bit, and the layer's types are the file's.
 ///
 /// `path` may be one safetensors file or a Hugging Face sharded folder (or
 /// its `model.safetensors.index.json`), whose shards are mapped
 /// (io::MappedShards) and read only for the layer's tensors; the checks are
-/// the one file's, over the index's names (inference/packed_source.hpp).
+/// the one file's, over the index's names (inference/files/checkpoint/source.hpp).
 ///
 /// Loading goes expert by expert: one expert's three matrices are decoded
 /// into a float staging buffer (3·max(f, f_s)·d floats, reused) and packed at
@@ -50,17 +50,17 @@
 #include <string>
 #include <vector>
 
-#include "../io/checkpoint.hpp"
-#include "../core/errors.hpp"
-#include "../io/mapped_shards.hpp"
-#include "../io/safetensors.hpp"
-#include "../io/sharded_checkpoint.hpp"
-#include "packed_moe.hpp"
-#include "packed_read.hpp"
-#include "packed_save.hpp"  // the quantized checkpoints these loaders read
-#include "packed_source.hpp"
-#include "packed_sublayer.hpp"
-#include "packed_swiglu.hpp"
+#include "../../../io/checkpoint.hpp"
+#include "../../../core/errors.hpp"
+#include "../../../io/mapped_shards.hpp"
+#include "../../../io/safetensors.hpp"
+#include "../../../io/sharded_checkpoint.hpp"
+#include "../../engine/packed_moe.hpp"
+#include "read.hpp"
+#include "save.hpp"  // the quantized checkpoints these loaders read
+#include "source.hpp"
+#include "../../engine/packed_sublayer.hpp"
+#include "../../engine/packed_swiglu.hpp"
 
 namespace apex {
 

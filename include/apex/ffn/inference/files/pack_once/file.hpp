@@ -1,13 +1,13 @@
 #pragma once
-/// \file inference/packed_layout_file.hpp
+/// \file inference/files/pack_once/file.hpp
 /// The pack-once file: `save_packed_layout(path, layer)` stores a PackedMoE
-/// in the library's panel order (inference/packed_layout_format.hpp), and
+/// in the library's panel order (inference/files/pack_once/format.hpp), and
 /// `map_packed_moe<Storage, Expert>(path, config)` opens it again as a
 /// mapping — the expert weights are read-only views into the file
 /// (kernels/panel_bytes.hpp), no byte of them is read or copied at load,
 /// and pages come in from the page cache when a forward first touches them.
 ///
-/// Why a second format beside the quantized checkpoint (packed_save.hpp):
+/// Why a second format beside the quantized checkpoint (files/checkpoint/save.hpp):
 /// that one stores ggml's file rows, which every tool reads but which must
 /// be moved into panels at load (a full read and copy of the weights); this
 /// one stores the panels themselves, so packing happens once per model and
@@ -35,10 +35,10 @@
 #include <utility>
 #include <vector>
 
-#include "../io/mapped_file.hpp"
-#include "packed_layout_format.hpp"
-#include "packed_moe.hpp"
-#include "packed_read.hpp"  // PackedLoadOptions
+#include "../../../io/mapped_file.hpp"
+#include "format.hpp"
+#include "../../engine/packed_moe.hpp"
+#include "../checkpoint/read.hpp"  // PackedLoadOptions
 
 namespace apex {
 namespace detail::inference {
@@ -115,7 +115,7 @@ inline std::string layout_header(const std::vector<LayoutItem>& items, const saf
 
 }  // namespace detail::inference
 
-/// Serialises `layer` as a pack-once file (inference/packed_layout_format.hpp)
+/// Serialises `layer` as a pack-once file (inference/files/pack_once/format.hpp)
 /// to `out`. A layer that is itself mapped saves from its mapping.
 template <class Storage, class Expert, class Activation>
 void write_packed_layout(safetensors::ByteSink& out, const PackedMoE<Storage, Expert, Activation>& layer) {
@@ -143,4 +143,4 @@ void save_packed_layout(const std::string& path, const PackedMoE<Storage, Expert
 
 }  // namespace apex
 
-#include "packed_layout_map.hpp"  // map_packed_moe: the read side
+#include "map.hpp"  // map_packed_moe: the read side

@@ -1,5 +1,5 @@
 #pragma once
-/// \file inference/gguf_moe.hpp
+/// \file inference/files/gguf/load.hpp
 /// MoE layers straight from a llama.cpp GGUF model file
 /// (docs/model_files.md#moe-layers-from-gguf-files):
 ///
@@ -17,7 +17,7 @@
 /// (`ffn_gate_inp.bias`) are decoded to float, α and L come from the row.
 ///
 /// The architecture (io/gguf_architectures.hpp) gives the layer's keys,
-/// tensors and routing; every check (inference/gguf_moe_check.hpp) runs on
+/// tensors and routing; every check (inference/files/gguf/check.hpp) runs on
 /// metadata and tensor infos before the first weight is touched, and a
 /// loader returns a new layer, so a rejected load changes nothing the caller
 /// holds. The experts' bytes are moved from the mapping into packed panels
@@ -33,14 +33,14 @@
 #include <utility>
 #include <vector>
 
-#include "../core/errors.hpp"
-#include "../core/state_names.hpp"
-#include "../layers/ffn_sublayer.hpp"
-#include "../moe/moe_ffn.hpp"
-#include "gguf_expert_kind.hpp"
-#include "gguf_moe_check.hpp"
-#include "packed_moe.hpp"
-#include "packed_sublayer.hpp"
+#include "../../../core/errors.hpp"
+#include "../../../core/state_names.hpp"
+#include "../../../layers/ffn_sublayer.hpp"
+#include "../../../moe/moe_ffn.hpp"
+#include "expert_kind.hpp"
+#include "check.hpp"
+#include "../../engine/packed_moe.hpp"
+#include "../../engine/packed_sublayer.hpp"
 
 namespace apex {
 

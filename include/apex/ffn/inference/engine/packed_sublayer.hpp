@@ -1,5 +1,5 @@
 #pragma once
-/// \file inference/packed_sublayer.hpp
+/// \file inference/engine/packed_sublayer.hpp
 /// The inference FFN sublayer on packed weights:
 ///
 ///     y = x + m ⊙ FFN(RMSNorm(x)),   m_t = 1[g(x_t) ≥ τ]   (m ≡ 1 without a gate)
@@ -12,13 +12,13 @@
 /// Only forward is meant to be called: backward and params() need a float FFN.
 ///
 ///     auto inf = apex::pack_sublayer<apex::packed::bf16>(trained);    // from a trained sublayer
-///     auto inf = apex::load_packed_sublayer<float>(file, cfg, gate);  // inference/packed_load.hpp
+///     auto inf = apex::load_packed_sublayer<float>(file, cfg, gate);  // inference/files/checkpoint/load.hpp
 
 #include <optional>
 #include <string>
 #include <utility>
 
-#include "../layers/ffn_sublayer.hpp"
+#include "../../layers/ffn_sublayer.hpp"
 #include "packed_moe.hpp"
 #include "packed_swiglu.hpp"
 

@@ -1,7 +1,7 @@
 #pragma once
-/// \file inference/packed_layout_map.hpp
+/// \file inference/files/pack_once/map.hpp
 /// `map_packed_moe`: a PackedMoE whose expert weights are views into a
-/// mapped pack-once file (inference/packed_layout_file.hpp has the contract
+/// mapped pack-once file (inference/files/pack_once/file.hpp has the contract
 /// and the save). Split from the save so each header stays one concept.
 
 #include <map>
@@ -11,10 +11,10 @@
 #include <utility>
 #include <vector>
 
-#include "../io/mapped_file.hpp"
-#include "packed_layout_format.hpp"
-#include "packed_moe.hpp"
-#include "packed_read.hpp"  // PackedLoadOptions
+#include "../../../io/mapped_file.hpp"
+#include "format.hpp"
+#include "../../engine/packed_moe.hpp"
+#include "../checkpoint/read.hpp"  // PackedLoadOptions
 
 namespace apex {
 namespace detail::inference {
@@ -104,7 +104,7 @@ inline std::vector<packed::PackedExpert> layout_experts(const std::string& where
 
 /// A PackedMoE of `config` over the pack-once file at `path`, its expert
 /// weights views into a read-only mapping of the file (see
-/// inference/packed_layout_file.hpp). Of `options`, the expert kind's
+/// inference/files/pack_once/file.hpp). Of `options`, the expert kind's
 /// options (`kappa`, `clamped`), `types` (must equal the file's if set) and `limits` apply; a
 /// prefix or family is a ConfigError (a pack-once file holds one layer
 /// under the library's names). No memory-fit check: the weights are the

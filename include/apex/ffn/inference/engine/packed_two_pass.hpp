@@ -1,5 +1,5 @@
 #pragma once
-/// \file inference/packed_two_pass.hpp
+/// \file inference/engine/packed_two_pass.hpp
 /// The forward of an expert kind whose activation needs more than the tile
 /// epilogue sees (κ's per-row logit, gpt-oss's per-unit biases): the gate/up
 /// panels run with the plain epilogue into [G | U] (G in lanes 0–15, U in
@@ -12,10 +12,10 @@
 #include <algorithm>
 #include <string>
 
-#include "../core/checked_size.hpp"
-#include "../core/errors.hpp"
-#include "../core/types.hpp"
-#include "../kernels/fused_expert.hpp"
+#include "../../core/checked_size.hpp"
+#include "../../core/errors.hpp"
+#include "../../core/types.hpp"
+#include "../../kernels/fused_expert.hpp"
 
 namespace apex::detail::inference {
 

@@ -1,5 +1,5 @@
 #pragma once
-/// \file inference/gguf_moe_save.hpp
+/// \file inference/files/gguf/save.hpp
 /// A trained or packed MoE layer written as one block of a llama.cpp GGUF
 /// file, in llama.cpp's names and keys (io/gguf_architectures.hpp), so
 /// load_gguf_moe and llama.cpp's tools read it. The save is atomic (the
@@ -24,7 +24,7 @@
 ///
 /// gpt-oss: a layer of ClampedSwiGLU experts (PackedMoE<S, ClampedSwiGLU<float>>,
 /// GptOssMoE<float>) is written as the row of its expert kind, `gpt-oss`
-/// (inference/gguf_expert_kind.hpp): gate and up as ffn_gate_exps /
+/// (inference/files/gguf/expert_kind.hpp): gate and up as ffn_gate_exps /
 /// ffn_up_exps with their biases `ffn_{gate,up,down}_exps.bias` (F32, ne
 /// [f, E], [f, E], [d, E]), the router's logit bias as `ffn_gate_inp.bias`
 /// (zeros for a layer without one), the norm as `post_attention_norm`.
@@ -41,12 +41,12 @@
 #include <string>
 #include <vector>
 
-#include "../core/errors.hpp"
-#include "../moe/moe_ffn.hpp"
-#include "gguf_expert_kind.hpp"
-#include "gguf_moe_plan.hpp"
-#include "packed_moe.hpp"
-#include "packed_sublayer.hpp"
+#include "../../../core/errors.hpp"
+#include "../../../moe/moe_ffn.hpp"
+#include "expert_kind.hpp"
+#include "plan.hpp"
+#include "../../engine/packed_moe.hpp"
+#include "../../engine/packed_sublayer.hpp"
 
 namespace apex {
 
@@ -197,7 +197,7 @@ void save_gguf_moe(const std::string& path, const PackedMoE<Storage, Expert>& la
   namespace tn = gguf::tensor_names;
   static_assert(g::has_gguf_kind<Expert>::value,
                 "save_gguf_moe: this expert type has no llama.cpp form (no GgufExpertKind<Expert>, "
-                "inference/gguf_expert_kind.hpp)");
+                "inference/files/gguf/expert_kind.hpp)");
   using GKind = GgufExpertKind<Expert>;
   using Kind = typename PackedMoE<Storage, Expert>::Kind;
   const std::string where_s = "save_gguf_moe(" + path + ")";

@@ -1,5 +1,5 @@
 #pragma once
-/// \file inference/packed_runner.hpp
+/// \file inference/engine/packed_runner.hpp
 /// `PackedRunner<Layer>`: the MoE pipeline's expert runner (moe/pipeline.hpp)
 /// for PackedMoE — forward only. Routing, capacity, the shared gate and the
 /// combine are the pipeline's (the float layer's code, so the same top-K
@@ -17,19 +17,19 @@
 
 #include <utility>
 
-#include "../core/parallel.hpp"
-#include "../core/types.hpp"
-#include "../kernels/fused_expert.hpp"
-#include "../moe/capacity.hpp"
-#include "../moe/config.hpp"
-#include "../moe/dispatch.hpp"
-#include "../moe/expert_contract.hpp"
-#include "../moe/expert_tasks.hpp"
-#include "../moe/local_runner.hpp"
-#include "../moe/moe_cache.hpp"
-#include "../moe/pipeline.hpp"
-#include "../moe/router.hpp"
-#include "common.hpp"
+#include "../../core/parallel.hpp"
+#include "../../core/types.hpp"
+#include "../../kernels/fused_expert.hpp"
+#include "../../moe/capacity.hpp"
+#include "../../moe/config.hpp"
+#include "../../moe/dispatch.hpp"
+#include "../../moe/expert_contract.hpp"
+#include "../../moe/expert_tasks.hpp"
+#include "../../moe/local_runner.hpp"
+#include "../../moe/moe_cache.hpp"
+#include "../../moe/pipeline.hpp"
+#include "../../moe/router.hpp"
+#include "packed_types.hpp"
 #include "packed_expert_kind.hpp"
 
 namespace apex::detail::inference {
@@ -88,7 +88,7 @@ struct PackedRunner : InProcessSteps<PackedRunner<Layer>> {
         shared.forward(id, x, b, m, c.shared_y[std::size_t(id)], kernel);
         return;
       }
-      // The expert's kind runs it (inference/packed_expert_kind.hpp), with
+      // The expert's kind runs it (inference/engine/packed_expert_kind.hpp), with
       // its float parts and the rows' side input when it reads one.
       const float* side = expert_side_cols<ExpertType> ? c.side_sorted.data() + b : nullptr;
       Layer::Kind::template forward<typename Layer::ActivationType>(layer.experts_[std::size_t(id)], extra_of(id),
