@@ -18,6 +18,7 @@
 #include "ffn/layers/activations.hpp"
 #include "ffn/layers/clamped_swiglu.hpp"
 #include "ffn/layers/cross_entropy.hpp"
+#include "ffn/layers/expert_side_input.hpp"
 #include "ffn/layers/ffn_sublayer.hpp"
 #include "ffn/layers/gated_products.hpp"
 #include "ffn/layers/kappa_activation.hpp"
