@@ -3,7 +3,7 @@
 /// `PanelBytes`: the bytes of a panel matrix's codes or scales, either owned
 /// (a zeroed, 64-byte aligned heap array, kernels/aligned_array.hpp) or a
 /// read-only view of 64-byte aligned bytes inside a memory-mapped file
-/// (io/mapped_file.hpp), kept alive by a shared pointer to the mapping.
+/// (io/file/mapped_file.hpp), kept alive by a shared pointer to the mapping.
 ///
 /// Exists so that a layer saved in the library's panel order (the pack-once
 /// file, inference/files/pack_once/file.hpp) computes from the page cache
@@ -26,7 +26,7 @@
 
 #include "../core/errors.hpp"
 #include "../core/types.hpp"
-#include "../io/mapped_file.hpp"
+#include "../io/file/mapped_file.hpp"
 #include "aligned_array.hpp"
 
 namespace apex::packed {

@@ -16,7 +16,7 @@
 ///
 /// Why map_packed_moe and not a flag of load_packed_moe: a mapped layer is
 /// a different contract (its weights are the file's pages, so the file must
-/// not be truncated while mapped: io/mapped_file.hpp), and the function's
+/// not be truncated while mapped: io/file/mapped_file.hpp), and the function's
 /// name says so where it is called. Every storage type and mix
 /// (PackedTypes) saves; the layer's types are the file's (options.types,
 /// when set, must equal them: ConfigError naming both).
@@ -35,7 +35,7 @@
 #include <utility>
 #include <vector>
 
-#include "../../../io/mapped_file.hpp"
+#include "../../../io/file/mapped_file.hpp"
 #include "format.hpp"
 #include "../../engine/packed_moe.hpp"
 #include "../checkpoint/read.hpp"  // PackedLoadOptions

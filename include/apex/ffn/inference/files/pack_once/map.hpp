@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include "../../../io/mapped_file.hpp"
+#include "../../../io/file/mapped_file.hpp"
 #include "format.hpp"
 #include "../../engine/packed_moe.hpp"
 #include "../checkpoint/read.hpp"  // PackedLoadOptions
@@ -115,7 +115,7 @@ PackedMoE<Storage, Expert, Activation> map_packed_moe(const std::string& path, c
                                                       const PackedLoadOptions& options = {}) {
   namespace inf = detail::inference;
   using Layer = PackedMoE<Storage, Expert, Activation>;
-  const std::shared_ptr<const io::MappedFile> map = io::MappedFile::open(path);
+  const std::shared_ptr<const io::MappedFile> map = io::MappedFile::open("safetensors", path);
   const std::string where = "map_packed_moe(" + map->description() + ")";
   if (!options.prefix.empty() || options.family)
     throw ConfigError(where + ": a pack-once file holds one layer under the library's names; "

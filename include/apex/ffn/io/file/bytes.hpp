@@ -1,22 +1,32 @@
 #pragma once
-/// \file io/safetensors/bytes.hpp
-/// Where the reader's bytes come from (`ByteSource`: a file or a memory
-/// buffer) and where the writer's go (`ByteSink`), with the in-memory
+/// \file io/file/bytes.hpp
+/// Where a file reader's bytes come from (`ByteSource`: a file, a mapping or
+/// a memory buffer) and where a writer's go (`ByteSink`), with the in-memory
 /// implementations of both.
 ///
-/// Exists so that validation and serialisation are written once against
-/// these interfaces and tested (and fuzzed) in memory, while the POSIX file
-/// implementations live in io/safetensors/posix_file.hpp.
+/// Exists so that a format's validation and serialisation are written once
+/// against these interfaces and tested (and fuzzed) in memory, while the
+/// POSIX file implementations live in io/file/posix_file.hpp and
+/// io/file/mapped_file.hpp. Every source's messages start with the name of
+/// the format it reads ("safetensors: …", "gguf: …"), given when it is made.
 
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../../core/errors.hpp"
 
 namespace apex {
-namespace safetensors {
+namespace io {
+namespace detail {
+
+/// Chunk size of every bounded read and write buffer of the file formats
+/// (a multiple of 8).
+inline constexpr std::size_t kChunkBytes = std::size_t(1) << 16;
+
+}  // namespace detail
 
 /// Random-access bytes of known size: a file or a memory buffer.
 class ByteSource {
@@ -30,19 +40,22 @@ class ByteSource {
 };
 
 /// A view of bytes in memory (not copied: they must outlive the source).
+/// Messages start with `format` (the reader's: "safetensors").
 class MemorySource : public ByteSource {
  public:
-  MemorySource(const void* data, std::size_t size) : data_(static_cast<const unsigned char*>(data)), size_(size) {}
+  MemorySource(std::string format, const void* data, std::size_t size)
+      : format_(std::move(format)), data_(static_cast<const unsigned char*>(data)), size_(size) {}
   std::uint64_t size() const override { return size_; }
   void read(std::uint64_t offset, void* dst, std::size_t n) const override {
     if (offset > size_ || n > size_ - offset)
-      throw FormatError("safetensors: read of " + std::to_string(n) + " bytes at offset " + std::to_string(offset) +
+      throw FormatError(format_ + ": read of " + std::to_string(n) + " bytes at offset " + std::to_string(offset) +
                         " past the end of a " + std::to_string(size_) + "-byte " + description_);
     if (n) std::memcpy(dst, data_ + offset, n);
   }
   const std::string& description() const override { return description_; }
 
  private:
+  std::string format_;
   const unsigned char* data_;
   std::size_t size_;
   std::string description_ = "memory buffer";
@@ -65,5 +78,5 @@ class VectorSink : public ByteSink {
   std::vector<unsigned char> bytes;
 };
 
-}  // namespace safetensors
+}  // namespace io
 }  // namespace apex

@@ -1,5 +1,5 @@
 #pragma once
-/// \file io/safetensors/atomic_save.hpp
+/// \file io/file/atomic_save.hpp
 /// `write_file_atomic`: a file is written under a temporary name in its
 /// folder, made durable, and renamed over the target, so a reader sees the
 /// old file or the new one, never a mix.
@@ -10,7 +10,8 @@
 /// unlink, fsync — goes through that descriptor, so all of them act on the
 /// same folder; the temporary file is created with `O_EXCL` (never a
 /// stranger's file, never a FIFO or device); and its name is bounded: it
-/// fits the folder's name limit whenever the target's name does.
+/// fits the folder's name limit whenever the target's name does. Messages
+/// start with the name of the format saved ("safetensors", "gguf").
 
 #include <atomic>
 #include <cerrno>
@@ -25,7 +26,7 @@
 #include "posix_file.hpp"
 
 namespace apex {
-namespace safetensors {
+namespace io {
 namespace detail {
 
 /// The temporary name standing in for `name` while it is written:
@@ -81,19 +82,19 @@ inline int create_temp(const ScopedFd& dir, const std::string& name, std::size_t
 /// Runs `produce` into the new file `fd` (named `tmp` in `dir`), flushes,
 /// fsyncs and closes it, and renames it over `name`. On any failure the
 /// temporary file is closed and removed and the exception propagates.
-inline void fill_and_rename(const ScopedFd& dir, int fd, const std::string& tmp, const std::string& tmp_path,
-                            const std::string& name, const std::string& path,
+inline void fill_and_rename(const std::string& format, const ScopedFd& dir, int fd, const std::string& tmp,
+                            const std::string& tmp_path, const std::string& name, const std::string& path,
                             const std::function<void(ByteSink&)>& produce) {
   try {
-    FdSink sink(fd, "temporary file '" + tmp_path + "'");
+    FdSink sink(format, fd, "temporary file '" + tmp_path + "'");
     produce(sink);
     sink.flush();
-    if (::fsync(fd) != 0) throw FormatError("safetensors: cannot fsync '" + tmp_path + "': " + std::strerror(errno));
+    if (::fsync(fd) != 0) throw FormatError(format + ": cannot fsync '" + tmp_path + "': " + std::strerror(errno));
     const int rc = ::close(fd);
     fd = -1;
-    if (rc != 0) throw FormatError("safetensors: cannot close '" + tmp_path + "': " + std::strerror(errno));
+    if (rc != 0) throw FormatError(format + ": cannot close '" + tmp_path + "': " + std::strerror(errno));
     if (::renameat(dir.fd, tmp.c_str(), dir.fd, name.c_str()) != 0)
-      throw FormatError("safetensors: cannot rename '" + tmp_path + "' to '" + path + "': " + std::strerror(errno));
+      throw FormatError(format + ": cannot rename '" + tmp_path + "' to '" + path + "': " + std::strerror(errno));
   } catch (...) {
     if (fd >= 0) ::close(fd);
     ::unlinkat(dir.fd, tmp.c_str(), 0);
@@ -113,35 +114,37 @@ inline void fill_and_rename(const ScopedFd& dir, int fd, const std::string& tmp,
 /// exception propagates (FormatError for I/O errors). The temporary file is
 /// ".<name>.tmp.<pid>.<n>", <name> shortened where that would not fit the
 /// folder's name limit (see temp_name), so any name that fits saves.
-inline void write_file_atomic(const std::string& path, const std::function<void(ByteSink&)>& produce) {
+/// Messages start with `format`, the format of the file saved.
+inline void write_file_atomic(const std::string& format, const std::string& path,
+                              const std::function<void(ByteSink&)>& produce) {
   namespace fs = std::filesystem;
   const fs::path target(path);
-  if (target.filename().empty()) throw FormatError("safetensors: '" + path + "' does not name a file");
+  if (target.filename().empty()) throw FormatError(format + ": '" + path + "' does not name a file");
   const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
   const std::string name = target.filename().string();
 
   detail::ScopedFd folder{::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)};
   const auto cannot_create = [&](int err) {
-    return FormatError("safetensors: cannot create a temporary file in '" + dir.string() + "' to save '" + path +
+    return FormatError(format + ": cannot create a temporary file in '" + dir.string() + "' to save '" + path +
                        "': " + std::strerror(err));
   };
   if (folder.fd < 0) throw cannot_create(errno);
   const std::size_t name_max = detail::folder_name_max(folder.fd);
   if (name.size() > name_max)
-    throw FormatError("safetensors: cannot save '" + path + "': its file name has " + std::to_string(name.size()) +
+    throw FormatError(format + ": cannot save '" + path + "': its file name has " + std::to_string(name.size()) +
                       " bytes, more than the " + std::to_string(name_max) + " its folder allows");
   std::string tmp;
   const int fd = detail::create_temp(folder, name, name_max, tmp);
   if (fd < 0) throw cannot_create(errno);
-  detail::fill_and_rename(folder, fd, tmp, (dir / tmp).string(), name, path, produce);
+  detail::fill_and_rename(format, folder, fd, tmp, (dir / tmp).string(), name, path, produce);
 
   // The new file is in place; make the directory entry durable too.
   const int rc = ::fsync(folder.fd);
   const int err = errno;
   // Some file systems cannot fsync a directory (EINVAL); the rename stands.
   if (rc != 0 && err != EINVAL)
-    throw FormatError("safetensors: saved '" + path + "' but cannot fsync its folder: " + std::strerror(err));
+    throw FormatError(format + ": saved '" + path + "' but cannot fsync its folder: " + std::strerror(err));
 }
 
-}  // namespace safetensors
+}  // namespace io
 }  // namespace apex

@@ -1,5 +1,5 @@
 #pragma once
-/// \file io/mapped_file.hpp
+/// \file io/file/mapped_file.hpp
 /// `MappedFile`: a regular file mapped read-only into memory, and
 /// `MappedSource`, the byte source that reads through such a mapping.
 ///
@@ -11,8 +11,10 @@
 ///
 /// The rules, and why:
 /// - The path is opened non-blocking and must be a regular file
-///   (io/safetensors/posix_file.hpp's `open_regular_file`): a FIFO or device
-///   is a FormatError at once, never a hang.
+///   (io/file/posix_file.hpp's `open_regular_file`): a FIFO or device
+///   is a FormatError at once, never a hang. Every message starts with the
+///   name of the format being read ("gguf: cannot open file 'x.gguf': …"),
+///   which the caller gives when it opens the file.
 /// - The mapping is `PROT_READ`, `MAP_SHARED`: nothing in this library can
 ///   write through it, and the memory is the page cache itself, not a copy.
 /// - The size is taken when the file is opened and every loader validates
@@ -33,9 +35,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "../core/errors.hpp"
-#include "safetensors/bytes.hpp"
-#include "safetensors/posix_file.hpp"
+#include "../../core/errors.hpp"
+#include "bytes.hpp"
+#include "posix_file.hpp"
 
 namespace apex {
 namespace io {
@@ -45,10 +47,11 @@ namespace io {
 /// long as the last layer that computes from it).
 class MappedFile {
  public:
-  /// Maps `path`. FormatError if it cannot be opened, is not a regular file,
+  /// Maps `path`. FormatError starting with `format` (the format read:
+  /// "safetensors", "gguf") if it cannot be opened, is not a regular file,
   /// or cannot be mapped; nothing is left open then.
-  static std::shared_ptr<const MappedFile> open(const std::string& path) {
-    return std::shared_ptr<const MappedFile>(new MappedFile(path));
+  static std::shared_ptr<const MappedFile> open(const std::string& format, const std::string& path) {
+    return std::shared_ptr<const MappedFile>(new MappedFile(format, path));
   }
   ~MappedFile() {
     if (base_) ::munmap(base_, std::size_t(size_));
@@ -60,6 +63,8 @@ class MappedFile {
   std::uint64_t size() const { return size_; }
   const std::string& path() const { return path_; }
   const std::string& description() const { return description_; }
+  /// The format the file was opened as, which starts every message.
+  const std::string& format() const { return format_; }
 
   /// Advises the kernel that `[offset, offset + n)` will be read soon
   /// (`MADV_WILLNEED`, read-ahead) or will be read in random order
@@ -69,18 +74,19 @@ class MappedFile {
   void random_access() const { advise(0, size_, MADV_RANDOM); }
 
  private:
-  explicit MappedFile(const std::string& path) : path_(path), description_("file '" + path + "'") {
-    const int fd = safetensors::detail::open_regular_file(path, description_, size_);
+  MappedFile(const std::string& format, const std::string& path)
+      : format_(format), path_(path), description_("file '" + path + "'") {
+    const int fd = detail::open_regular_file(format_, path, description_, size_);
     if (size_ > 0) {
       if (size_ > std::uint64_t(SIZE_MAX)) {
         ::close(fd);
-        throw FormatError("mapped file: " + description_ + " is larger than the address space");
+        throw FormatError(format_ + ": " + description_ + " is larger than the address space");
       }
       void* p = ::mmap(nullptr, std::size_t(size_), PROT_READ, MAP_SHARED, fd, 0);
       if (p == MAP_FAILED) {
         const int err = errno;
         ::close(fd);
-        throw FormatError("mapped file: cannot map " + description_ + ": " + std::strerror(err));
+        throw FormatError(format_ + ": cannot map " + description_ + ": " + std::strerror(err));
       }
       base_ = p;
     }
@@ -95,19 +101,20 @@ class MappedFile {
     ::madvise(static_cast<unsigned char*>(base_) + begin, std::size_t(end - begin), advice);
   }
 
+  std::string format_;
   std::string path_;
   std::string description_;
   std::uint64_t size_ = 0;
   void* base_ = nullptr;
 };
 
-/// The bytes of a mapped file as a `safetensors::ByteSource`: reads are
-/// bounds-checked copies out of the mapping, and `bytes()` hands out the
-/// mapping itself for a range the caller has validated.
-class MappedSource : public safetensors::ByteSource {
+/// The bytes of a mapped file as a `ByteSource`: reads are bounds-checked
+/// copies out of the mapping, and `bytes()` hands out the mapping itself for
+/// a range the caller has validated. Messages start with the file's format.
+class MappedSource : public ByteSource {
  public:
   explicit MappedSource(std::shared_ptr<const MappedFile> file) : file_(std::move(file)) {}
-  explicit MappedSource(const std::string& path) : file_(MappedFile::open(path)) {}
+  MappedSource(const std::string& format, const std::string& path) : file_(MappedFile::open(format, path)) {}
 
   std::uint64_t size() const override { return file_->size(); }
   void read(std::uint64_t offset, void* dst, std::size_t n) const override {
@@ -120,7 +127,7 @@ class MappedSource : public safetensors::ByteSource {
   /// are not all inside the file.
   const unsigned char* bytes(std::uint64_t offset, std::uint64_t n) const {
     if (offset > file_->size() || n > file_->size() - offset)
-      throw FormatError("mapped file: " + std::to_string(n) + " bytes at offset " + std::to_string(offset) +
+      throw FormatError(file_->format() + ": " + std::to_string(n) + " bytes at offset " + std::to_string(offset) +
                         " are past the end of the " + std::to_string(file_->size()) + "-byte " +
                         file_->description());
     return file_->data() + offset;
