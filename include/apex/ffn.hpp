@@ -6,6 +6,7 @@
 #include "ffn/core/checked_size.hpp"
 #include "ffn/core/errors.hpp"
 #include "ffn/core/init.hpp"
+#include "ffn/core/mapped_bytes.hpp"
 #include "ffn/core/memory_budget.hpp"
 #include "ffn/core/parallel.hpp"
 #include "ffn/core/param.hpp"

@@ -36,6 +36,7 @@
 #include <unistd.h>
 
 #include "../../core/errors.hpp"
+#include "../../core/mapped_bytes.hpp"
 #include "bytes.hpp"
 #include "posix_file.hpp"
 
@@ -43,9 +44,10 @@ namespace apex {
 namespace io {
 
 /// A read-only mapping of a whole regular file. Not copyable; share it by
-/// `std::shared_ptr` (every view into it holds one, so the mapping lives as
-/// long as the last layer that computes from it).
-class MappedFile {
+/// `std::shared_ptr` (every view into it holds one, as a
+/// `std::shared_ptr<const MappedBytes>` (core/mapped_bytes.hpp), so the
+/// mapping lives as long as the last layer that computes from it).
+class MappedFile : public MappedBytes {
  public:
   /// Maps `path`. FormatError starting with `format` (the format read:
   /// "safetensors", "gguf") if it cannot be opened, is not a regular file,
@@ -56,13 +58,9 @@ class MappedFile {
   ~MappedFile() {
     if (base_) ::munmap(base_, std::size_t(size_));
   }
-  MappedFile(const MappedFile&) = delete;
-  MappedFile& operator=(const MappedFile&) = delete;
 
-  const unsigned char* data() const { return static_cast<const unsigned char*>(base_); }
-  std::uint64_t size() const { return size_; }
+  // data(), size(), description(): MappedBytes'.
   const std::string& path() const { return path_; }
-  const std::string& description() const { return description_; }
   /// The format the file was opened as, which starts every message.
   const std::string& format() const { return format_; }
 
@@ -75,20 +73,21 @@ class MappedFile {
 
  private:
   MappedFile(const std::string& format, const std::string& path)
-      : format_(format), path_(path), description_("file '" + path + "'") {
-    const int fd = detail::open_regular_file(format_, path, description_, size_);
+      : MappedBytes("file '" + path + "'"), format_(format), path_(path) {
+    const int fd = detail::open_regular_file(format_, path, description(), size_);
     if (size_ > 0) {
       if (size_ > std::uint64_t(SIZE_MAX)) {
         ::close(fd);
-        throw FormatError(format_ + ": " + description_ + " is larger than the address space");
+        throw FormatError(format_ + ": " + description() + " is larger than the address space");
       }
       void* p = ::mmap(nullptr, std::size_t(size_), PROT_READ, MAP_SHARED, fd, 0);
       if (p == MAP_FAILED) {
         const int err = errno;
         ::close(fd);
-        throw FormatError(format_ + ": cannot map " + description_ + ": " + std::strerror(err));
+        throw FormatError(format_ + ": cannot map " + description() + ": " + std::strerror(err));
       }
       base_ = p;
+      data_ = static_cast<const unsigned char*>(p);
     }
     ::close(fd);  // the mapping keeps the file open
   }
@@ -103,9 +102,7 @@ class MappedFile {
 
   std::string format_;
   std::string path_;
-  std::string description_;
-  std::uint64_t size_ = 0;
-  void* base_ = nullptr;
+  void* base_ = nullptr;  // data_, writable for munmap and madvise
 };
 
 /// The bytes of a mapped file as a `ByteSource`: reads are bounds-checked
