@@ -44,9 +44,9 @@ namespace apex {
 namespace io {
 
 /// A read-only mapping of a whole regular file. Not copyable; share it by
-/// `std::shared_ptr` (every view into it holds one, as a
-/// `std::shared_ptr<const MappedBytes>` (core/mapped_bytes.hpp), so the
-/// mapping lives as long as the last layer that computes from it).
+/// `std::shared_ptr`: every view into it holds one (to its MappedBytes,
+/// core/mapped_bytes.hpp), so the mapping lives as long as the last layer
+/// that computes from it.
 class MappedFile : public MappedBytes {
  public:
   /// Maps `path`. FormatError starting with `format` (the format read:
