@@ -172,22 +172,19 @@ APEX_TARGET_AVX2 inline __m256 float_lanes_avx2(const typename WeightType<T>::El
   }
 }
 
-/// A float-type chunk: columns k0 … k0 + n − 1 widened, k by k, into
-/// rows (c × 32 lanes, zero for c ≥ n), then transposed into dst.
+/// A float-type chunk: 8 × 8 blocks of (column, lane) widened straight
+/// from the panel, zero past K, transposed into dst.
 template <Dtype T>
 APEX_TARGET_AVX2 void unpack_float_avx2(const typename WeightType<T>::Element* w, Index K, Index chunk, float* dst) {
-  constexpr Index L = kPanelLanes, C = kChunkColumns;
+  constexpr Index C = kChunkColumns;
   const Index k0 = chunk * C, n = std::min(C, K - k0);
-  alignas(32) float rows[C * L];
-  for (Index c = 0; c < C; ++c)
-    for (int v = 0; v < 4; ++v)
-      _mm256_store_ps(rows + c * L + 8 * v, c < n ? float_lanes_avx2<T>(w, k0 + c, v) : _mm256_setzero_ps());
   for (Index c0 = 0; c0 < C; c0 += 8)
-    for (Index l0 = 0; l0 < L; l0 += 8) {
+    for (int v = 0; v < 4; ++v) {  // lanes 8v … 8v + 7
       __m256i r[8];
-      for (int i = 0; i < 8; ++i) r[i] = _mm256_castps_si256(_mm256_load_ps(rows + (c0 + i) * L + l0));
+      for (int i = 0; i < 8; ++i)
+        r[i] = _mm256_castps_si256(c0 + i < n ? float_lanes_avx2<T>(w, k0 + c0 + i, v) : _mm256_setzero_ps());
       transpose8x8_epi32(r);
-      for (int i = 0; i < 8; ++i) _mm256_store_ps(dst + (l0 + i) * C + c0, _mm256_castsi256_ps(r[i]));
+      for (int i = 0; i < 8; ++i) _mm256_store_ps(dst + (8 * v + i) * C + c0, _mm256_castsi256_ps(r[i]));
     }
 }
 
