@@ -12,6 +12,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -329,6 +330,12 @@ TEST_CASE("transposed product: bad arguments are typed errors naming the problem
                                "avx512_bf16, got 99"));
   CHECK_THROWS_MATCHES(transposed_product(pm, Matrix<float>::Zero(2, 33)), ShapeError,
                        Message("packed::transposed_product: argument 'dy' has shape [2 x 33], expected [* x 32]"));
+  // no panels: every dx is the empty chain, +0; no columns: nothing to write
+  const PanelMatrix none(Dtype::f32, 5, 0);
+  std::vector<float> dx0(3 * 5, 7.0f);
+  transposed_product(kDefaultIsa, none, dy.data(), 0, 3, dx0.data(), 5);
+  CHECK(std::all_of(dx0.begin(), dx0.end(), [](float v) { return v == 0.0f && !std::signbit(v); }));
+  CHECK(transposed_product(PanelMatrix(Dtype::bf16, 0, 2), Matrix<float>::Ones(3, 64)).size() == 0);
   // rows = 0 writes nothing
   std::fill(dx.begin(), dx.end(), 7.0f);
   transposed_product(Isa::scalar, pm, dy.data(), 32, 0, dx.data(), 64);

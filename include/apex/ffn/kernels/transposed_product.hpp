@@ -30,6 +30,7 @@
 /// exact reference (tests/test_transposed_product.cpp).
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
 
 #include "../core/errors.hpp"
@@ -60,6 +61,41 @@ void unpack_columns(Isa isa, const typename WeightType<T>::Element* codes, const
   unpack_columns_scalar<T>(codes, scales, K, chunk, dst);
 }
 
+/// A chunk reads a few KiB from each panel, a panel's size apart: runs too
+/// short for the hardware prefetchers, each on a page the TLB has not seen
+/// (and a software prefetch that misses the TLB may be dropped). So while
+/// panel p is unpacked, the chunk of panel p + 2·kPrefetchPanels is touched
+/// (one load per range: the page walk) and that of p + kPrefetchPanels is
+/// prefetched into L2 (not L1: when a panel's size is a multiple of 4 KiB
+/// the chunks of all panels fall in the same L1 sets). Measured on cold
+/// weights, one row: f32 1.7× and Q8_0 1.6× faster than without either.
+inline constexpr Index kPrefetchPanels = 2;
+
+/// Touches or prefetches what chunk `chunk` of panel p reads; p past the
+/// last panel is the next chunk's. Never faults: a touch reads a range's
+/// first byte, inside the matrix, and a prefetch's address is formed as an
+/// integer.
+template <Dtype T>
+void prefetch_chunk(const PanelMatrix& pm, Index p, Index chunk, bool touch) {
+#if APEX_PACKED_X86
+  if (pm.panels() == 0) return;
+  chunk += p / pm.panels();
+  p %= pm.panels();
+  if (chunk >= column_chunks(pm.k())) return;
+  chunk_bytes<T>(pm.panel<T>(p), pm.scales(p), chunk, [touch](const std::byte* first, Index n) {
+    if (n == 0) return;
+    if (touch) {
+      (void)*reinterpret_cast<const volatile std::byte*>(first);
+      return;
+    }
+    const std::uintptr_t a = reinterpret_cast<std::uintptr_t>(first);
+    for (Index o = 0; o < n; o += 64) _mm_prefetch(reinterpret_cast<const char*>(a + std::uintptr_t(o)), _MM_HINT_T1);
+  });
+#else
+  (void)pm, (void)p, (void)chunk, (void)touch;
+#endif
+}
+
 /// dx = dy · M for a matrix of type T (arguments checked by the caller).
 template <Dtype T>
 void transposed_product(Isa isa, const PanelMatrix& pm, const float* dy, Index lddy, Index rows, float* dx,
@@ -69,8 +105,13 @@ void transposed_product(Isa isa, const PanelMatrix& pm, const float* dy, Index l
   float* buf = grow(transposed_scratch(),
                     apex::detail::checked_product("packed::transposed_product", "unpacked columns", {O, C}));
   const Index block = rows <= kSmallRows ? rows : kRowBlock;
+  for (Index p = 0; p < 2 * kPrefetchPanels; ++p) prefetch_chunk<T>(pm, p, 0, p >= kPrefetchPanels);
   for (Index j = 0; j < column_chunks(K); ++j) {
-    for (Index p = 0; p < pm.panels(); ++p) unpack_columns<T>(isa, pm.panel<T>(p), pm.scales(p), K, j, buf + p * L * C);
+    for (Index p = 0; p < pm.panels(); ++p) {
+      prefetch_chunk<T>(pm, p + 2 * kPrefetchPanels, j, true);
+      prefetch_chunk<T>(pm, p + kPrefetchPanels, j, false);
+      unpack_columns<T>(isa, pm.panel<T>(p), pm.scales(p), K, j, buf + p * L * C);
+    }
     const Index ncols = std::min(C, K - j * C);
     for (Index r0 = 0; r0 < rows; r0 += block)
       run_panel<Dtype::f32, PlainEpilogue>(isa, buf, nullptr, O, dy + r0 * lddy, lddy, std::min(block, rows - r0),

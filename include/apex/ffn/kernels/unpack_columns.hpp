@@ -58,6 +58,25 @@ struct ChunkFactors {
   alignas(64) float min[kPanelLanes];
 };
 
+/// The byte ranges of one panel's codes and scales that chunk `chunk`
+/// reads, as f(first byte, byte count), for prefetching.
+template <Dtype T, class F>
+void chunk_bytes(const typename WeightType<T>::Element* codes, const std::byte* scales, Index chunk, F&& f) {
+  using W = WeightType<T>;
+  if constexpr (!W::kQuantized) {
+    constexpr Index n = kPanelLanes * kChunkColumns;  // elements (bf16: 2 bytes a weight, in pairs)
+    f(reinterpret_cast<const std::byte*>(codes + chunk * n), n * Index(sizeof(typename W::Element)));
+  } else if constexpr (W::kBlockWeights == kChunkColumns) {
+    f(W::slab(codes, chunk), kPanelLanes * W::kCodeBytes);
+    f(W::area(scales, chunk), kPanelLanes * W::kScaleBytes);
+  } else {  // a K-quant sub-block: its 4-bit codes (Q6_K: and 2-bit parts), the super-block's scales
+    const Index b = chunk / 8, part = chunk % 8;
+    f(W::slab(codes, b) + part * 16 * kPanelLanes, 16 * kPanelLanes);
+    if constexpr (T == Dtype::q6_k) f(W::slab(codes, b) + W::kHighBits + part * 8 * kPanelLanes, 8 * kPanelLanes);
+    f(W::area(scales, b), kPanelLanes * W::kScaleBytes);
+  }
+}
+
 APEX_QUANT_FP_STRICT_BEGIN
 
 /// The integer value of code k (< 32) of lane `lane` in a 32-weight block's
