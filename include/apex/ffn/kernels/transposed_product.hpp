@@ -35,7 +35,6 @@
 
 #include "../core/errors.hpp"
 #include "arch/avx2_unpack_columns.hpp"
-#include "arch/avx512_unpack_columns.hpp"
 #include "fused_expert.hpp"
 #include "unpack_columns.hpp"
 
@@ -49,13 +48,14 @@ inline AlignedArray<float>& transposed_scratch() {
   return s;
 }
 
-/// Chunk `chunk` of one panel on path `isa` (the same bytes on every path).
+/// Chunk `chunk` of one panel on path `isa` (the same bytes on every path):
+/// the AVX2 unpacker on every SIMD path (kernels/arch/avx2_unpack_columns.hpp
+/// says why not AVX-512).
 template <Dtype T>
 void unpack_columns(Isa isa, const typename WeightType<T>::Element* codes, const std::byte* scales, Index K,
                     Index chunk, float* dst) {
 #if APEX_PACKED_X86
-  if (is_avx512(isa)) return unpack_columns512<T>(codes, scales, K, chunk, dst);
-  if (isa == Isa::avx2) return unpack_columns_avx2<T>(codes, scales, K, chunk, dst);
+  if (isa != Isa::scalar) return unpack_columns_avx2<T>(codes, scales, K, chunk, dst);
 #endif
   (void)isa;
   unpack_columns_scalar<T>(codes, scales, K, chunk, dst);

@@ -25,10 +25,10 @@
 ///   Q6_K   (d·float(sc_g))·float(q − 32)
 ///
 /// This is the portable unpacker, reading each code where
-/// kernels/quant_layout.hpp puts it. The SIMD unpackers
-/// (kernels/arch/avx2_unpack_columns.hpp, arch/avx512_unpack_columns.hpp)
-/// move the same codes and apply the same IEEE operations to the same
-/// operands, so every path writes the same bytes (the tests compare them).
+/// kernels/quant_layout.hpp puts it. The SIMD unpacker
+/// (kernels/arch/avx2_unpack_columns.hpp) moves the same codes and applies
+/// the same IEEE operations to the same operands, so every path writes the
+/// same bytes (the tests compare them).
 
 #include <algorithm>
 #include <cstddef>
@@ -50,7 +50,7 @@ constexpr Index column_chunks(Index K) { return (K + kChunkColumns - 1) / kChunk
 namespace detail {
 
 /// Each lane's factors of one chunk of a block format, as the SIMD
-/// unpackers compute them for 8 or 16 lanes at once: w = float(q)·lo for
+/// unpacker computes them for 8 lanes at once: w = float(q)·lo for
 /// c < 16, float(q)·hi for c ≥ 16, minus `min` (Q4_K; zero otherwise).
 struct ChunkFactors {
   alignas(64) float lo[kPanelLanes];
@@ -139,7 +139,7 @@ inline void unpack_q6_k_scalar(const std::byte* codes, const std::byte* scales, 
 
 /// Chunk `chunk` of one panel of type T (codes, scales, reduction length K)
 /// into dst (32 lanes × 32 floats, see the file comment; 64-byte aligned, as
-/// the SIMD unpackers store whole aligned vectors).
+/// the SIMD unpacker stores whole aligned vectors).
 template <Dtype T>
 void unpack_columns_scalar(const typename WeightType<T>::Element* codes, const std::byte* scales, Index K, Index chunk,
                            float* dst) {

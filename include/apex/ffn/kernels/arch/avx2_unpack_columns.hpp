@@ -21,6 +21,12 @@
 /// movement or an exact conversion; those are the scalar path's IEEE
 /// operations on the same operands (fp-contract off: no fma may join
 /// Q4_K's product and difference), so the bytes are the same.
+///
+/// The AVX-512 paths run this unpacker too: the same steps on 16-lane zmm
+/// vectors measured 0-13 % slower on the Zen 4 CPU here (interleaved,
+/// warm). A chunk is bound by its shuffles and its 4 KiB of float stores,
+/// which 512-bit vectors do not make fewer on a core that executes them as
+/// two 256-bit halves.
 
 #include <algorithm>
 #include <cstddef>
