@@ -118,7 +118,8 @@ PanelMatrix make_matrix(Dtype t, Index K, Index panels, Index outputs, unsigned 
         pm.put_row(p, l, block_row<T>(K, seed * 1000 + unsigned(o), extreme).data());
       } else if (extreme) {  // random bits in the K stored elements, the padding left zero
         std::vector<std::byte> row(std::size_t(pm.row_bytes()));
-        for (Index i = 0; i < K * Index(sizeof(typename WeightType<T>::Block)); ++i) row[std::size_t(i)] = std::byte(rng());
+        const Index bytes = K * Index(sizeof(typename WeightType<T>::Block));
+        for (Index i = 0; i < bytes; ++i) row[std::size_t(i)] = std::byte(rng());
         pm.put_row(p, l, row.data());
       } else {
         std::vector<float> w(static_cast<std::size_t>(K));

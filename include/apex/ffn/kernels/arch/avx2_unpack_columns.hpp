@@ -71,8 +71,10 @@ APEX_TARGET_AVX2 inline void q4_k_scale_min8(const std::byte* planes, int j, __m
     return;
   }
   const __m256i hi = load_u8x8(planes + 32 * (j + 4));
-  sc = _mm256_or_si256(_mm256_and_si256(hi, m4), _mm256_slli_epi32(_mm256_srli_epi32(load_u8x8(planes + 32 * (j - 4)), 6), 4));
-  m = _mm256_or_si256(_mm256_srli_epi32(hi, 4), _mm256_slli_epi32(_mm256_srli_epi32(load_u8x8(planes + 32 * j), 6), 4));
+  const __m256i sc_top = _mm256_srli_epi32(load_u8x8(planes + 32 * (j - 4)), 6);  // bits 4, 5 of sc_j
+  const __m256i m_top = _mm256_srli_epi32(load_u8x8(planes + 32 * j), 6);         // bits 4, 5 of m_j
+  sc = _mm256_or_si256(_mm256_and_si256(hi, m4), _mm256_slli_epi32(sc_top, 4));
+  m = _mm256_or_si256(_mm256_srli_epi32(hi, 4), _mm256_slli_epi32(m_top, 4));
 }
 
 /// The factors of chunk `chunk` of a block-format panel, 8 lanes a step.
@@ -104,21 +106,25 @@ APEX_TARGET_AVX2 void chunk_factors_avx2(const std::byte* scales, Index chunk, C
   }
 }
 
+/// The 32-bit words of lanes l0 … l0 + 7 in row `row` of a slab.
+APEX_TARGET_AVX2 inline __m256i slab_words8(const std::byte* slab, Index row, Index l0) {
+  return load32(slab + (row * kPanelLanes + l0) * 4);
+}
+
 /// Code rows 0 … 7 of chunk `chunk`, lanes l0 … l0 + 7 (see the file comment).
 template <Dtype T>
 APEX_TARGET_AVX2 void code_rows_avx2(const std::byte* codes, Index chunk, Index l0, __m256i* rows) {
   using W = WeightType<T>;
-  const auto word_row = [&](const std::byte* base, Index row) { return load32(base + (row * kPanelLanes + l0) * 4); };
   if constexpr (T == Dtype::q8_0) {
-    for (int r = 0; r < 8; ++r) rows[r] = word_row(W::slab(codes, chunk), r);
+    for (int r = 0; r < 8; ++r) rows[r] = slab_words8(W::slab(codes, chunk), r, l0);
   } else if constexpr (T == Dtype::q6_k) {
     const std::byte* slab = W::slab(codes, chunk / 8);
     const Index h = chunk % 8;  // octs 4h … 4h + 3, 2-bit rows 2h, 2h + 1
     for (int r = 0; r < 8; ++r) {
-      const __m256i raw = word_row(slab, 4 * h + r / 2);
+      const __m256i raw = slab_words8(slab, 4 * h + r / 2, l0);
       const __m256i low = r % 2 ? high_nibbles(raw) : low_nibbles(raw);
-      const __m256i two = _mm256_and_si256(_mm256_srli_epi16(word_row(slab + W::kHighBits, 2 * h + r / 4), 2 * (r % 4)),
-                                           _mm256_set1_epi8(3));
+      const __m256i high = slab_words8(slab + W::kHighBits, 2 * h + r / 4, l0);
+      const __m256i two = _mm256_and_si256(_mm256_srli_epi16(high, 2 * (r % 4)), _mm256_set1_epi8(3));
       rows[r] = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(two, 4)), _mm256_set1_epi8(32));
     }
   } else {  // 4-bit codes: Q4_0, MXFP4 (block = chunk), Q4_K (sub-block chunk mod 8)
@@ -127,7 +133,7 @@ APEX_TARGET_AVX2 void code_rows_avx2(const std::byte* codes, Index chunk, Index 
     const __m256i v2 = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3, 4, 6, 8,
                                         12, 0, -1, -2, -3, -4, -6, -8, -12);  // quant::kMxfp4Values
     for (int i = 0; i < 4; ++i) {
-      const __m256i raw = word_row(slab, o0 + i);
+      const __m256i raw = slab_words8(slab, o0 + i, l0);
       for (int half = 0; half < 2; ++half) {
         const __m256i q = half ? high_nibbles(raw) : low_nibbles(raw);
         if constexpr (T == Dtype::q4_0) rows[2 * i + half] = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
