@@ -235,6 +235,33 @@ TEST_CASE("transposed product: dx = dy·M is the fma chain over the stored weigh
   }
 }
 
+TEST_CASE("transposed product: dy rows a multiple of 4 KiB apart (copied apart first) give the same bits",
+          "[transposed][kernels]") {
+  namespace tt = transposed_test;
+  for (const Dtype t : {Dtype::f32, Dtype::q4_0}) {
+    const Index K = t == Dtype::f32 ? 37 : 64, panels = 32, O = 32 * panels;  // O = 1024 floats: 4 KiB
+    const PanelMatrix pm = tt::make_matrix(t, K, panels, O, 21, false);
+    const std::vector<float> m = tt::unpacked(pm);
+    for (const Index lddy : {O, 2 * O}) {
+      std::mt19937 rng(static_cast<unsigned>(lddy));
+      std::normal_distribution<float> normal;
+      std::vector<float> dy(std::size_t(13 * lddy));
+      for (auto& v : dy) v = normal(rng);
+      const std::vector<float> ref = tt::fma_reference(m, O, K, dy, lddy, 13);
+      for (const Isa isa : kAllIsas) {
+        if (!cpu_supports(isa)) continue;  // named by the first test case
+        for (const Index rows : {1, 2, 13}) {
+          CAPTURE(dtype_name(t), lddy, isa_name(isa), rows);
+          bool pad_intact = false;
+          const std::vector<float> dx = tt::run_product(isa, pm, dy, lddy, rows, pad_intact);
+          CHECK(tt::same_bytes(dx.data(), ref.data(), rows * K));
+          CHECK(pad_intact);
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("transposed product: the SIMD column unpacker writes the portable one's bytes on extreme codes and scales",
           "[transposed][kernels]") {
   namespace tt = transposed_test;
