@@ -1,6 +1,6 @@
 // The transposed product dx = dy·M of a packed matrix
 // (kernels/transposed_product.hpp) and its column unpackers
-// (kernels/unpack_columns.hpp, kernels/arch/*_unpack_columns.hpp): on every
+// (kernels/unpack_columns.hpp, kernels/arch/avx2_unpack_columns.hpp): on every
 // type and shape, any row count and every kernel path the CPU has, dx is
 // bit for bit a plain std::fma chain over PanelMatrix::unpack_row's values
 // (so every path gives the scalar path's bits), and close to a double
@@ -174,7 +174,8 @@ bool same_bytes(const float* a, const float* b, Index n) {
   return n == 0 || std::memcmp(a, b, std::size_t(n) * sizeof(float)) == 0;
 }
 
-/// The bits a NaN sentinel leaves in dx's row padding.
+/// A NaN pattern written into dx's row padding before the product, which
+/// must find it unchanged.
 constexpr std::uint32_t kSentinel = 0x7FC0BEEFu;
 
 /// Runs the product on `isa` with row strides past the row lengths and
@@ -183,14 +184,16 @@ constexpr std::uint32_t kSentinel = 0x7FC0BEEFu;
 std::vector<float> run_product(Isa isa, const PanelMatrix& pm, const std::vector<float>& dy, Index lddy, Index rows,
                                bool& pad_intact) {
   const Index K = pm.k(), lddx = K + 5;
-  std::vector<std::uint32_t> dx_bits(std::size_t(rows * lddx), kSentinel);
-  float* dx = reinterpret_cast<float*>(dx_bits.data());
-  transposed_product(isa, pm, dy.data(), lddy, rows, dx, lddx);
+  float sentinel;
+  std::memcpy(&sentinel, &kSentinel, sizeof sentinel);
+  std::vector<float> dx(std::size_t(rows * lddx), sentinel);
+  transposed_product(isa, pm, dy.data(), lddy, rows, dx.data(), lddx);
   std::vector<float> out(std::size_t(rows * K));
   pad_intact = true;
   for (Index r = 0; r < rows; ++r) {
-    std::memcpy(out.data() + r * K, dx + r * lddx, std::size_t(K) * sizeof(float));
-    for (Index c = K; c < lddx; ++c) pad_intact = pad_intact && dx_bits[std::size_t(r * lddx + c)] == kSentinel;
+    const float* row = dx.data() + r * lddx;
+    std::memcpy(out.data() + r * K, row, std::size_t(K) * sizeof(float));
+    for (Index c = K; c < lddx; ++c) pad_intact = pad_intact && same_bytes(row + c, &sentinel, 1);
   }
   return out;
 }
