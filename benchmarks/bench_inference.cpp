@@ -451,7 +451,7 @@ void register_block_formats() {
       }
 }
 
-// gpt-oss's experts (the clamped kind, inference/packed_clamped.hpp) against
+// gpt-oss's experts (the clamped kind, inference/engine/packed_clamped.hpp) against
 // SwiGLU experts on the same packed weights, decode (cold caches): what the
 // kind's extra pass (biases and clamped activation between the gate/up and
 // down passes) costs where time is bytes of weights over bandwidth. One MoE

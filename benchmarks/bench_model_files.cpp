@@ -1,6 +1,6 @@
 // Model files: loading a medium-preset MoE layer (d 2048, f 5504, K 4,
 // S 2) from its pack-once file (map_packed_moe: the expert weights are a
-// mapping, inference/packed_layout_file.hpp) against today's load through
+// mapping, inference/files/pack_once/file.hpp) against today's load through
 // the float loader (load_packed_moe from an F32 file, packing each expert
 // to bf16), the two alternated in one loop; the counter `map_over_float_load`
 // is the ratio (target ≤ 0.01). Both files are in the page cache (warm:
@@ -17,8 +17,8 @@
 // resident pages of it): before the first forward, and after a forward of
 // one token (K = 4 routed experts and the 2 shared ones touched).
 #include <apex/ffn/inference.hpp>
-#include <apex/ffn/inference/packed_layout_file.hpp>
-#include <apex/ffn/inference/packed_load.hpp>
+#include <apex/ffn/inference/files/pack_once/file.hpp>
+#include <apex/ffn/inference/files/checkpoint/load.hpp>
 #include <apex/ffn/io/checkpoint.hpp>
 
 #include <unistd.h>

@@ -10,9 +10,9 @@
 // the time and resident memory of each step, and checks that the mapped
 // pack-once layer computes the loaded layer's bits (docs/model_files.md).
 #include <apex/ffn/inference.hpp>
-#include <apex/ffn/inference/gguf_moe.hpp>
-#include <apex/ffn/inference/gguf_moe_save.hpp>
-#include <apex/ffn/inference/packed_layout_file.hpp>
+#include <apex/ffn/inference/files/gguf/load.hpp>
+#include <apex/ffn/inference/files/gguf/save.hpp>
+#include <apex/ffn/inference/files/pack_once/file.hpp>
 #include <apex/ffn/io/gguf.hpp>
 #include <apex/ffn/moe/moe_ffn.hpp>
 

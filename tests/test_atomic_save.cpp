@@ -1,4 +1,4 @@
-// Atomic saves (io/safetensors/atomic_save.hpp): a save replaces the previous
+// Atomic saves (io/file/atomic_save.hpp): a save replaces the previous
 // checkpoint whole, a failed save (injected at every step) keeps it and
 // leaves no temporary file, an unwritable or missing folder is a FormatError,
 // and the temporary file's name fits the folder's limit whenever the
@@ -137,7 +137,7 @@ TEST_CASE("Saving into an unwritable or missing folder raises FormatError", "[ch
 
 TEST_CASE("A file name of up to 255 bytes saves and loads, leaving no temporary file",
           "[checkpoint][regression][atomic]") {
-  // write_file_atomic (io/safetensors/atomic_save.hpp) named its temporary file
+  // write_file_atomic (io/file/atomic_save.hpp) named its temporary file
   // "." + name + ".tmp.<pid>.<n>", some 20 bytes longer than the target, so
   // a valid 250-byte name failed with FormatError ("File name too long")
   // (issue 17, defect 4). Fixed: where the temporary name would not fit the
@@ -180,7 +180,7 @@ TEST_CASE("Every temporary name fits the folder's limit whenever the target's na
           std::string name;
           while (name.size() + ch.size() <= name_max) {
             name += ch;
-            const std::string tmp = st::detail::temp_name(name, pid, n, name_max);
+            const std::string tmp = io::detail::temp_name(name, pid, n, name_max);
             const std::string kept = tmp.substr(1, tmp.size() - 1 - suffix.size());
             const bool fits_whole = 1 + name.size() + suffix.size() <= name_max;
             const bool ok = tmp.size() <= name_max && tmp.front() == '.' &&

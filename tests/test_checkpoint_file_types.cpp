@@ -1,4 +1,4 @@
-// Checkpoint paths that are no regular file (io/safetensors/posix_file.hpp):
+// Checkpoint paths that are no regular file (io/file/posix_file.hpp):
 // a FIFO without a writer, and every other kind of file on every read path,
 // is a FormatError at once, never a blocked open, with the destination left
 // as it was. Each probe runs under a watchdog that releases a blocked reader.
@@ -97,7 +97,7 @@ double run_with_fifo_watchdog(const std::string& fifo, const std::function<void(
 }  // namespace
 
 TEST_CASE("Loading from a FIFO raises FormatError at once instead of blocking", "[checkpoint][regression][filetype]") {
-  // FileSource (io/safetensors/posix_file.hpp): open(path, O_RDONLY) of a named
+  // FileSource (io/file/posix_file.hpp): open(path, O_RDONLY) of a named
   // pipe waits for a writer before fstat can show it is no regular file, so
   // load_checkpoint on a FIFO blocked forever (issue 17, defect 3). Fixed:
   // the path is opened with O_NONBLOCK, which returns at once, and rejected

@@ -11,7 +11,7 @@
 #include <apex/ffn/moe/families.hpp>
 #include <apex/ffn/layers/ffn_sublayer.hpp>
 #include <apex/ffn/inference.hpp>
-#include <apex/ffn/inference/packed_load.hpp>
+#include <apex/ffn/inference/files/checkpoint/load.hpp>
 #include <apex/ffn/layers/kappa_swiglu.hpp>
 #include <apex/ffn/moe/load_balancer.hpp>
 #include <apex/ffn/moe/moe_ffn.hpp>

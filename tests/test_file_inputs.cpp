@@ -9,7 +9,7 @@
 // that hung or crashed before their fix run in a forked child with a time
 // limit (outcome_isolated), so a returning defect fails its own test.
 #include <apex/ffn/io/checkpoint.hpp>
-#include <apex/ffn/inference/packed_load.hpp>
+#include <apex/ffn/inference/files/checkpoint/load.hpp>
 #include <apex/ffn/moe/moe_ffn.hpp>
 #include <apex/ffn/io/name_maps.hpp>
 #include <apex/ffn/io/sharded_checkpoint.hpp>

@@ -38,7 +38,7 @@ std::string from_hex(const std::string& hex) {
 }
 
 std::string written(const gguf::Writer& w) {
-  safetensors::VectorSink s;
+  io::VectorSink s;
   w.write(s);
   return std::string(s.bytes.begin(), s.bytes.end());
 }

@@ -1,5 +1,5 @@
 // gpt-oss MoE blocks from and to GGUF files (io/gguf_architectures.hpp's
-// `gpt-oss` row, inference/gguf_moe.hpp, gguf_moe_save.hpp): a GptOssMoE
+// `gpt-oss` row, inference/files/gguf/load.hpp, save.hpp): a GptOssMoE
 // round-trips in every storage type to the same bits, with llama.cpp's
 // names, shapes and split gate/up tensors; the packed layer matches the
 // float layer read from the same file within the type's error; the sublayer
@@ -9,8 +9,8 @@
 #include <catch2/catch.hpp>
 
 #include <apex/ffn/inference.hpp>
-#include <apex/ffn/inference/gguf_moe.hpp>
-#include <apex/ffn/inference/gguf_moe_save.hpp>
+#include <apex/ffn/inference/files/gguf/load.hpp>
+#include <apex/ffn/inference/files/gguf/save.hpp>
 #include <apex/ffn/io/gguf.hpp>
 #include <apex/ffn/moe/gpt_oss.hpp>
 

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gguf_bytes.hpp"
@@ -186,11 +187,23 @@ TEST_CASE("gguf paths that are not regular files are refused at once", "[gguf]")
   const std::string fifo = dir / "fifo";
   REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
   const auto t0 = std::chrono::steady_clock::now();
-  for (const std::string& path : {fifo, std::string("/dev/zero"), dir.path.string(), dir / "missing.gguf"}) {
+  // The message names the GGUF reader and the file (the file layer under it
+  // is shared with safetensors, whose name it once gave).
+  const std::vector<std::pair<std::string, std::string>> cases = {{fifo, "is not a regular file"},
+                                                                  {"/dev/zero", "is not a regular file"},
+                                                                  {dir.path.string(), "is not a regular file"},
+                                                                  {dir / "missing.gguf", "cannot open file"}};
+  for (const auto& [path, why] : cases) {
     INFO(path);
     CHECK_THROWS_AS(gguf::File::open(path), FormatError);
+    CHECK_THROWS_WITH(gguf::File::open(path), Catch::StartsWith("gguf: ") && Catch::Contains(why) &&
+                                                  Catch::Contains("'" + path + "'") && !Catch::Contains("safetensors"));
   }
   CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5));
+  // So does a save that cannot create its file.
+  const std::string unsaved = (dir.path / "no-such-folder" / "x.gguf").string();
+  CHECK_THROWS_WITH(gguf::Writer().save(unsaved), Catch::StartsWith("gguf: cannot create a temporary file") &&
+                                                      Catch::Contains("'" + unsaved + "'"));
   const std::string empty = dir / "empty.gguf";
   { std::FILE* f = std::fopen(empty.c_str(), "wb"); std::fclose(f); }
   CHECK_THROWS_WITH(gguf::File::open(empty), Catch::Contains("the magic (4 bytes at offset 0) is past the end of the 0-byte file"));

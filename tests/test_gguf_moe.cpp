@@ -1,5 +1,5 @@
-// MoE layers from and to GGUF files (inference/gguf_moe.hpp,
-// inference/gguf_moe_save.hpp): every architecture of the table in every
+// MoE layers from and to GGUF files (inference/files/gguf/load.hpp,
+// inference/files/gguf/save.hpp): every architecture of the table in every
 // storage type round-trips to the same bits; the packed layer loaded from a
 // file matches the float layer dequantized from the same file within the
 // type's error; F16 experts keep their bits in f16 panels; APEX-1's router and fused shared experts
@@ -8,8 +8,8 @@
 #include <catch2/catch.hpp>
 
 #include <apex/ffn/inference.hpp>
-#include <apex/ffn/inference/gguf_moe.hpp>
-#include <apex/ffn/inference/gguf_moe_save.hpp>
+#include <apex/ffn/inference/files/gguf/load.hpp>
+#include <apex/ffn/inference/files/gguf/save.hpp>
 #include <apex/ffn/io/gguf.hpp>
 #include <apex/ffn/quant/half.hpp>
 

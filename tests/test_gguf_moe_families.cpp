@@ -3,12 +3,12 @@
 // PyTorch code by tools/moe_families.py, or a fresh set from
 // routing_interop.cmake) gives that family's reference block output: the
 // checkpoint is read under the family's names (io/name_maps.hpp), written as
-// the family's llama.cpp architecture (inference/gguf_moe_save.hpp), and read
+// the family's llama.cpp architecture (inference/files/gguf/save.hpp), and read
 // back by load_gguf_moe and load_gguf_moe_float.
 #include <catch2/catch.hpp>
 
-#include <apex/ffn/inference/gguf_moe.hpp>
-#include <apex/ffn/inference/gguf_moe_save.hpp>
+#include <apex/ffn/inference/files/gguf/load.hpp>
+#include <apex/ffn/inference/files/gguf/save.hpp>
 #include <apex/ffn/io/checkpoint.hpp>
 #include <apex/ffn/io/gguf.hpp>
 #include <apex/ffn/io/name_maps.hpp>

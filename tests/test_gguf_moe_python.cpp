@@ -6,7 +6,7 @@
 // APEX_FFN_GGUF_PY_DIR names the script's output folder.
 #include <catch2/catch.hpp>
 
-#include <apex/ffn/inference/gguf_moe.hpp>
+#include <apex/ffn/inference/files/gguf/load.hpp>
 #include <apex/ffn/io/gguf.hpp>
 
 #include <cstdlib>

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include <apex/ffn/inference.hpp>
-#include <apex/ffn/inference/packed_layout_file.hpp>
+#include <apex/ffn/inference/files/pack_once/file.hpp>
 #include <apex/ffn/io/mapped_shards.hpp>
 #include <apex/ffn/io/safetensors.hpp>
 

@@ -1,5 +1,5 @@
 // Memory-mapped packed weights and the pack-once file
-// (inference/packed_layout_file.hpp): a mapped layer computes the owned
+// (inference/files/pack_once/file.hpp): a mapped layer computes the owned
 // layer's bits on every storage type and kernel path, shares its mapping
 // when copied, outlives its path, refuses writes, and a malformed file is a
 // FormatError that leaves the caller's layer as it was.
@@ -18,9 +18,9 @@
 #include <vector>
 
 #include <apex/ffn/inference.hpp>
-#include <apex/ffn/inference/packed_layout_file.hpp>
-#include <apex/ffn/inference/packed_load.hpp>
-#include <apex/ffn/inference/packed_save.hpp>
+#include <apex/ffn/inference/files/pack_once/file.hpp>
+#include <apex/ffn/inference/files/checkpoint/load.hpp>
+#include <apex/ffn/inference/files/checkpoint/save.hpp>
 #include <apex/ffn/layers/kappa_swiglu.hpp>
 
 #include "fixtures.hpp"

@@ -7,7 +7,7 @@
 // layer as it was, whatever the reason (a missing, misshapen, mistyped or
 // unexpected tensor, a NaN bias, another family's file).
 #include <apex/ffn/inference.hpp>
-#include <apex/ffn/inference/packed_load.hpp>
+#include <apex/ffn/inference/files/checkpoint/load.hpp>
 #include <apex/ffn/io/name_maps.hpp>
 #include <apex/ffn/layers/kappa_swiglu.hpp>
 #include <apex/ffn/moe/families.hpp>

@@ -7,7 +7,7 @@
 
 #include <apex/ffn/io/checkpoint.hpp>
 #include <apex/ffn/inference.hpp>
-#include <apex/ffn/inference/packed_load.hpp>
+#include <apex/ffn/inference/files/checkpoint/load.hpp>
 #include <apex/ffn/io/name_maps.hpp>
 #include <apex/ffn/layers/kappa_swiglu.hpp>
 

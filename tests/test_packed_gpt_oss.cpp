@@ -1,5 +1,5 @@
 // gpt-oss's experts on the packed engine, through the expert-kind table
-// (inference/packed_clamped.hpp): PackedMoE<Storage, ClampedSwiGLU<float>> on
+// (inference/engine/packed_clamped.hpp): PackedMoE<Storage, ClampedSwiGLU<float>> on
 // every storage type against the float layer (the same routing, the output
 // within the type's bound) and against the float layer on the packed
 // weights dequantized, the same bits on every kernel path and thread count,
@@ -8,11 +8,11 @@
 #include <catch2/catch.hpp>
 
 #include <apex/ffn/inference.hpp>
-#include <apex/ffn/inference/packed_layout_file.hpp>
-#include <apex/ffn/inference/packed_layout_map.hpp>
-#include <apex/ffn/inference/packed_gpt_oss.hpp>
-#include <apex/ffn/inference/packed_gpt_oss_save.hpp>
-#include <apex/ffn/inference/packed_load.hpp>
+#include <apex/ffn/inference/files/pack_once/file.hpp>
+#include <apex/ffn/inference/files/pack_once/map.hpp>
+#include <apex/ffn/inference/files/gpt_oss/load.hpp>
+#include <apex/ffn/inference/files/gpt_oss/save.hpp>
+#include <apex/ffn/inference/files/checkpoint/load.hpp>
 #include <apex/ffn/io/gpt_oss_checkpoint.hpp>
 #include <apex/ffn/moe/gpt_oss.hpp>
 

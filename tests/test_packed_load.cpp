@@ -1,5 +1,5 @@
 // Packed layers loaded from the checkpoints the training layers save
-// (inference/packed_load.hpp): F32 and BF16 files give the layer that packing
+// (inference/files/checkpoint/load.hpp): F32 and BF16 files give the layer that packing
 // the float layer gives; bad files are typed errors naming the tensor; and a
 // rejected packed load changes nothing and costs little: load_packed_moe
 // (SwiGLU and κ experts), load_packed_swiglu and load_packed_sublayer, fed a
@@ -11,7 +11,7 @@
 
 #include <apex/ffn/io/checkpoint.hpp>
 #include <apex/ffn/inference.hpp>
-#include <apex/ffn/inference/packed_load.hpp>
+#include <apex/ffn/inference/files/checkpoint/load.hpp>
 #include <apex/ffn/layers/kappa_swiglu.hpp>
 
 #include <algorithm>

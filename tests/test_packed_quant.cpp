@@ -8,7 +8,7 @@
 #include <catch2/catch.hpp>
 
 #include <apex/ffn/inference.hpp>
-#include <apex/ffn/inference/packed_load.hpp>
+#include <apex/ffn/inference/files/checkpoint/load.hpp>
 #include <apex/ffn/io/checkpoint.hpp>
 #include <apex/ffn/layers/kappa_swiglu.hpp>
 

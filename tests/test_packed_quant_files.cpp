@@ -1,4 +1,4 @@
-// Quantized checkpoints (inference/packed_save.hpp): a PackedMoE saved with
+// Quantized checkpoints (inference/files/checkpoint/save.hpp): a PackedMoE saved with
 // its experts in their storage types loads back with the same bits — every
 // type, mixed types, κ experts, the sublayer loader — without re-quantizing;
 // a U8 tensor's bytes are ggml's blocks of the float weights; and a file
@@ -8,8 +8,8 @@
 #include <catch2/catch.hpp>
 
 #include <apex/ffn/inference.hpp>
-#include <apex/ffn/inference/packed_load.hpp>
-#include <apex/ffn/inference/packed_save.hpp>
+#include <apex/ffn/inference/files/checkpoint/load.hpp>
+#include <apex/ffn/inference/files/checkpoint/save.hpp>
 #include <apex/ffn/io/checkpoint.hpp>
 #include <apex/ffn/layers/kappa_swiglu.hpp>
 #include <apex/ffn/quant/formats.hpp>

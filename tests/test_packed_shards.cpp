@@ -4,7 +4,7 @@
 // file gives, bit for bit; a bad folder is a typed error naming the problem;
 // opening the folder reads no weight (the shards' resident pages).
 #include <apex/ffn/inference.hpp>
-#include <apex/ffn/inference/packed_load.hpp>
+#include <apex/ffn/inference/files/checkpoint/load.hpp>
 #include <apex/ffn/io/mapped_shards.hpp>
 #include <apex/ffn/io/name_maps.hpp>
 #include <apex/ffn/moe/moe_ffn.hpp>

@@ -7,7 +7,7 @@
 // reference; the SIMD unpacker writes the portable unpacker's bytes on
 // extreme codes and scales; a mapped (read-only) matrix gives the owned
 // one's bits; bad arguments are typed errors naming the problem.
-#include <apex/ffn/io/mapped_file.hpp>
+#include <apex/ffn/io/file/mapped_file.hpp>
 #include <apex/ffn/kernels/transposed_product.hpp>
 
 #include <catch2/catch.hpp>
@@ -327,7 +327,8 @@ TEST_CASE("transposed product: a mapped read-only matrix gives the owned matrix'
       out.write(reinterpret_cast<const char*>(owned.scales_data()), std::streamsize(owned.scales_bytes()));
       out.write(zeros.data(), 64);  // never an empty file, even for an empty scale array
     }
-    const PanelMatrix mapped = PanelMatrix::view(t, K, panels, io::MappedFile::open(path), 0, scales_at, "test", "m");
+    const PanelMatrix mapped =
+        PanelMatrix::view(t, K, panels, io::MappedFile::open("panel file", path), 0, scales_at, "test", "m");
     REQUIRE(mapped.mapped());
     std::mt19937 rng(3);
     std::normal_distribution<float> normal;

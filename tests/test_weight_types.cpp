@@ -2,7 +2,7 @@
 // dispatch, sizes every storage decision reads from it, panels with their
 // (empty) scale arrays, and the loader's dtype list.
 #include <apex/ffn/inference.hpp>
-#include <apex/ffn/inference/packed_read.hpp>
+#include <apex/ffn/inference/files/checkpoint/read.hpp>
 #include <apex/ffn/kernels/fused_expert.hpp>
 
 #include <catch2/catch.hpp>

@@ -46,7 +46,7 @@ inline void exercise_gguf(const std::uint8_t* data, std::size_t size) {
   gguf::Writer w(std::uint32_t(file.alignment()));
   for (const auto& v : file.metadata()) w.set(v.key(), v);
   for (const auto& t : file.tensors()) w.add_tensor(t.name, t.type, t.ne, file.data(t), std::size_t(t.nbytes));
-  safetensors::VectorSink sink;
+  io::VectorSink sink;
   w.write(sink);
   const auto back = gguf::File::from_memory(sink.bytes.data(), sink.bytes.size());
   if (back.metadata() != file.metadata() || back.alignment() != file.alignment())

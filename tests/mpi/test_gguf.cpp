@@ -4,8 +4,8 @@
 // each rank decodes only its own experts' slices (the routed experts read
 // once over all ranks), and a file of another configuration or architecture
 // is the same typed error on every rank with every layer unchanged.
-#include <apex/ffn/inference/gguf_moe.hpp>
-#include <apex/ffn/inference/gguf_moe_save.hpp>
+#include <apex/ffn/inference/files/gguf/load.hpp>
+#include <apex/ffn/inference/files/gguf/save.hpp>
 #include <apex/ffn/io/gguf.hpp>
 #include <apex/ffn/mpi/gguf_checkpoint.hpp>
 

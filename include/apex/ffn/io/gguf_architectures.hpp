@@ -92,7 +92,7 @@ inline constexpr const char* kRmsEps = "attention.layer_norm_rms_epsilon";
 enum class GatingFunc : unsigned { none = 0, softmax = 1, sigmoid = 2, softmax_weight = 3 };
 
 /// What a block's routed experts compute: the loaders' and savers' expert
-/// type must be this one (inference/gguf_expert_kind.hpp maps the types).
+/// type must be this one (inference/files/gguf/expert_kind.hpp maps the types).
 enum class ExpertKind { SwiGLU, ClampedSwiGLU };
 
 inline const char* expert_kind_name(ExpertKind k) {

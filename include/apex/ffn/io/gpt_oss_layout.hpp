@@ -5,7 +5,7 @@
 /// interleaved, OpenAI's MXFP4 form of the expert weights, and the checks of
 /// each tensor's presence, dtype and shape. What the float loader
 /// (io/gpt_oss_checkpoint.hpp) and the packed loader
-/// (inference/packed_gpt_oss.hpp) both read a file through.
+/// (inference/files/gpt_oss/load.hpp) both read a file through.
 
 #include <cmath>
 #include <cstdint>

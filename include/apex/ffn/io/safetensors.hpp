@@ -7,10 +7,11 @@
 ///     bf16.hpp         little-endian bytes, double → float and → bf16 rounding
 ///     codec.hpp        element arrays to and from their stored bytes
 ///     header.hpp       Header, TensorInfo, Metadata, Limits; quote_name, shape_string
-///     bytes.hpp        ByteSource / ByteSink and their in-memory versions
 ///     parse.hpp        the header parser and validator (parse_header, read_header)
-///     posix_file.hpp   FileSource (regular files only, never blocks on open), FdSink
-///     atomic_save.hpp  write_file_atomic (bounded temporary names)
+///     files.hpp        the file layer (io/file/) under the format's names:
+///                      ByteSource / ByteSink and their in-memory versions,
+///                      FileSource (regular files only, never blocks on
+///                      open), write_file_atomic (bounded temporary names)
 ///     reader.hpp       Reader
 ///     writer.hpp       write, save, TensorRef
 ///
@@ -31,13 +32,11 @@
 /// violation throws `FormatError`. The header is parsed and written with
 /// nlohmann/json (a dependency of these headers only).
 
-#include "safetensors/atomic_save.hpp"
 #include "safetensors/element_bits.hpp"
-#include "safetensors/bytes.hpp"
 #include "safetensors/codec.hpp"
 #include "safetensors/dtype.hpp"
+#include "safetensors/files.hpp"
 #include "safetensors/header.hpp"
 #include "safetensors/parse.hpp"
-#include "safetensors/posix_file.hpp"
 #include "safetensors/reader.hpp"
 #include "safetensors/writer.hpp"

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "../core/errors.hpp"
+#include "file/posix_file.hpp"  // io::FileSource
 #include "safetensors.hpp"
 
 namespace apex {
@@ -141,16 +142,17 @@ inline void parse_index_metadata(const std::string& where, const nlohmann::json&
 
 /// The text of a small JSON file of a model folder (an index, a
 /// config.json), read as the safetensors reader opens a shard
-/// (safetensors::FileSource: non-blocking, then fstat on the descriptor),
-/// so a FIFO, device, folder or socket is a FormatError at once instead of
-/// a hang or a read without end, and one larger than
+/// (io::FileSource: non-blocking, then fstat on the descriptor), so a
+/// FIFO, device, folder or socket is a FormatError at once instead of a
+/// hang or a read without end, and one larger than
 /// `limits.max_index_bytes` is refused before a byte is read. Messages
-/// start with `where`; `what` names the file ("the index").
+/// start with `where`, then the file layer's with "json:"; `what` names the
+/// file ("the index").
 inline std::string read_small_file(const std::string& where, const std::string& path, const std::string& what,
                                    const safetensors::Limits& limits) {
   std::string text;
   try {
-    const safetensors::FileSource file(path);
+    const io::FileSource file("json", path);
     if (file.size() > limits.max_index_bytes)
       throw FormatError(what + " has " + std::to_string(file.size()) + " bytes, more than the limit of " +
                         std::to_string(limits.max_index_bytes) + " (Limits::max_index_bytes)");
@@ -199,7 +201,7 @@ inline ShardIndex parse_shard_index(std::string_view text, const std::string& wh
 }
 
 /// Reads and validates the index at `path` (parse_shard_index). The file is
-/// opened as the safetensors reader opens a shard (safetensors::FileSource:
+/// opened as the safetensors reader opens a shard (io::FileSource:
 /// non-blocking, then fstat on the descriptor), so a FIFO, device, folder
 /// or socket is a FormatError at once instead of a hang or a read without
 /// end, and one larger than `limits.max_index_bytes` is refused before a

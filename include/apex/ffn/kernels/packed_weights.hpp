@@ -67,7 +67,7 @@ inline std::string dtypes_name(ExpertDtypes t) {
 /// One SwiGLU expert, y = (SiLU(x·W_gateᵀ) ⊙ x·W_upᵀ)·W_downᵀ, packed.
 /// Immutable once built: to follow changed float weights, pack again. The
 /// weights are owned, or read-only views into a mapped pack-once file
-/// (from_panels; inference/packed_layout_file.hpp), which copies share.
+/// (from_panels; inference/files/pack_once/file.hpp), which copies share.
 class PackedExpert {
  public:
   /// Number of hidden units per gate/up panel (the other 16 lanes are up).

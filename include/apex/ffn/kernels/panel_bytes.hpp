@@ -2,11 +2,12 @@
 /// \file kernels/panel_bytes.hpp
 /// `PanelBytes`: the bytes of a panel matrix's codes or scales, either owned
 /// (a zeroed, 64-byte aligned heap array, kernels/aligned_array.hpp) or a
-/// read-only view of 64-byte aligned bytes inside a memory-mapped file
-/// (io/mapped_file.hpp), kept alive by a shared pointer to the mapping.
+/// read-only view of 64-byte aligned bytes inside a memory mapping
+/// (core/mapped_bytes.hpp: a mapped file, io/file/mapped_file.hpp), kept
+/// alive by a shared pointer to the mapping. The kernels name no file type.
 ///
 /// Exists so that a layer saved in the library's panel order (the pack-once
-/// file, inference/packed_layout_file.hpp) computes from the page cache
+/// file, inference/files/pack_once/file.hpp) computes from the page cache
 /// without a copy: a kernel asks for `data()` and cannot tell the two kinds
 /// apart, so every kernel path runs unchanged on mapped weights.
 ///
@@ -26,7 +27,7 @@
 
 #include "../core/errors.hpp"
 #include "../core/types.hpp"
-#include "../io/mapped_file.hpp"
+#include "../core/mapped_bytes.hpp"
 #include "aligned_array.hpp"
 
 namespace apex::packed {
@@ -40,10 +41,11 @@ class PanelBytes {
   /// n zeroed, owned bytes.
   explicit PanelBytes(Index n) : owned_(n), n_(n) {}
 
-  /// The n bytes at `offset` of `file`, without a copy. FormatError naming
-  /// `where`, `what` and the file if they are not all inside it or do not
-  /// start on a 64-byte boundary (the kernels' aligned loads need one).
-  static PanelBytes view(std::shared_ptr<const io::MappedFile> file, std::uint64_t offset, Index n,
+  /// The n bytes at `offset` of the mapping `file`, without a copy.
+  /// FormatError naming `where`, `what` and the file if they are not all
+  /// inside it or do not start on a 64-byte boundary (the kernels' aligned
+  /// loads need one).
+  static PanelBytes view(std::shared_ptr<const MappedBytes> file, std::uint64_t offset, Index n,
                          const std::string& where, const std::string& what) {
     if (!file) throw ConfigError(where + ": no mapping given for " + what);
     const std::uint64_t size = file->size();
@@ -67,7 +69,7 @@ class PanelBytes {
   /// True for a view into a mapping.
   bool mapped() const { return file_ != nullptr; }
   /// The mapping a view holds (null for owned bytes).
-  const std::shared_ptr<const io::MappedFile>& mapping() const { return file_; }
+  const std::shared_ptr<const MappedBytes>& mapping() const { return file_; }
 
   /// The bytes for writing: owned only. ConfigError naming `where` for a
   /// view (read-only; call to_owned() first if a copy is what you want).
@@ -90,7 +92,7 @@ class PanelBytes {
   detail::AlignedArray<std::byte> owned_;
   const std::byte* view_ = nullptr;  // into *file_, when mapped
   Index n_ = 0;
-  std::shared_ptr<const io::MappedFile> file_;
+  std::shared_ptr<const MappedBytes> file_;
 };
 
 }  // namespace apex::packed

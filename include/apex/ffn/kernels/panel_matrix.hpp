@@ -50,7 +50,7 @@ class PanelMatrix {
   /// `scales_offset`, each 64-byte aligned (FormatError naming `where` and
   /// `what` otherwise, or if a range is past the file's end). No byte is
   /// read or copied; the matrix holds the mapping.
-  static PanelMatrix view(Dtype dtype, Index k, Index panels, const std::shared_ptr<const io::MappedFile>& file,
+  static PanelMatrix view(Dtype dtype, Index k, Index panels, const std::shared_ptr<const MappedBytes>& file,
                           std::uint64_t codes_offset, std::uint64_t scales_offset, const std::string& where,
                           const std::string& what) {
     PanelMatrix m(Geometry{}, dtype, k, panels);
@@ -71,7 +71,7 @@ class PanelMatrix {
   /// True if the bytes are a view into a mapped file (mutators then throw).
   bool mapped() const { return codes_.mapped() || scales_.mapped(); }
   /// The mapping a mapped matrix holds (null for owned storage).
-  const std::shared_ptr<const io::MappedFile>& mapping() const { return codes_.mapping(); }
+  const std::shared_ptr<const MappedBytes>& mapping() const { return codes_.mapping(); }
   /// The same matrix in owned storage (a copy of a mapped one's bytes).
   PanelMatrix to_owned() const {
     PanelMatrix m = *this;

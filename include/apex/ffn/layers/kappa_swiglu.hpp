@@ -36,7 +36,7 @@
 
 #include "activations.hpp"
 #include "../core/errors.hpp"
-#include "../moe/expert_contract.hpp"
+#include "expert_side_input.hpp"
 #include "../core/init.hpp"
 #include "kappa_activation.hpp"
 #include "kappa_options.hpp"

@@ -60,21 +60,9 @@
 #include "../core/init.hpp"
 #include "../core/param.hpp"
 #include "../core/types.hpp"
+#include "../layers/expert_side_input.hpp"  // NoSideInput, RouterLogitInput
 
 namespace apex {
-
-/// \name Per-pair side inputs an expert may declare as `using SideInput = …`
-/// The dispatch gathers the side input into sorted order before the experts
-/// run and scatters its gradient back after (moe/dispatch.hpp).
-///@{
-/// The expert reads its rows of x only (the default).
-struct NoSideInput {};
-/// The expert also reads, per row, the raw router logit ℓ[t, e] of its own
-/// expert e for the row's token t, and returns ∂L/∂ℓ, which reaches the
-/// router's weights and x (docs/math.md#kappa-swiglu).
-struct RouterLogitInput {};
-///@}
-
 namespace detail::expert {
 
 template <class E, class = void>

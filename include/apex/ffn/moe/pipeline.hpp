@@ -9,7 +9,7 @@
 /// routing on the float router, the capacity rule's weights, the shared
 /// gate, the fixed-order combine and their backward — is here. The runners:
 ///  - MoEFFN (moe/local_runner.hpp): every expert local, blocks in plan order;
-///  - PackedMoE (inference/packed_runner.hpp): local packed experts, forward only;
+///  - PackedMoE (inference/engine/packed_runner.hpp): local packed experts, forward only;
 ///  - ExpertParallelMoE (mpi/exchange_runner.hpp): rows to the experts'
 ///    owners and back, the owners running moe/local_experts.hpp.
 ///

@@ -1,6 +1,6 @@
 #pragma once
 /// \file mpi/gguf_checkpoint.hpp
-/// An MoE block of a llama.cpp GGUF model file (inference/gguf_moe.hpp) into
+/// An MoE block of a llama.cpp GGUF model file (inference/files/gguf/load.hpp) into
 /// the expert-parallel layer, each rank decoding only what it holds: the
 /// replicated router, selection bias (`exp_probs_b`), shared expert and
 /// shared gate, and its own experts' slices of the 3-D `ffn_{gate,up,down}_exps`
@@ -9,7 +9,7 @@
 /// file mapped (gguf::File::open), a rank's pages of the other experts are
 /// never touched.
 ///
-/// The checks are load_gguf_moe_float's (inference/gguf_moe_check.hpp plan:
+/// The checks are load_gguf_moe_float's (inference/files/gguf/check.hpp plan:
 /// architecture, keys, tensors, types, shapes), except the whole-layer memory
 /// check — a rank holds its share, already allocated. Then the layer the file
 /// implies must be this layer: d_model, d_ffn, n_experts, n_active, the
@@ -36,7 +36,7 @@
 
 #include "../core/errors.hpp"
 #include "../core/param.hpp"
-#include "../inference/gguf_moe.hpp"
+#include "../inference/files/gguf/load.hpp"
 #include "../io/gguf.hpp"
 #include "expert_parallel_moe.hpp"
 

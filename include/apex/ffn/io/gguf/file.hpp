@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "../../core/errors.hpp"
-#include "../mapped_file.hpp"
+#include "../file/mapped_file.hpp"
 #include "parse.hpp"
 
 namespace apex {
@@ -33,7 +33,7 @@ class File {
   /// a regular file (a FIFO, device or folder is refused at once, never
   /// waited on) or the file is not valid GGUF; nothing stays open then.
   static File open(const std::string& path, const Limits& limits = {}) {
-    auto map = io::MappedFile::open(path);
+    auto map = io::MappedFile::open("gguf", path);
     return File(map, map->data(), map->size(), map->description(), limits);
   }
 

@@ -25,8 +25,8 @@
 #include <vector>
 
 #include "../../core/errors.hpp"
-#include "../safetensors/atomic_save.hpp"
-#include "../safetensors/bytes.hpp"
+#include "../file/atomic_save.hpp"
+#include "../file/bytes.hpp"
 #include "parse.hpp"
 #include "types.hpp"
 #include "value.hpp"
@@ -116,7 +116,7 @@ class Writer {
 
   /// Writes the file: header, metadata, tensor infos, zeros to the
   /// alignment, then each tensor followed by zeros to the alignment.
-  void write(safetensors::ByteSink& sink) const {
+  void write(io::ByteSink& sink) const {
     Out out{sink};
     out.raw("GGUF", 4);
     out.u32(3);
@@ -144,16 +144,16 @@ class Writer {
   }
 
   /// Writes the file to `path` atomically (temporary file, fsync, rename:
-  /// io/safetensors/atomic_save.hpp); on failure `path` is untouched.
+  /// io/file/atomic_save.hpp); on failure `path` is untouched.
   void save(const std::string& path) const {
-    safetensors::write_file_atomic(path, [this](safetensors::ByteSink& s) { write(s); });
+    io::write_file_atomic("gguf", path, [this](io::ByteSink& s) { write(s); });
   }
 
   std::uint32_t alignment() const { return alignment_; }
 
  private:
   struct Out {
-    safetensors::ByteSink& sink;
+    io::ByteSink& sink;
     std::uint64_t written = 0;
     void raw(const void* p, std::size_t n) {
       if (n) sink.write(p, n);

@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "../../core/errors.hpp"
+#include "../file/bytes.hpp"
 #include "element_bits.hpp"
 #include "dtype.hpp"
 
@@ -20,8 +21,8 @@ namespace apex {
 namespace safetensors {
 namespace detail {
 
-/// Chunk size of every bounded read and write buffer (a multiple of 8).
-inline constexpr std::size_t kChunkBytes = std::size_t(1) << 16;
+/// Chunk size of every bounded read and write buffer (io/file/bytes.hpp).
+using io::detail::kChunkBytes;
 
 /// Decodes `count` little-endian elements of `dtype` (F32, F64 or BF16) into
 /// `out`; FormatError for any other dtype (it came from a file).

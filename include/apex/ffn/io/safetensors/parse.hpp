@@ -26,7 +26,7 @@
 
 #include "../../core/errors.hpp"
 #include "element_bits.hpp"
-#include "bytes.hpp"
+#include "files.hpp"
 #include "dtype.hpp"
 #include "header.hpp"
 

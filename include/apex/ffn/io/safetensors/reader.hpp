@@ -19,12 +19,11 @@
 
 #include "../../core/errors.hpp"
 #include "../../core/types.hpp"
-#include "../mapped_file.hpp"
-#include "bytes.hpp"
+#include "../file/mapped_file.hpp"
 #include "codec.hpp"
 #include "header.hpp"
+#include "files.hpp"
 #include "parse.hpp"
-#include "posix_file.hpp"
 
 namespace apex {
 namespace safetensors {
@@ -43,12 +42,12 @@ class Reader {
     return Reader(std::make_unique<MemorySource>(data, size), limits);
   }
 
-  /// Maps `path` read-only (io/mapped_file.hpp) and validates it: the
+  /// Maps `path` read-only (io/file/mapped_file.hpp) and validates it: the
   /// header is read out of the mapping, tensors are not read at all until
   /// asked for, and mapped_bytes() hands out a tensor's bytes without a copy.
   /// FormatError as the constructor (a FIFO or device at once).
   static Reader map(const std::string& path, const Limits& limits = {}) {
-    return Reader(std::make_unique<io::MappedSource>(path), limits);
+    return Reader(std::make_unique<io::MappedSource>("safetensors", path), limits);
   }
 
   /// The mapping under this reader (null unless it was opened by map() or

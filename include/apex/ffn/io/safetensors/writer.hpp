@@ -18,11 +18,10 @@
 #include <vector>
 
 #include "../../core/errors.hpp"
-#include "atomic_save.hpp"
 #include "element_bits.hpp"
-#include "bytes.hpp"
 #include "codec.hpp"
 #include "dtype.hpp"
+#include "files.hpp"
 #include "header.hpp"
 
 namespace apex {
