@@ -22,6 +22,7 @@
 
 #include "bits.hpp"
 #include "fixtures.hpp"
+#include "sweep.hpp"
 #include "temp_dir.hpp"
 
 using namespace apex;
@@ -243,6 +244,31 @@ TEST_CASE("gguf_moe: mixed types, the sublayer with ffn_norm, APEX-1 as deepseek
                     ConfigError);  // qwen3moe renormalises, OLMoE does not
     CHECK(dir.entries() == 0);
   }
+}
+
+TEST_CASE("gguf_moe: save options that no F32 or uint32 key holds are refused naming the option",
+          "[gguf_moe][regression]") {
+  // inference/gguf_moe_save.hpp wrote options.rms_eps as float(NaN) (and
+  // 1e39 as +inf, undefined as a conversion); check_options refuses them.
+  test::TempDir dir;
+  const std::string path = (dir.path / "eps.gguf").string();
+  const MoEFFN<float> layer(arch_config(MoEFamily::Qwen3MoE), 3);
+  auto save_with = [&](double eps, Index block) {
+    GgufSaveOptions o = at_block();
+    o.rms_eps = eps, o.layer = block;
+    return test::outcome([&] { save_gguf_moe(path, layer, packed::Dtype::f32, o); });
+  };
+  const char* positive = "must be finite, > 0 and a positive float";
+  test::expect(save_with(std::numeric_limits<double>::quiet_NaN(), kBlock), "ConfigError",
+               {"save_gguf_moe", "options.rms_eps", positive, "got nan"});
+  test::expect(save_with(1e39, kBlock), "ConfigError", {"options.rms_eps", positive, "got 1e+39"});
+  test::expect(save_with(0.0, kBlock), "ConfigError", {"options.rms_eps", "got 0"});
+  test::expect(save_with(-1e-6, kBlock), "ConfigError", {"options.rms_eps", "got -1e-06"});
+  test::expect(save_with(1e-6, -1), "ConfigError", {"options.layer", "got -1"});
+  test::expect(save_with(1e-6, Index(1) << 32), "ConfigError", {"options.layer", "uint32", "got 4294967296"});
+  CHECK(dir.entries() == 0);
+  CHECK(save_with(1e-6, kBlock) == "returned");  // the ordinary options still save
+  CHECK(dir.entries() == 1);
 }
 
 TEST_CASE("gguf_moe: F16 experts load into f16 panels with the file's bits", "[gguf_moe]") {

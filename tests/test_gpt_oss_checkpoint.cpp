@@ -392,4 +392,16 @@ TEST_CASE("gpt-oss config.json: the published 20b and 120b configs", "[gpt_oss][
                                                  "\"intermediate_size\": 8, \"num_local_experts\": 2, "
                                                  "\"num_experts_per_tok\": 3, \"num_hidden_layers\": 1}")); }),
          "ConfigError", {"read_gpt_oss_config"});
+  // Regression: swiglu_alpha 1e39 (+inf in float) and rms_norm_eps -5 were
+  // read as they were (io/hf_config.hpp's positive_float_or refuses them).
+  const std::string positive = "must be finite, > 0 and a positive float";
+  expect(outcome([&] { read_gpt_oss_config(write(config_text(32, 24, ", \"swiglu_alpha\": 1e39"))); }), "ConfigError",
+         {"read_gpt_oss_config", "'swiglu_alpha'", positive, "got 1e+39"});
+  std::string eps_minus_5 = config_text(32, 24, "");
+  eps_minus_5.replace(eps_minus_5.find("\"rms_norm_eps\": 1e-05"), 21, "\"rms_norm_eps\": -5");
+  expect(outcome([&] { parse_gpt_oss_config(eps_minus_5, "t"); }), "ConfigError",
+         {"'rms_norm_eps'", positive, "got -5"});
+  std::string limit_0 = config_text(32, 24, "");
+  limit_0.replace(limit_0.find("\"swiglu_limit\": 7.0"), 19, "\"swiglu_limit\": 0");
+  expect(outcome([&] { parse_gpt_oss_config(limit_0, "t"); }), "ConfigError", {"'swiglu_limit'", positive, "got 0"});
 }
