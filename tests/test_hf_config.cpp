@@ -17,6 +17,8 @@
 #include <string>
 
 #include "families.hpp"
+#include "fuzz/fuzz_config.hpp"
+#include "fuzz/replay.hpp"
 #include "gradcheck.hpp"
 #include "sweep.hpp"
 #include "temp_dir.hpp"
@@ -213,4 +215,22 @@ TEST_CASE("a Hugging Face folder opens from its config.json and shards alone", "
   load_family_checkpoint(src, ref, MoEFamily::Qwen3MoE, prefix, fixture_file);
   const Matrix<double> x = apex::test::random_matrix(5, want.d_model, 3, 1.0);
   CHECK(got.forward(x) == ref.forward(x));
+}
+
+TEST_CASE("config.json fuzz corpus and regression inputs replay safely", "[hf_config][fuzz]") {
+  // Each input of tests/fuzz/corpus_config/ and regressions_config/ through
+  // the fuzz target's own body (fuzz_config.hpp), in a forked child, so an
+  // input that crashed a reader fails its case, not the run: it gives a
+  // configuration the float layers accept or throws an apex::Error.
+  namespace fs = std::filesystem;
+  const std::size_t files = fuzz::for_each_committed_input(
+      fs::path(__FILE__).parent_path(), {"fuzz/corpus_config", "fuzz/regressions_config"},
+      [](const fs::path& path, const std::string& bytes) {
+        INFO(path.string());
+        const std::string got = apex::test::outcome_isolated(
+            [&] { fuzz::exercise_config(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size()); });
+        INFO(got);
+        CHECK((got == "returned" || got.rfind("FormatError: ", 0) == 0 || got.rfind("ConfigError: ", 0) == 0));
+      });
+  CHECK(files >= 7);
 }
