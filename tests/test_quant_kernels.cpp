@@ -401,7 +401,7 @@ namespace {
 void ramp_block(float a, Index B, float* w) {
   for (Index i = 0; i < B; ++i) w[i] = a * (float((i % 7) - 3) / 3.0f);
 }
-float from_bits(std::uint32_t u) {
+float float_of_bits(std::uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
@@ -436,11 +436,11 @@ TEST_CASE("block formats: a block beyond the format's range is refused when pack
     CAPTURE(dtype_name(b.t));
     const Index B = block_of(b.t), d = 2 * B, f = B;
     const Matrix<float> wu = Matrix<float>::Constant(f, d, 0.5f), wd = Matrix<float>::Constant(d, f, 0.5f);
-    const PackedExpert ok(gate_with_block(from_bits(b.ok), B), wu, wd, b.t);
+    const PackedExpert ok(gate_with_block(float_of_bits(b.ok), B), wu, wd, b.t);
     CHECK(ok.w_gate().allFinite());
-    CHECK(ok.w_gate()(2, B) == Approx(-from_bits(b.ok)).epsilon(0.05));  // −a, held
+    CHECK(ok.w_gate()(2, B) == Approx(-float_of_bits(b.ok)).epsilon(0.05));  // −a, held
     const std::string got =
-        test::outcome([&] { (void)PackedExpert(gate_with_block(from_bits(b.refused), B), wu, wd, b.t); });
+        test::outcome([&] { (void)PackedExpert(gate_with_block(float_of_bits(b.refused), B), wu, wd, b.t); });
     test::expect(got, "ValueError",
                  {"PackedExpert: w_gate row 2: packing weights as " + std::string(dtype_name(b.t)) +
                       ": block 1 (weights " + std::to_string(B) + ".." + std::to_string(2 * B - 1) + ")",
@@ -471,6 +471,16 @@ TEST_CASE("block formats: a block beyond the format's range is refused when pack
   h.pack_row(0, 0, row.data());
   row[5] = 65520.0f;
   test::expect(test::outcome([&] { h.pack_row(0, 0, row.data()); }), "ValueError", {"beyond the binary16 range"});
+  // bf16 storage turned a finite weight past its range into Inf; now the same rule: 0x7F7F7FFF rounds to the
+  // largest bf16, 0x7F7F8000 (the halfway point, a tie to even) to Inf.
+  PanelMatrix b16(Dtype::bf16, 32, 1);
+  std::vector<float> wide(32, -float_of_bits(0x7F7F7FFFu));
+  b16.pack_row(0, 0, wide.data());
+  b16.unpack_row(0, 0, back.data());
+  CHECK(back[0] == -float_of_bits(0x7F7F0000u));
+  wide[9] = -float_of_bits(0x7F7F8000u);
+  test::expect(test::outcome([&] { b16.pack_row(0, 0, wide.data()); }), "ValueError",
+               {"packed bf16: weight -3.39615e+38 at k = 9 is beyond the bfloat16 range"});
 }
 
 TEST_CASE("block formats: file blocks whose values would not be finite are refused as they move in",
