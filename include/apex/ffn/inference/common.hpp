@@ -150,5 +150,13 @@ auto for_expert(const std::string& where, const char* expert, Index index, Fn&& 
   }
 }
 
+/// The SwiGLU weights `m` of expert `index` packed in `types`: for_expert
+/// around PackedExpert, as PackedMoE::from packs (`which`: "expert", "shared expert").
+template <class Swiglu>
+packed::PackedExpert pack_expert(const char* which, std::size_t index, const Swiglu& m, packed::ExpertDtypes types) {
+  return for_expert("PackedMoE::from", which, Index(index),
+                    [&] { return packed::PackedExpert(m.w_gate(), m.w_up(), m.w_down(), types); });
+}
+
 }  // namespace detail::inference
 }  // namespace apex

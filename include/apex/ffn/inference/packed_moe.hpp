@@ -93,22 +93,19 @@ class PackedMoE {
   /// `types` (bf16: rounded to nearest even; block formats: ggml's reference
   /// quantizers). ConfigError if the packed layer would not fit in physical
   /// memory (core/memory_budget.hpp), or if a width is not whole blocks of
-  /// its type; ValueError for a weight its type cannot hold (for_expert).
+  /// its type; ValueError for a weight its type cannot hold (pack_expert).
   static PackedMoE from(const Source& src, const PackedTypes& types = kDtype) {
     const MoEConfig& cfg = src.config();
     check_fits("PackedMoE::from", cfg, 0, types);
     std::vector<packed::PackedExpert> experts, shared;
     std::vector<Extra> extras;
     experts.reserve(std::size_t(cfg.n_experts));
-    const auto pack = [&](const char* which, std::size_t i, const SwiGLU<float>& m, packed::ExpertDtypes t) {
-      return detail::inference::for_expert("PackedMoE::from", which, Index(i),
-                                           [&] { return packed::PackedExpert(m.w_gate(), m.w_up(), m.w_down(), t); });
-    };
     for (const auto& e : src.experts()) {
-      experts.push_back(pack("expert", experts.size(), Kind::weights(e), types.routed));
+      experts.push_back(detail::inference::pack_expert("expert", experts.size(), Kind::weights(e), types.routed));
       if constexpr (kHasExtra) extras.push_back(Kind::extra(e));
     }
-    for (const auto& s : src.shared_experts()) shared.push_back(pack("shared expert", shared.size(), s, types.shared));
+    for (const auto& s : src.shared_experts())
+      shared.push_back(detail::inference::pack_expert("shared expert", shared.size(), s, types.shared));
     PackedMoE out(cfg, src.router().weight(), src.balancer().bias(), std::move(experts), std::move(extras),
                   std::move(shared), src.shared_gate_weight());
     if (cfg.router_bias) out.set_logit_bias(src.router().logit_bias());
