@@ -480,7 +480,7 @@ TEST_CASE("block formats: a block beyond the format's range is refused when pack
   CHECK(back[0] == -float_of_bits(0x7F7F0000u));
   wide[9] = -float_of_bits(0x7F7F8000u);
   test::expect(test::outcome([&] { b16.pack_row(0, 0, wide.data()); }), "ValueError",
-               {"packed bf16: weight -3.39615e+38 at k = 9 is beyond the bfloat16 range"});
+               {"packed bf16: weight -3.39618e+38 at k = 9 is beyond the bfloat16 range"});
 }
 
 TEST_CASE("block formats: file blocks whose values would not be finite are refused as they move in",

@@ -44,7 +44,7 @@ struct WeightType<Dtype::f32> {
 
 /// bf16 weights (round to nearest even, NaN kept): panel[(k/2)·64 +
 /// lane·2 + k mod 2], the two k of a pair in one 32-bit lane. A finite
-/// weight that rounds to ±Inf (|w| ≥ 3.39615e+38, halfway past the largest
+/// weight that rounds to ±Inf (|w| ≥ 3.3961775e+38, halfway past the largest
 /// bf16) is a ValueError, as for f16: packing never turns a weight into
 /// infinity.
 template <>
@@ -69,7 +69,8 @@ struct WeightType<Dtype::bf16> {
       const bf16 v = to_bf16(w[k]);
       if (std::isfinite(w[k]) && (v.bits & 0x7FFFu) == 0x7F80u)
         throw ValueError("packed bf16: weight " + apex::detail::number(w[k]) + " at k = " + std::to_string(k) +
-                         " is beyond the bfloat16 range (|w| < 3.39615e+38); store this matrix as f32");
+                         " is beyond the bfloat16 range (|w| < 3.3961775e+38, halfway past the largest bf16); "
+                         "store this matrix as f32");
       panel[offset(k, lane)] = v;
     }
   }
