@@ -22,6 +22,7 @@
 
 #include "bits.hpp"
 #include "fixtures.hpp"
+#include "sweep.hpp"
 #include "temp_dir.hpp"
 
 using namespace apex;
@@ -245,6 +246,31 @@ TEST_CASE("gguf_moe: mixed types, the sublayer with ffn_norm, APEX-1 as deepseek
   }
 }
 
+TEST_CASE("gguf_moe: save options that no F32 or uint32 key holds are refused naming the option",
+          "[gguf_moe][regression]") {
+  // inference/files/gguf/save.hpp wrote options.rms_eps as float(NaN) (and
+  // 1e39 as +inf, undefined as a conversion); check_options refuses them.
+  test::TempDir dir;
+  const std::string path = (dir.path / "eps.gguf").string();
+  const MoEFFN<float> layer(arch_config(MoEFamily::Qwen3MoE), 3);
+  auto save_with = [&](double eps, Index block) {
+    GgufSaveOptions o = at_block();
+    o.rms_eps = eps, o.layer = block;
+    return test::outcome([&] { save_gguf_moe(path, layer, packed::Dtype::f32, o); });
+  };
+  const char* positive = "must be finite, > 0 and a positive float";
+  test::expect(save_with(std::numeric_limits<double>::quiet_NaN(), kBlock), "ConfigError",
+               {"save_gguf_moe", "options.rms_eps", positive, "got nan"});
+  test::expect(save_with(1e39, kBlock), "ConfigError", {"options.rms_eps", positive, "got 1e+39"});
+  test::expect(save_with(0.0, kBlock), "ConfigError", {"options.rms_eps", "got 0"});
+  test::expect(save_with(-1e-6, kBlock), "ConfigError", {"options.rms_eps", "got -1e-06"});
+  test::expect(save_with(1e-6, -1), "ConfigError", {"options.layer", "got -1"});
+  test::expect(save_with(1e-6, Index(1) << 32), "ConfigError", {"options.layer", "uint32", "got 4294967296"});
+  CHECK(dir.entries() == 0);
+  CHECK(save_with(1e-6, kBlock) == "returned");  // the ordinary options still save
+  CHECK(dir.entries() == 1);
+}
+
 TEST_CASE("gguf_moe: F16 experts load into f16 panels with the file's bits", "[gguf_moe]") {
   test::TempDir dir;
   const MoEFFN<float> moe = arch_layer(MoEFamily::Mixtral, 21);
@@ -397,4 +423,46 @@ TEST_CASE("gguf_moe: bad files are typed errors that leave the destination uncha
     rewrite(good, bad, Edit{});
     CHECK_THROWS_AS(load_gguf_sublayer(gguf::File::open(bad), kBlock), FormatError);
   }
+}
+
+TEST_CASE("gguf_moe: expert blocks whose values would not be finite are refused, naming the expert and block",
+          "[gguf_moe][regression]") {
+  // load_gguf_moe moved every expert block into panels as it was: an MXFP4
+  // block of exponent 254 with code ±4 (4·2^126 = 2^128) or a Q8_0 block of
+  // fp16 scale Inf gave a layer whose outputs were Inf or NaN. The blocks are
+  // checked as they move (the scale-range rule, docs/quantized_formats.md).
+  test::TempDir dir;
+  const std::string good = dir / "good.gguf", bad = dir / "bad.gguf";
+  const MoEFFN<float> moe = arch_layer(MoEFamily::Qwen3MoE, 44);
+  // Block 2 of row 0 of expert 1's gate (ne [d, f, E]: rows e·f …), set by `edit`.
+  const auto edited = [&](packed::Dtype t, std::size_t block_bytes, const std::function<void(unsigned char*)>& edit) {
+    save_gguf_moe(good, moe, t, at_block());
+    Edit e;
+    e.tensor = [&](gguf::TensorInfo& info, std::vector<unsigned char>& bytes) {
+      if (info.name == blk("ffn_gate_exps.weight"))
+        edit(bytes.data() + (1 * kF) * (kD / 32) * block_bytes + 2 * block_bytes);
+      return true;
+    };
+    rewrite(good, bad, e);
+    return test::outcome([&] { (void)load_gguf_moe(gguf::File::open(bad), kBlock); });
+  };
+  const auto mxfp4 = [](std::uint8_t e, std::uint8_t code) {
+    return [e, code](unsigned char* b) {
+      b[0] = e;
+      std::memset(b + 1, 0, 16);          // codes 0 …
+      b[1 + 9] = std::uint8_t(8 + code);  // … but one weight −v
+    };
+  };
+  CHECK(edited(packed::Dtype::mxfp4, 17, mxfp4(254, 3)) == "returned");  // 3·2^126: finite
+  test::expect(edited(packed::Dtype::mxfp4, 17, mxfp4(254, 4)), "ValueError",
+               {"load_gguf_moe(",
+                "expert 1: PackedExpert::from_file_rows: gate row 0: block 2 of a mxfp4 row: its E8M0 "
+                "exponent e = 254",
+                "overflows float"});
+  test::expect(edited(packed::Dtype::mxfp4, 17, mxfp4(255, 2)), "ValueError", {"expert 1", "e = 255"});
+  const auto q8_scale = [](std::uint16_t bits) { return [bits](unsigned char* b) { std::memcpy(b, &bits, 2); }; };
+  CHECK(edited(packed::Dtype::q8_0, 34, q8_scale(0x7BFF)) == "returned");
+  test::expect(
+      edited(packed::Dtype::q8_0, 34, q8_scale(0x7C00)), "ValueError",
+      {"expert 1: PackedExpert::from_file_rows: gate row 0: block 2 of a q8_0 row: its scale d = inf in fp16"});
 }

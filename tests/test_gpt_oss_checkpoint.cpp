@@ -20,6 +20,8 @@
 #include <vector>
 
 #include "families.hpp"
+#include "fuzz/fuzz_gpt_oss.hpp"
+#include "fuzz/replay.hpp"
 #include "sweep.hpp"
 #include "temp_dir.hpp"
 
@@ -392,4 +394,39 @@ TEST_CASE("gpt-oss config.json: the published 20b and 120b configs", "[gpt_oss][
                                                  "\"intermediate_size\": 8, \"num_local_experts\": 2, "
                                                  "\"num_experts_per_tok\": 3, \"num_hidden_layers\": 1}")); }),
          "ConfigError", {"read_gpt_oss_config"});
+  // Regression: swiglu_alpha 1e39 (+inf in float) and rms_norm_eps -5 were
+  // read as they were (io/hf_config.hpp's positive_float_or refuses them).
+  const std::string positive = "must be finite, > 0 and a positive float";
+  expect(outcome([&] { read_gpt_oss_config(write(config_text(32, 24, ", \"swiglu_alpha\": 1e39"))); }), "ConfigError",
+         {"read_gpt_oss_config", "'swiglu_alpha'", positive, "got 1e+39"});
+  std::string eps_minus_5 = config_text(32, 24, "");
+  eps_minus_5.replace(eps_minus_5.find("\"rms_norm_eps\": 1e-05"), 21, "\"rms_norm_eps\": -5");
+  expect(outcome([&] { parse_gpt_oss_config(eps_minus_5, "t"); }), "ConfigError",
+         {"'rms_norm_eps'", positive, "got -5"});
+  std::string limit_0 = config_text(32, 24, "");
+  limit_0.replace(limit_0.find("\"swiglu_limit\": 7.0"), 19, "\"swiglu_limit\": 0");
+  expect(outcome([&] { parse_gpt_oss_config(limit_0, "t"); }), "ConfigError", {"'swiglu_limit'", positive, "got 0"});
+}
+
+TEST_CASE("gpt-oss checkpoint fuzz corpus and regression inputs replay safely", "[gpt_oss][checkpoint][fuzz]") {
+  // Each input of tests/fuzz/corpus_gpt_oss/ and regressions_gpt_oss/
+  // through the fuzz target's own body (fuzz_gpt_oss.hpp), in this process
+  // (a forward opens OpenMP teams, which a forked child cannot): it loads
+  // (finite weights, a forward runs) or throws an apex::Error that leaves
+  // the layer as it was. The seeds are valid checkpoints and load.
+  namespace fs = std::filesystem;
+  const std::size_t files = fuzz::for_each_committed_input(
+      fs::path(__FILE__).parent_path(), {"fuzz/corpus_gpt_oss", "fuzz/regressions_gpt_oss"},
+      [](const fs::path& path, const std::string& bytes) {
+        INFO(path.string());
+        bool accepted = false;
+        const auto* data = reinterpret_cast<const std::uint8_t*>(bytes.data());
+        const std::string got = apex::test::outcome([&] { accepted = fuzz::exercise_gpt_oss(data, bytes.size()); });
+        INFO(got);
+        const bool typed = got.rfind("FormatError: ", 0) == 0 || got.rfind("ConfigError: ", 0) == 0 ||
+                           got.rfind("ShapeError: ", 0) == 0 || got.rfind("ValueError: ", 0) == 0;
+        CHECK((got == "returned" || typed));
+        if (path.parent_path().filename() == "corpus_gpt_oss") CHECK((got == "returned" && accepted));
+      });
+  CHECK(files >= 2);
 }

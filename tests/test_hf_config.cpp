@@ -13,9 +13,12 @@
 #include <sys/stat.h>
 
 #include <fstream>
+#include <limits>
 #include <string>
 
 #include "families.hpp"
+#include "fuzz/fuzz_config.hpp"
+#include "fuzz/replay.hpp"
 #include "gradcheck.hpp"
 #include "sweep.hpp"
 #include "temp_dir.hpp"
@@ -147,6 +150,46 @@ TEST_CASE("malformed and unsupported config.json are typed errors naming the key
                      {"read_hf_config", "cannot open"});
 }
 
+TEST_CASE("config.json values a layer cannot compute with are ConfigErrors naming the key", "[hf_config][regression]") {
+  // io/hf_config.hpp multiplied n_shared_experts by moe_intermediate_size as
+  // Index (signed overflow, undefined; in practice a wrapped width) and took
+  // rms_norm_eps -1 or 0 and routed_scaling_factor 1e39 (+inf in float) as
+  // they were. The product is checked_product's, the floats positive_float_or's.
+  auto deepseek = [](const std::string& shared, const std::string& width, const std::string& extra) {
+    return R"({"model_type": "deepseek_v3", "hidden_size": 64, "num_hidden_layers": 2, "moe_intermediate_size": )" +
+           width + R"(, "n_routed_experts": 16, "num_experts_per_tok": 4, "n_shared_experts": )" + shared +
+           R"(, "n_group": 4, "topk_group": 2)" + extra + "}";
+  };
+  auto bad = [](std::string text) { return [text] { (void)parse_hf_config(text, "cfg"); }; };
+  const std::string p40 = "1099511627776", p24 = "16777216";  // 2^40, 2^24
+  const std::vector<std::string> shared_keys = {"cfg", "n_shared_experts x moe_intermediate_size",
+                                                "does not fit in a 64-bit index"};
+  const std::vector<std::string> positive = {"must be finite, > 0 and a positive float"};
+  auto with = [](std::vector<std::string> a, std::vector<std::string> b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+  apex::test::run_sweep({
+      {"2^40 shared experts of width 2^40", bad(deepseek(p40, p40, "")), "ConfigError", shared_keys},
+      {"2^24 shared experts of width 2^40", bad(deepseek(p24, p40, "")), "ConfigError", shared_keys},
+      {"rms_norm_eps -1", bad(deepseek("1", "16", R"(, "rms_norm_eps": -1)")), "ConfigError",
+       with({"cfg", "'rms_norm_eps'", "got -1"}, positive)},
+      {"rms_norm_eps 0", bad(deepseek("1", "16", R"(, "rms_norm_eps": 0)")), "ConfigError",
+       with({"'rms_norm_eps'", "got 0"}, positive)},
+      {"rms_norm_eps 1e-50 (0 in float)", bad(deepseek("1", "16", R"(, "rms_norm_eps": 1e-50)")), "ConfigError",
+       with({"'rms_norm_eps'", "got 1e-50"}, positive)},
+      {"routed_scaling_factor 1e39", bad(deepseek("1", "16", R"(, "routed_scaling_factor": 1e39)")), "ConfigError",
+       with({"'routed_scaling_factor'", "got 1e+39", "3.40282e+38"}, positive)},
+      {"routed_scaling_factor -2", bad(deepseek("1", "16", R"(, "routed_scaling_factor": -2)")), "ConfigError",
+       with({"'routed_scaling_factor'", "got -2"}, positive)},
+  });
+  // The largest float itself is a float, and 2^20 experts of width 2^40 fit.
+  const HfModelConfig edge =
+      hf_parse(deepseek(std::to_string(1 << 20), p40, R"(, "routed_scaling_factor": 3.4028234663852886e38)"));
+  CHECK(edge.moe.shared_ffn() == (Index(1) << 60));
+  CHECK(edge.moe.routing.routed_scale == double(std::numeric_limits<float>::max()));
+}
+
 TEST_CASE("a Hugging Face folder opens from its config.json and shards alone", "[hf_config][sharded]") {
   // The fixtures' Qwen3-MoE layer, with a config.json written from its shapes.
   const auto kData = std::filesystem::path(__FILE__).parent_path() / "data";
@@ -172,4 +215,22 @@ TEST_CASE("a Hugging Face folder opens from its config.json and shards alone", "
   load_family_checkpoint(src, ref, MoEFamily::Qwen3MoE, prefix, fixture_file);
   const Matrix<double> x = apex::test::random_matrix(5, want.d_model, 3, 1.0);
   CHECK(got.forward(x) == ref.forward(x));
+}
+
+TEST_CASE("config.json fuzz corpus and regression inputs replay safely", "[hf_config][fuzz]") {
+  // Each input of tests/fuzz/corpus_config/ and regressions_config/ through
+  // the fuzz target's own body (fuzz_config.hpp), in a forked child, so an
+  // input that crashed a reader fails its case, not the run: it gives a
+  // configuration the float layers accept or throws an apex::Error.
+  namespace fs = std::filesystem;
+  const std::size_t files = fuzz::for_each_committed_input(
+      fs::path(__FILE__).parent_path(), {"fuzz/corpus_config", "fuzz/regressions_config"},
+      [](const fs::path& path, const std::string& bytes) {
+        INFO(path.string());
+        const std::string got = apex::test::outcome_isolated(
+            [&] { fuzz::exercise_config(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size()); });
+        INFO(got);
+        CHECK((got == "returned" || got.rfind("FormatError: ", 0) == 0 || got.rfind("ConfigError: ", 0) == 0));
+      });
+  CHECK(files >= 7);
 }

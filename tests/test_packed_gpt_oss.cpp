@@ -17,11 +17,13 @@
 #include <apex/ffn/moe/gpt_oss.hpp>
 
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
 #include "fixtures.hpp"
 #include "packed_layers.hpp"
+#include "sweep.hpp"
 #include "temp_dir.hpp"
 
 using namespace apex;
@@ -326,4 +328,55 @@ TEST_CASE("gpt-oss packed layers save under Hugging Face's names: MXFP4 as publi
       MoEFFN<float, ClampedSwiGLU<float>>(test::moe_config(4, 2, 0, 32, 32), 1));
   CHECK_THROWS_CONTAINING(save_packed_gpt_oss(dir / "x.safetensors", plain), ConfigError, "router_bias");
   CHECK(!std::filesystem::exists(dir / "x.safetensors"));
+}
+
+TEST_CASE("gpt-oss MXFP4 blocks beyond float are refused by the packed loader as by the float loader",
+          "[inference][gpt_oss][mxfp4][regression]") {
+  // inference/files/gpt_oss/load.hpp refused E8M0 code 255 only: a block of
+  // scale 254 and FP4 6.0 (6·2^127, beyond float) loaded into MXFP4 panels
+  // and gave non-finite outputs, while the float loader refused it. Both
+  // now run io/gpt_oss_layout.hpp's gpt_oss_block.
+  const MoEConfig cfg = gpt_oss_moe(32, 32, 2, 1);
+  const auto packed =
+      PackedMoE<packed::mxfp4, ClampedSwiGLU<float>>::from(GptOssMoE<float>(cfg, 41), packed::Dtype::mxfp4);
+  test::TempDir dir;
+  const std::string path = (dir.path / "oss.safetensors").string();
+  // Block [1, 3, 0] of gate_up (expert 1, output row 3, input block 0): scale `scale`, every code `code`.
+  const auto write_with = [&](std::uint8_t scale, std::uint8_t code) {
+    save_packed_gpt_oss(path, packed);
+    const safetensors::Reader file(path);
+    const auto& blocks = file.at("mlp.experts.gate_up_proj_blocks");  // E × 2f × 1 × 16
+    const auto& scales = file.at("mlp.experts.gate_up_proj_scales");  // E × 2f × 1
+    const std::uint64_t block = 1 * 64 + 3, base = file.header().data_offset();
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(std::streamoff(base + scales.begin + block));
+    f.put(char(scale));
+    f.seekp(std::streamoff(base + blocks.begin + block * 16));
+    for (int j = 0; j < 16; ++j) f.put(char(code | code << 4));
+  };
+  const auto packed_load = [&](packed::Dtype t) {
+    PackedLoadOptions o;
+    o.types = PackedTypes(t);
+    return test::outcome([&] { (void)load_packed_gpt_oss<packed::mxfp4>(path, cfg, o); });
+  };
+  const auto float_load = [&] {
+    GptOssMoE<float> moe(cfg, 0);
+    return test::outcome([&] { load_gpt_oss_checkpoint(path, moe); });
+  };
+  const std::vector<std::string> names = {"tensor 'mlp.experts.gate_up_proj_scales' holds E8M0 code 254",
+                                          "at [1, 3, 0]", "would not be finite"};
+  write_with(254, 7);  // FP4 code 7 is 6.0: 6·2^127
+  test::expect(packed_load(packed::Dtype::mxfp4), "ValueError", names);
+  test::expect(packed_load(packed::Dtype::bf16), "ValueError", names);
+  test::expect(float_load(), "ValueError", names);
+  write_with(254, 0x3);  // FP4 1.5: 1.5·2^127, the largest finite value at 254
+  CHECK(packed_load(packed::Dtype::mxfp4) == "returned");
+  CHECK(float_load() == "returned");
+  write_with(253, 5);  // FP4 3.0: 3·2^126
+  CHECK(packed_load(packed::Dtype::mxfp4) == "returned");
+  write_with(253, 6);  // FP4 4.0: 4·2^126 = 2^128
+  test::expect(packed_load(packed::Dtype::mxfp4), "ValueError", {"E8M0 code 253", "at [1, 3, 0]"});
+  write_with(255, 0);  // NaN in OCP MX, whatever the codes
+  test::expect(packed_load(packed::Dtype::mxfp4), "ValueError", {"E8M0 code 255 (NaN)", "at [1, 3, 0]"});
+  test::expect(float_load(), "ValueError", {"E8M0 code 255 (NaN)", "at [1, 3, 0]"});
 }

@@ -15,6 +15,7 @@
 #include <apex/ffn/layers/kappa_swiglu.hpp>
 
 #include <algorithm>
+#include <filesystem>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -24,6 +25,8 @@
 
 #include "bits.hpp"
 #include "fixtures.hpp"
+#include "fuzz/fuzz_packed.hpp"
+#include "fuzz/replay.hpp"
 #include "packed_layers.hpp"
 #include "sweep.hpp"
 #include "tensor_files.hpp"
@@ -381,4 +384,27 @@ TEST_CASE("packed loaders reject bad files with typed errors", "[inference][chec
     nan_expert.experts()[0].w_down()(0, 0) = std::numeric_limits<float>::quiet_NaN();
     CHECK_NOTHROW(load_packed_moe<bf16>(reader(save(nan_expert, safetensors::DType::BF16)), cfg));
   }
+}
+
+TEST_CASE("packed-layout fuzz corpus and regression inputs replay safely", "[inference][fuzz]") {
+  // Each input of tests/fuzz/corpus_packed/ and regressions_packed/ through
+  // the fuzz target's own body (fuzz_packed.hpp), in this process (a packed
+  // forward opens OpenMP teams, which a forked child cannot): it opens
+  // through both packed readers and runs a forward, or throws an
+  // apex::Error. The seeds are valid files of one reader or the other.
+  namespace fs = std::filesystem;
+  const std::size_t files = fuzz::for_each_committed_input(
+      fs::path(__FILE__).parent_path(), {"fuzz/corpus_packed", "fuzz/regressions_packed"},
+      [](const fs::path& path, const std::string& bytes) {
+        INFO(path.string());
+        int accepted = 0;
+        const auto* data = reinterpret_cast<const std::uint8_t*>(bytes.data());
+        const std::string got = apex::test::outcome([&] { accepted = fuzz::exercise_packed(data, bytes.size()); });
+        INFO(got);
+        const bool typed = got.rfind("FormatError: ", 0) == 0 || got.rfind("ConfigError: ", 0) == 0 ||
+                           got.rfind("ShapeError: ", 0) == 0 || got.rfind("ValueError: ", 0) == 0;
+        CHECK((got == "returned" || typed));
+        if (path.parent_path().filename() == "corpus_packed") CHECK((got == "returned" && accepted == 1));
+      });
+  CHECK(files >= 6);
 }

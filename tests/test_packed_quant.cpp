@@ -9,14 +9,18 @@
 
 #include <apex/ffn/inference.hpp>
 #include <apex/ffn/inference/files/checkpoint/load.hpp>
+#include <apex/ffn/inference/files/checkpoint/save.hpp>
 #include <apex/ffn/io/checkpoint.hpp>
 #include <apex/ffn/layers/kappa_swiglu.hpp>
 
+#include <fstream>
 #include <string>
 #include <vector>
 
 #include "fixtures.hpp"
 #include "packed_layers.hpp"
+#include "sweep.hpp"
+#include "temp_dir.hpp"
 
 using namespace apex;
 using apex::test::bitwise_equal;
@@ -159,4 +163,46 @@ TEST_CASE("block formats refuse widths that are not whole blocks, before reading
   CHECK_THROWS_CONTAINING(PackedMoE<packed::q4_k>::weight_bytes(moe.config()), ConfigError, "q4_k block");
   SwiGLU<float> dense(40, 64, 34);  // d = 40: gate/up rows are not whole blocks of 32
   CHECK_THROWS_CONTAINING(PackedSwiGLU<packed::mxfp4>::from(dense), ConfigError, "reduction length 40");
+}
+
+TEST_CASE("PackedMoE::from refuses a block beyond its format's range, naming the expert, row and block",
+          "[inference][quant][errors][regression]") {
+  // Finite weights of magnitude 1e7 packed as Q8_0 had a block scale beyond
+  // fp16 (d = 1e7/127 → Inf): the packed layer's output was Inf where the
+  // float layer's was finite. The pack is refused instead.
+  MoEFFN<float> moe(test::moe_config(4, 2, 1, 64, 32), 35);  // d = 64, f = 32
+  moe.experts()[2].w_gate()(5, 40) = 1e7f;                   // row 5, block 1
+  const std::string got = test::outcome([&] { (void)PackedMoE<packed::q8_0>::from(moe); });
+  test::expect(
+      got, "ValueError",
+      {"PackedMoE::from: expert 2: PackedExpert: w_gate row 5: packing weights as q8_0: block 1 (weights 32..63) "
+       "of a row has largest |w| = 1e+07, beyond the format's range: its scale d = inf in fp16"});
+  CHECK_NOTHROW(PackedMoE<float>::from(moe));  // f32 and bf16 hold it
+  CHECK_NOTHROW(PackedMoE<packed::bf16>::from(moe));
+  moe.experts()[2].w_gate()(5, 40) = 0.5f;
+  moe.shared_experts()[0].w_down()(1, 0) = -3e5f;  // Q4_0: 3e5 / 8 fits fp16, 6e5 / 8 does not
+  CHECK_NOTHROW(PackedMoE<packed::q4_0>::from(moe));
+  moe.shared_experts()[0].w_down()(1, 0) = -6e5f;
+  test::expect(test::outcome([&] { (void)PackedMoE<packed::q4_0>::from(moe); }), "ValueError",
+               {"PackedMoE::from: shared expert 0: PackedExpert: w_down row 1: packing weights as q4_0: block 0"});
+  // The packed loaders name the expert's tensors too.
+  const auto bytes = checkpoint_bytes(moe.param_values());
+  test::expect(test::outcome([&] { (void)load_packed_moe<packed::q4_0>(test::reader(bytes), moe.config()); }),
+               "ValueError", {"expert 'shared_experts.0.'", "w_down row 1", "block 0"});
+  // A quantized checkpoint's block whose fp16 scale is Inf is refused as it moves in, not loaded.
+  moe.shared_experts()[0].w_down()(1, 0) = 0.5f;
+  test::TempDir dir;
+  const std::string path = (dir.path / "q8.safetensors").string();
+  save_packed_moe(path, PackedMoE<packed::q8_0>::from(moe));
+  {
+    const safetensors::Reader file(path);
+    const auto& t = file.at("experts.1.w_up.weight");  // U8 [f, d/32 · 34]: block 1 of row 2
+    const std::uint16_t inf = 0x7C00;
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(std::streamoff(file.header().data_offset() + t.begin + 2 * (64 / 32 * 34) + 34));
+    f.write(reinterpret_cast<const char*>(&inf), 2);
+  }
+  test::expect(test::outcome([&] { (void)load_packed_moe<packed::q8_0>(path, moe.config()); }), "ValueError",
+               {"expert 'experts.1.': PackedExpert::from_file_rows: up row 2: block 1 of a q8_0 row: its scale d = "
+                "inf in fp16"});
 }

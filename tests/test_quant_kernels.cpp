@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "gradcheck.hpp"
+#include "sweep.hpp"
 
 using namespace apex;
 using namespace apex::packed;
@@ -393,3 +394,168 @@ TEST_CASE("activation quantizers: the vector step takes ordinary blocks and hand
   CHECK_FALSE(packed::detail::quantize_q8_k_block_avx2(xk.row(7).data(), q, &d));  // −127/denorm overflows
 }
 #endif
+
+namespace {
+/// w[i] = a·((i mod 7) − 3)/3 for one block of B: ±a, ±2a/3, ±a/3, 0 (the
+/// fixed vector of the scale-range boundaries below).
+void ramp_block(float a, Index B, float* w) {
+  for (Index i = 0; i < B; ++i) w[i] = a * (float((i % 7) - 3) / 3.0f);
+}
+float float_of_bits(std::uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+/// A B × 2B gate matrix whose row 2, block 1 is ramp_block(a), the rest small.
+Matrix<float> gate_with_block(float a, Index B) {
+  Matrix<float> w = Matrix<float>::Constant(B, 2 * B, 0.25f);  // f × d, f = B
+  ramp_block(a, B, w.row(2).data() + B);
+  return w;
+}
+}  // namespace
+
+TEST_CASE("block formats: a block beyond the format's range is refused when packed, naming the row and block",
+          "[quant][errors][regression]") {
+  // kernels/quant_types.hpp packed finite weights whose block scale left
+  // fp16's range (Q8_0 from |w| ≈ 8.3e6: d = 65520 → Inf) into panels whose
+  // outputs were Inf or NaN, and Q4_K/Q6_K blocks of |w| ≳ 1e13 (whose
+  // search's sums overflow) as zeros. BlockFormat::check_range refuses them.
+  // The boundaries are ggml's quantizers' on ramp_block: the largest a whose
+  // stored scales are finite, and the next float.
+  struct Bound {
+    Dtype t;
+    std::uint32_t ok, refused;  // float bits
+    const char* scale;
+  };
+  const Bound bounds[] = {
+      {Dtype::q8_0, 0x4afdf01fu, 0x4afdf020u, "its scale d = inf in fp16"},     // 8321039.5, 8321040
+      {Dtype::q4_0, 0x48ffefffu, 0x48fff000u, "its scale d = inf in fp16"},     // 524159.97, 524160
+      {Dtype::q4_k, 0x4a812c8eu, 0x4a812c8fu, "its scale dmin = inf in fp16"},  // 4232775, 4232775.5
+      {Dtype::q6_k, 0x4d7c15bau, 0x4d7c15bbu, "its scale d = inf in fp16"}};    // 264330144, 264330160
+  for (const Bound& b : bounds) {
+    CAPTURE(dtype_name(b.t));
+    const Index B = block_of(b.t), d = 2 * B, f = B;
+    const Matrix<float> wu = Matrix<float>::Constant(f, d, 0.5f), wd = Matrix<float>::Constant(d, f, 0.5f);
+    const PackedExpert ok(gate_with_block(float_of_bits(b.ok), B), wu, wd, b.t);
+    CHECK(ok.w_gate().allFinite());
+    CHECK(ok.w_gate()(2, B) == Approx(-float_of_bits(b.ok)).epsilon(0.05));  // −a, held
+    const std::string got =
+        test::outcome([&] { (void)PackedExpert(gate_with_block(float_of_bits(b.refused), B), wu, wd, b.t); });
+    test::expect(got, "ValueError",
+                 {"PackedExpert: w_gate row 2: packing weights as " + std::string(dtype_name(b.t)) +
+                      ": block 1 (weights " + std::to_string(B) + ".." + std::to_string(2 * B - 1) + ")",
+                  "beyond the format's range", b.scale, "values would not be finite"});
+  }
+  // K-quants above 2^32: refused before the search (Q6_K gave a zero block for 1e13).
+  for (const Dtype t : {Dtype::q4_k, Dtype::q6_k}) {
+    CAPTURE(dtype_name(t));
+    Matrix<float> w = Matrix<float>::Constant(1, 256, 0.0f);
+    ramp_block(1e13f, 256, w.data());
+    PanelMatrix pm(t, 256, 1);
+    test::expect(test::outcome([&] { pm.pack_row(0, 0, w.data()); }), "ValueError",
+                 {"block 0", "no finite scale of the format reaches it"});
+    ramp_block(4294967296.0f, 256, w.data());
+    test::expect(test::outcome([&] { pm.pack_row(0, 0, w.data()); }), "ValueError", {"largest |w| = 4.29497e+09"});
+  }
+  // MXFP4: no finite float row leaves its range (e ≤ 252 up to the largest float).
+  Matrix<float> top(1, 32);
+  ramp_block(std::numeric_limits<float>::max(), 32, top.data());
+  PanelMatrix mx(Dtype::mxfp4, 32, 1);
+  mx.pack_row(0, 0, top.data());
+  std::vector<float> back(32);
+  mx.unpack_row(0, 0, back.data());
+  for (float v : back) CHECK(std::isfinite(v));
+  // f16 storage: the same rule per weight (|w| ≥ 65520 becomes Inf), as before.
+  PanelMatrix h(Dtype::f16, 32, 1);
+  std::vector<float> row(32, 65519.99f);
+  h.pack_row(0, 0, row.data());
+  row[5] = 65520.0f;
+  test::expect(test::outcome([&] { h.pack_row(0, 0, row.data()); }), "ValueError", {"beyond the binary16 range"});
+  // bf16 storage turned a finite weight past its range into Inf; now the same rule: 0x7F7F7FFF rounds to the
+  // largest bf16, 0x7F7F8000 (the halfway point, a tie to even) to Inf.
+  PanelMatrix b16(Dtype::bf16, 32, 1);
+  std::vector<float> wide(32, -float_of_bits(0x7F7F7FFFu));
+  b16.pack_row(0, 0, wide.data());
+  b16.unpack_row(0, 0, back.data());
+  CHECK(back[0] == -float_of_bits(0x7F7F0000u));
+  wide[9] = -float_of_bits(0x7F7F8000u);
+  test::expect(test::outcome([&] { b16.pack_row(0, 0, wide.data()); }), "ValueError",
+               {"packed bf16: weight -3.39618e+38 at k = 9 is beyond the bfloat16 range"});
+}
+
+TEST_CASE("block formats: file blocks whose values would not be finite are refused as they move in",
+          "[quant][errors][regression]") {
+  // PanelMatrix::put_row moved any bytes: a GGUF or quantized-checkpoint
+  // block with an fp16 scale of Inf or NaN, or an MXFP4 exponent whose
+  // largest code overflows float, gave non-finite outputs.
+  const auto put = [](Dtype t, const void* block) {
+    return test::outcome([&] {
+      PanelMatrix pm(t, block_of(t), 1);
+      pm.put_row(0, 0, static_cast<const std::byte*>(block));
+    });
+  };
+  for (const Dtype t : {Dtype::q8_0, Dtype::q4_0, Dtype::q6_k, Dtype::q4_k}) {
+    CAPTURE(dtype_name(t));
+    // The block's bytes: zero codes and scales; d (and Q4_K's dmin) set below.
+    std::vector<unsigned char> blk(
+        visit_dtype(t, [](auto tag) { return sizeof(typename WeightType<decltype(tag)::value>::Block); }));
+    const std::size_t d_at = t == Dtype::q6_k ? blk.size() - 2 : 0;  // Q6_K's d is its last field
+    const auto with_d = [&](std::uint16_t bits, std::size_t at) {
+      std::vector<unsigned char> b = blk;
+      std::memcpy(b.data() + at, &bits, 2);
+      return b;
+    };
+    CHECK(put(t, with_d(0x7BFF, d_at).data()) == "returned");  // 65504, the largest half
+    test::expect(
+        put(t, with_d(0x7C00, d_at).data()), "ValueError",
+        {"block 0 of a " + std::string(dtype_name(t)) + " row: its scale d = inf in fp16", "would not be finite"});
+    test::expect(put(t, with_d(0x7E00, d_at).data()), "ValueError", {"its scale d = nan in fp16"});
+    if (t == Dtype::q4_k)
+      test::expect(put(t, with_d(0xFC00, 2).data()), "ValueError", {"its scale dmin = -inf in fp16"});
+  }
+  // MXFP4: 2^(e−128)·v for the doubled E2M1 value v; the last finite code of each top exponent, then the next.
+  struct Case {
+    std::uint8_t e, ok_code, bad_code;  // codes: v = 6 (code 5), 8 (6); 3 (3), 4 (4); 1 (1), 2 (2)
+  };
+  for (const Case c : {Case{253, 5, 6}, Case{254, 3, 4}, Case{255, 1, 2}}) {
+    CAPTURE(int(c.e));
+    quant::BlockMXFP4 b{};
+    b.e = c.e;
+    b.qs[7] = std::uint8_t(c.ok_code | (8 + c.ok_code) << 4);  // +v and −v
+    CHECK(put(Dtype::mxfp4, &b) == "returned");
+    CHECK(quant::mxfp4_block_finite(b));
+    b.qs[3] = std::uint8_t(8 + c.bad_code);  // −v: the sign does not matter
+    CHECK_FALSE(quant::mxfp4_block_finite(b));
+    test::expect(put(Dtype::mxfp4, &b), "ValueError",
+                 {"block 0 of a mxfp4 row: its E8M0 exponent e = " + std::to_string(c.e), "overflows float"});
+  }
+}
+
+TEST_CASE("packing checks shapes before values, the same for every type", "[quant][errors][regression]") {
+  // PackedExpert made Q4_K/Q6_K panels (ConfigError: reduction length)
+  // before it compared the three shapes, while Q8_0 reported the shape; and
+  // a block format's pack_row read the values before the row length. The
+  // order is docs/error_model.md#order-of-checks: shapes (ShapeError), then
+  // sizes for the type (ConfigError), then values (ValueError).
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  // d = 64: not whole K-quant blocks
+  Matrix<float> g = Matrix<float>::Ones(32, 64), u_bad = Matrix<float>::Ones(31, 64);
+  const Matrix<float> u = Matrix<float>::Ones(32, 64), dn = Matrix<float>::Ones(64, 32);
+  g(0, 0) = nan;
+  for (const Dtype t :
+       {Dtype::f32, Dtype::bf16, Dtype::f16, Dtype::q8_0, Dtype::q4_0, Dtype::mxfp4, Dtype::q4_k, Dtype::q6_k}) {
+    CAPTURE(dtype_name(t));
+    test::expect(test::outcome([&] { (void)PackedExpert(g, u_bad, dn, t); }), "ShapeError",
+                 {"PackedExpert: argument 'w_up' has shape [31 x 64], expected [32 x 64]"});
+    const std::string sizes_then_values = test::outcome([&] { (void)PackedExpert(g, u, dn, t); });
+    if (t == Dtype::q4_k || t == Dtype::q6_k)
+      test::expect(sizes_then_values, "ConfigError", {"reduction length 64 is not a multiple of 256"});
+    else if (visit_dtype(t, [](auto tag) { return WeightType<decltype(tag)::value>::kQuantized; }))
+      test::expect(sizes_then_values, "ValueError", {"PackedExpert: w_gate row 0: packing weights as", "is nan"});
+  }
+  std::vector<float> w(33, 1.0f);
+  w[0] = nan;
+  std::vector<std::byte> codes(4096), scales(4096);
+  test::expect(test::outcome([&] { WeightType<Dtype::q8_0>::pack_row(w.data(), 33, 0, codes.data(), scales.data()); }),
+               "ConfigError", {"reduction length 33 is not a multiple of 32"});
+}

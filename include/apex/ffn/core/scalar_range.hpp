@@ -7,6 +7,8 @@
 /// layer is built (docs/error_model.md#exceptions). One helper for every
 /// config: KappaOptions, RoutingConfig, MoEConfig, SkipGateConfig, RMSNorm's
 /// ε, the load balancer's α, cross-entropy's and the multi-token loss's weights.
+/// Readers of files (config.json, GGUF options) check a positive float key
+/// with `positive_float_problem` where they read it, so the error names the key.
 
 #include <cmath>
 #include <limits>
@@ -43,6 +45,17 @@ void require_fits(const char* where, const std::string& field, double v) {
   require_config(std::abs(v) <= max, where,
                  field + " must lie within the range of the layer's scalar type " + scalar_name<T>() +
                      " (|value| <= " + number(max) + "), got " + number(v));
+}
+
+/// Empty if `v` is a positive float value: finite, > 0, at most float's
+/// largest (3.40282e+38) and not rounding to 0 in float (an ε or a scale the
+/// layer computes with in float). Else what is wrong, for the caller's
+/// message: "must be finite, > 0 and a positive float (at most 3.40282e+38,
+/// not rounding to 0), got -1".
+inline std::string positive_float_problem(double v) {
+  const double max = double(std::numeric_limits<float>::max());
+  if (std::isfinite(v) && v > 0 && v <= max && float(v) > 0) return {};
+  return "must be finite, > 0 and a positive float (at most " + number(max) + ", not rounding to 0), got " + number(v);
 }
 
 }  // namespace apex::detail

@@ -21,6 +21,8 @@
 #include "../moe/config.hpp"
 #include "../quant/blocks.hpp"
 #include "../quant/half.hpp"
+#include "../quant/mxfp4_openai.hpp"
+#include "../quant/quantize_mxfp4.hpp"
 
 namespace apex {
 
@@ -144,10 +146,29 @@ void check_gpt_oss_finite(const std::string& where, const std::string& name, con
       throw ValueError(where + ": tensor " + safetensors::quote_name(name) + " contains NaN or Inf");
 }
 
+/// Block [e, r, g] of the MXFP4 weight `name` (its 16 code bytes in
+/// OpenAI's order, its E8M0 `scale`) as ggml's block, or ValueError naming
+/// the scales tensor and the block unless it is a number and every value a
+/// finite float: code 255 is NaN (OCP MX), and 254 with an FP4 value of
+/// magnitude ≥ 2 or 253 with ≥ 4 overflows float (6·2^127:
+/// quant::mxfp4_block_finite).
+/// The one check of both gpt-oss loaders: the float one
+/// (dequantize_gpt_oss) and the packed one (inference/files/gpt_oss/load.hpp).
+inline quant::BlockMXFP4 gpt_oss_block(const std::string& where, const std::string& name, const std::uint8_t* codes,
+                                       std::uint8_t scale, Index e, Index r, Index g) {
+  const quant::BlockMXFP4 b = quant::mxfp4_from_openai(codes, scale);
+  if (scale != 0xFF && quant::mxfp4_block_finite(b)) return b;
+  throw ValueError(where + ": tensor " + safetensors::quote_name(name + gpt_oss_names::kScales) + " holds E8M0 code " +
+                   std::to_string(scale) +
+                   (scale == 0xFF ? " (NaN)" : " with an FP4 value whose product overflows float") + " at [" +
+                   std::to_string(e) + ", " + std::to_string(r) + ", " + std::to_string(g) +
+                   "]: the block's values would not be finite");
+}
+
 /// The MXFP4 weight `name` (`_blocks` E × R × G × 16, `_scales` E × R × G)
 /// dequantized into Hugging Face's dense layout E × 32G × R (in × out).
-/// Exact: a value is a 2-bit significand times a power of two. E8M0 code
-/// 255 is NaN (OCP MX): ValueError naming the scales tensor.
+/// Exact: a value is a 2-bit significand times a power of two. A block
+/// whose values are not finite floats is a ValueError (gpt_oss_block).
 template <class T>
 std::vector<T> dequantize_gpt_oss(const GptOssSource& s, const std::string& name, Index E, Index R, Index in) {
   const Index G = in / quant::kQK;
@@ -158,12 +179,10 @@ std::vector<T> dequantize_gpt_oss(const GptOssSource& s, const std::string& name
     for (Index r = 0; r < R; ++r)
       for (Index g = 0; g < G; ++g) {
         const std::uint8_t code = sc[std::size_t((e * R + r) * G + g)];
-        if (code == 0xFF)
-          throw ValueError(s.where + ": tensor " + safetensors::quote_name(name + gpt_oss_names::kScales) +
-                           " holds E8M0 code 255 (NaN)");
+        const std::uint8_t* b = &q[std::size_t(((e * R + r) * G + g) * 16)];
+        (void)gpt_oss_block(s.where, name, b, code, e, r, g);
         // kMxfp4Values are the FP4 values doubled, e8m0_to_fp32_half halves the scale: FP4·2^(s−127).
         const T scale = T(quant::e8m0_to_fp32_half(code));
-        const std::uint8_t* b = &q[std::size_t(((e * R + r) * G + g) * 16)];
         for (Index i = 0; i < quant::kQK; ++i) {
           const unsigned nib = i % 2 ? b[i / 2] >> 4 : b[i / 2] & 0x0F;
           T v = T(quant::kMxfp4Values[nib & 7]) * scale;

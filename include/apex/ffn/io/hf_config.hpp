@@ -26,7 +26,11 @@
 /// is the family's row (moe/families.hpp). A config the library cannot
 /// compute exactly is a ConfigError naming the key: DeepSeek-V3 with a
 /// `scoring_func` other than sigmoid or a `topk_method` other than
-/// noaux_tc, a Qwen2-MoE block without its shared expert. A missing key is a
+/// noaux_tc, a Qwen2-MoE block without its shared expert, an ε, scale, α
+/// or L that is not a positive float (rms_norm_eps -1 or 0,
+/// routed_scaling_factor 1e39: +inf in float), a shared width
+/// n_shared_experts × moe_intermediate_size beyond a 64-bit index (every
+/// count is at most 2^40, so only that product can overflow). A missing key is a
 /// FormatError naming it; the file is read as the shard index is (regular
 /// files only, bounded size, bounded nesting, no repeated keys).
 ///
@@ -44,7 +48,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "../core/checked_size.hpp"
 #include "../core/errors.hpp"
+#include "../core/scalar_range.hpp"
 #include "../moe/config.hpp"
 #include "../layers/clamped_swiglu.hpp"
 #include "../moe/families.hpp"
@@ -101,6 +107,15 @@ struct HfKeys {
     if (!v->is_number()) throw FormatError(where + ": config.json's '" + key + "' is not a number");
     return v->get<double>();
   }
+  /// A key the layer computes with in float and that must be positive (ε,
+  /// a scale, α, L): ConfigError naming it for -1, 0, NaN, 1e39 (+inf in
+  /// float) or 1e-50 (0 in float).
+  double positive_float_or(const char* key, double fallback) const {
+    const double v = number_or(key, fallback);
+    const std::string problem = positive_float_problem(v);
+    if (!problem.empty()) throw ConfigError(where + ": config.json's '" + key + "' " + problem);
+    return v;
+  }
   bool flag_or(const char* key, bool fallback) const {
     const nlohmann::json* v = find(key);
     if (!v) return fallback;
@@ -125,10 +140,11 @@ inline void read_family_keys(const HfKeys& k, HfModelConfig& out) {
       c.n_experts = k.count("n_routed_experts");
       const Index shared = k.count_or("n_shared_experts", 0);
       c.n_shared = shared > 0 ? 1 : 0;  // DeepSeek-V3 holds them as one MLP of the summed width
-      c.d_shared_ffn = shared * c.d_ffn;
+      c.d_shared_ffn =
+          checked_product(where, "the shared MLP's width n_shared_experts x moe_intermediate_size", {shared, c.d_ffn});
       c.routing.n_groups = k.count_or("n_group", c.routing.n_groups);
       c.routing.topk_group = k.count_or("topk_group", c.routing.topk_group);
-      c.routing.routed_scale = k.number_or("routed_scaling_factor", c.routing.routed_scale);
+      c.routing.routed_scale = k.positive_float_or("routed_scaling_factor", c.routing.routed_scale);
       c.routing.renormalize = k.flag_or("norm_topk_prob", true);
       detail::require_config(k.text_or("scoring_func", "sigmoid") == "sigmoid", where,
                              "config.json's 'scoring_func' must be \"sigmoid\" (DeepSeek-V3's router)");
@@ -202,7 +218,7 @@ inline HfModelConfig parse_hf_config(std::string_view text, const std::string& w
   out.moe.d_model = k.count("hidden_size");
   out.moe.n_active = k.count("num_experts_per_tok");
   out.n_layers = k.count("num_hidden_layers");
-  out.rms_eps = k.number_or("rms_norm_eps", 1e-6);
+  out.rms_eps = k.positive_float_or("rms_norm_eps", 1e-6);
   detail::read_family_keys(k, out);
   out.moe.validate(where.c_str());
   return out;
@@ -240,10 +256,10 @@ inline GptOssModelConfig parse_gpt_oss_config(std::string_view text, const std::
   const Index d = k.count("hidden_size"), f = k.count("intermediate_size");  // in order: the first missing key is named
   const Index experts = k.count("num_local_experts"), active = k.count("num_experts_per_tok");
   out.moe = gpt_oss_moe(d, f, experts, active);
-  out.experts.alpha = k.number_or("swiglu_alpha", out.experts.alpha);
-  out.experts.limit = k.number_or("swiglu_limit", out.experts.limit);
+  out.experts.alpha = k.positive_float_or("swiglu_alpha", out.experts.alpha);
+  out.experts.limit = k.positive_float_or("swiglu_limit", out.experts.limit);
   out.n_layers = k.count("num_hidden_layers");
-  out.rms_eps = k.number_or("rms_norm_eps", out.rms_eps);
+  out.rms_eps = k.positive_float_or("rms_norm_eps", out.rms_eps);
   out.moe.validate(where.c_str());
   out.experts.validate(where.c_str());
   return out;

@@ -12,6 +12,7 @@
 #include "bf16_vectors.hpp"
 #include "dtype.hpp"
 #include "../core/errors.hpp"
+#include "../core/scalar_range.hpp"
 #include "../quant/half.hpp"
 
 namespace apex::packed {
@@ -42,7 +43,10 @@ struct WeightType<Dtype::f32> {
 };
 
 /// bf16 weights (round to nearest even, NaN kept): panel[(k/2)·64 +
-/// lane·2 + k mod 2], the two k of a pair in one 32-bit lane.
+/// lane·2 + k mod 2], the two k of a pair in one 32-bit lane. A finite
+/// weight that rounds to ±Inf (|w| ≥ 3.3961775e+38, halfway past the largest
+/// bf16) is a ValueError, as for f16: packing never turns a weight into
+/// infinity.
 template <>
 struct WeightType<Dtype::bf16> {
   using Storage = bf16;
@@ -61,7 +65,14 @@ struct WeightType<Dtype::bf16> {
     return to_float(panel[offset(k, lane)]);
   }
   static void pack_row(const float* w, Index K, Index lane, Element* panel, std::byte*) {
-    for (Index k = 0; k < K; ++k) panel[offset(k, lane)] = to_bf16(w[k]);
+    for (Index k = 0; k < K; ++k) {
+      const bf16 v = to_bf16(w[k]);
+      if (std::isfinite(w[k]) && (v.bits & 0x7FFFu) == 0x7F80u)
+        throw ValueError("packed bf16: weight " + apex::detail::number(w[k]) + " at k = " + std::to_string(k) +
+                         " is beyond the bfloat16 range (|w| < 3.3961775e+38, halfway past the largest bf16); "
+                         "store this matrix as f32");
+      panel[offset(k, lane)] = v;
+    }
   }
   static void put_block(const Block& v, Index b, Index lane, Element* panel, std::byte*) { panel[offset(b, lane)] = v; }
   static Block get_block(const Element* panel, const std::byte*, Index b, Index lane) { return panel[offset(b, lane)]; }

@@ -76,36 +76,58 @@ class PackedExpert {
   static constexpr Index kOutPerPanel = 32;
 
   /// w_gate, w_up: f × d, w_down: d × f (PyTorch `[out, in]`, as SwiGLU stores
-  /// them), quantized or rounded to `dtypes`. ConfigError if d or f is 0 or
-  /// is not whole blocks of a block format, ShapeError if the shapes disagree.
+  /// them), quantized or rounded to `dtypes`. Checked in the library's order
+  /// (docs/error_model.md#order-of-checks), whatever the types: ShapeError if
+  /// the shapes disagree, then ConfigError if d or f is 0 or is not whole
+  /// blocks of a block format, then ValueError for a weight the type cannot
+  /// hold (NaN, Inf, a block beyond the format's range; f16: |w| ≥ 65520),
+  /// naming the matrix and row.
   PackedExpert(const ConstMatrixRef<float>& w_gate, const ConstMatrixRef<float>& w_up,
                const ConstMatrixRef<float>& w_down, ExpertDtypes dtypes)
-      : PackedExpert("PackedExpert", w_gate.cols(), w_gate.rows(), dtypes) {
-    constexpr const char* where = "PackedExpert";
-    apex::detail::check_shape(where, "w_up", w_up, f_, d_);
-    apex::detail::check_shape(where, "w_down", w_down, d_, f_);
+      : PackedExpert("PackedExpert", agreed_d(w_gate, w_up, w_down), w_gate.rows(), dtypes) {
     // One lane is one weight row (row-major `[out, in]`: contiguous).
-    for (Index j = 0; j < f_; ++j) {
-      const Index p = j / kHiddenPerPanel, l = j % kHiddenPerPanel;
-      gate_up_.pack_row(p, l, w_gate.row(j).data());
-      gate_up_.pack_row(p, kHiddenPerPanel + l, w_up.row(j).data());
+    const char* matrix = "w_gate";
+    Index row = 0;
+    try {
+      for (Index j = 0; j < f_; ++j) {
+        const Index p = j / kHiddenPerPanel, l = j % kHiddenPerPanel;
+        row = j, matrix = "w_gate";
+        gate_up_.pack_row(p, l, w_gate.row(j).data());
+        matrix = "w_up";
+        gate_up_.pack_row(p, kHiddenPerPanel + l, w_up.row(j).data());
+      }
+      matrix = "w_down";
+      for (Index i = 0; i < d_; ++i) row = i, down_.pack_row(i / kOutPerPanel, i % kOutPerPanel, w_down.row(i).data());
+    } catch (const ValueError& e) {
+      throw ValueError(std::string("PackedExpert: ") + matrix + " row " + std::to_string(row) + ": " + e.what());
     }
-    for (Index i = 0; i < d_; ++i) down_.pack_row(i / kOutPerPanel, i % kOutPerPanel, w_down.row(i).data());
   }
 
   /// An expert from its three tensors in file form (row-major `[out, in]`,
   /// each row the blocks of its type: PanelMatrix::row_bytes), the bits
   /// moved unchanged. gate, up: f rows of d weights; down: d rows of f.
+  /// ValueError naming the matrix, row and block for a block whose values
+  /// would not be finite (PanelMatrix::put_row).
   static PackedExpert from_file_rows(Index d, Index f, ExpertDtypes dtypes, const std::byte* gate,
                                      const std::byte* up, const std::byte* down) {
     PackedExpert e("PackedExpert::from_file_rows", d, f, dtypes);
     const Index gu_row = e.gate_up_.row_bytes(), down_row = e.down_.row_bytes();
-    for (Index j = 0; j < f; ++j) {
-      const Index p = j / kHiddenPerPanel, l = j % kHiddenPerPanel;
-      e.gate_up_.put_row(p, l, gate + j * gu_row);
-      e.gate_up_.put_row(p, kHiddenPerPanel + l, up + j * gu_row);
+    const char* matrix = "gate";
+    Index row = 0;
+    try {
+      for (Index j = 0; j < f; ++j) {
+        const Index p = j / kHiddenPerPanel, l = j % kHiddenPerPanel;
+        row = j, matrix = "gate";
+        e.gate_up_.put_row(p, l, gate + j * gu_row);
+        matrix = "up";
+        e.gate_up_.put_row(p, kHiddenPerPanel + l, up + j * gu_row);
+      }
+      matrix = "down";
+      for (Index i = 0; i < d; ++i) row = i, e.down_.put_row(i / kOutPerPanel, i % kOutPerPanel, down + i * down_row);
+    } catch (const ValueError& x) {
+      throw ValueError(std::string("PackedExpert::from_file_rows: ") + matrix + " row " + std::to_string(row) + ": " +
+                       x.what());
     }
-    for (Index i = 0; i < d; ++i) e.down_.put_row(i / kOutPerPanel, i % kOutPerPanel, down + i * down_row);
     return e;
   }
   /// An expert over matrices already in panel order (owned or views into a
@@ -183,6 +205,13 @@ class PackedExpert {
   }
 
  private:
+  /// d of w_gate (f × d), once w_up (f × d) and w_down (d × f) agree with it: ShapeError otherwise.
+  static Index agreed_d(const ConstMatrixRef<float>& w_gate, const ConstMatrixRef<float>& w_up,
+                        const ConstMatrixRef<float>& w_down) {
+    apex::detail::check_shape("PackedExpert", "w_up", w_up, w_gate.rows(), w_gate.cols());
+    apex::detail::check_shape("PackedExpert", "w_down", w_down, w_gate.cols(), w_gate.rows());
+    return w_gate.cols();
+  }
   // d and f checked, no storage yet (from_panels adds views).
   PackedExpert(const char* where, Index d, Index f) : d_(d), f_(f) {
     if (d_ < 1 || f_ < 1) {

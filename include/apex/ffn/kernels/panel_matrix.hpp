@@ -123,13 +123,15 @@ class PanelMatrix {
   }
   /// Lane `lane` of panel p from a file row (row_bytes() bytes, the blocks
   /// of a GGUF or safetensors row of this type): the bits are moved, not
-  /// converted.
+  /// converted. ValueError naming the block for a block whose values would
+  /// not be finite (WeightType::check_file_block), checked as it moves.
   void put_row(Index p, Index lane, const std::byte* row) {
     visit_dtype(dtype_, [&](auto tag) {
       using W = WeightType<decltype(tag)::value>;
       for (Index b = 0; b < kpad_ / W::kBlockWeights; ++b) {
         typename W::Block blk;
         std::memcpy(&blk, row + b * Index(sizeof blk), sizeof blk);
+        if constexpr (W::kQuantized) W::check_file_block(blk, b);  // before its bytes move in
         W::put_block(blk, b, lane, codes(p, tag, "PanelMatrix::put_row"), mutable_scales(p, "PanelMatrix::put_row"));
       }
     });

@@ -30,6 +30,13 @@ struct WeightType<Dtype::q4_k>
   static constexpr Index kDminPlane = 2 * kPanelLanes, kScalePlanes = 4 * kPanelLanes;
   static void quantize(const float* w, Block* y, Index k) { quant::quantize_row_q4_k(w, y, k); }
   static void dequantize(const Block* x, float* w, Index k) { quant::dequantize_row_q4_k(x, w, k); }
+  static std::string scale_problem(const Block& blk) {
+    const std::string d = detail::half_scale_problem("d", blk.d);
+    return d.empty() ? detail::half_scale_problem("dmin", blk.dmin) : d;
+  }
+  /// No finite Q4_K value reaches 2^32 (|d·sc·q| + |dmin·m| ≤ 65504·63·16 < 2^27), and above about 1e13
+  /// the search's float sums overflow and return NaN scales, not Inf.
+  static constexpr float kSearchBound = 4294967296.0f;
 
   /// ggml's order of the 256 codes: 64 weights per 32 bytes, low nibbles first.
   static unsigned file_code(const Block& blk, Index k) {
@@ -90,6 +97,10 @@ struct WeightType<Dtype::q6_k>
   static constexpr Index kHighBits = 128 * kPanelLanes, kScalePlanes = 2 * kPanelLanes;
   static void quantize(const float* w, Block* y, Index k) { quant::quantize_row_q6_k(w, y, k); }
   static void dequantize(const Block* x, float* w, Index k) { quant::dequantize_row_q6_k(x, w, k); }
+  static std::string scale_problem(const Block& blk) { return detail::half_scale_problem("d", blk.d); }
+  /// No finite Q6_K value reaches 2^32 (|d·sc·(q − 32)| ≤ 65504·128·32 < 2^28), and above about 1e13
+  /// the search's float sums overflow: a NaN scale is dropped and the block stored as zeros.
+  static constexpr float kSearchBound = 4294967296.0f;
 
   /// ggml's order: per half of 128, weight 32·part + l (l < 32) has low bits
   /// in ql[l] (parts 0, 2) or ql[l + 32] (parts 1, 3), low or high nibble

@@ -24,10 +24,12 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
 #include "../core/errors.hpp"
+#include "../core/scalar_range.hpp"
 
 #include "../quant/formats.hpp"
 #include "dtype.hpp"
@@ -59,17 +61,58 @@ struct BlockFormat {
   static const std::byte* area(const std::byte* scales, Index b) { return scales + b * kPanelLanes * kScaleBytes; }
 
   /// One lane's K weights from float: ggml's reference quantizer, block by
-  /// block. ValueError for NaN or Inf, which no block format holds (ggml's
-  /// quantizers would convert them to integers, which is undefined).
+  /// block. Checked in the order of docs/error_model.md#order-of-checks, all
+  /// before a byte is written: K whole blocks (ConfigError: a shape), then
+  /// the values — ValueError for NaN or Inf (ggml's quantizers would convert
+  /// them to integers, which is undefined), then for a block the format
+  /// cannot hold (check_range), naming the block.
   static void pack_row(const float* w, Index K, Index lane, Element* codes, std::byte* scales) {
+    apex::detail::require_config(K % B == 0, "packing weights",
+                                 "reduction length " + std::to_string(K) + " is not a multiple of " +
+                                     std::to_string(B) + ", the " + F::kName +
+                                     " block: quantized weights hold whole blocks");
     for (Index k = 0; k < K; ++k)
       if (!std::isfinite(w[k]))
         throw ValueError(std::string("packing weights as ") + F::kName + ": weight " + std::to_string(k) +
                          " of a row is " + std::to_string(w[k]) + "; block formats hold finite values only");
     std::vector<Block> blocks(std::size_t(K / B));
+    if (F::kSearchBound < std::numeric_limits<float>::infinity())  // before the K-quants' search
+      for (Index b = 0; b < K / B; ++b) check_range(w + b * B, b, nullptr);
     F::quantize(w, blocks.data(), K);
+    for (Index b = 0; b < K / B; ++b) check_range(w + b * B, b, &blocks[std::size_t(b)]);
     for (Index b = 0; b < K / B; ++b) F::put_block(blocks[std::size_t(b)], b, lane, codes, scales);
   }
+  /// The scale-range rule (docs/quantized_formats.md#scale-range): a block is
+  /// refused when a value it would dequantize to is not a finite float —
+  /// for the fp16-scaled types exactly when a stored scale (d, dmin) is ±Inf
+  /// or NaN, for MXFP4 when 2^(e−128) times its largest code reaches 2^128
+  /// (F::scale_problem; no finite float row makes one). ValueError naming block b and its largest |w|;
+  /// `blk` null: the check before ggml's search, |w| ≥ F::kSearchBound.
+  static void check_range(const float* w, Index b, const Block* blk) {
+    float amax = 0;
+    const auto largest = [&] {
+      for (Index i = 0; i < B; ++i) amax = std::fabs(w[i]) > amax ? std::fabs(w[i]) : amax;
+      return amax;
+    };
+    std::string problem = blk ? F::scale_problem(*blk) : std::string();
+    if (!blk && F::kSearchBound < std::numeric_limits<float>::infinity() && largest() >= F::kSearchBound)
+      problem = "no finite scale of the format reaches it";
+    if (problem.empty()) return;
+    throw ValueError(std::string("packing weights as ") + F::kName + ": block " + std::to_string(b) + " (weights " +
+                     std::to_string(b * B) + ".." + std::to_string(b * B + B - 1) + ") of a row has largest |w| = " +
+                     apex::detail::number(blk ? largest() : amax) + ", beyond the format's range: " + problem +
+                     ", so its values would not be finite (store this matrix as f32 or bf16)");
+  }
+  /// ValueError unless block b of a file row (moved in as it is: GGUF,
+  /// quantized checkpoints, gpt-oss's MXFP4) dequantizes to finite floats.
+  static void check_file_block(const Block& blk, Index b) {
+    const std::string problem = F::scale_problem(blk);
+    if (!problem.empty())
+      throw ValueError(std::string("block ") + std::to_string(b) + " of a " + F::kName + " row: " + problem +
+                       ", so its values would not be finite (the library holds finite weights only)");
+  }
+  /// Weights at or above this bound are refused before ggml's search runs.
+  static constexpr float kSearchBound = std::numeric_limits<float>::infinity();
   /// One lane's K weights as float: ggml's dequantizer on the lane's blocks.
   static void unpack_row(const Element* codes, const std::byte* scales, Index K, Index lane, float* w) {
     for (Index b = 0; b < K / B; ++b) {
@@ -85,6 +128,12 @@ struct BlockFormat {
     return w[k % B];
   }
 };
+
+/// "" if the fp16 scale `bits` is finite, else "its scale <name> = inf in fp16".
+inline std::string half_scale_problem(const char* name, std::uint16_t bits) {
+  if ((bits & 0x7C00u) != 0x7C00u) return {};
+  return std::string("its scale ") + name + " = " + apex::detail::number(quant::fp16_to_fp32(bits)) + " in fp16";
+}
 
 /// The 32 4-bit codes of a Q4_0 or MXFP4 block (`qs` in ggml's order) into
 /// and out of lane `lane` of a slab, and their integer product with 32
@@ -112,6 +161,7 @@ struct WeightType<Dtype::q8_0>
   static constexpr const char* kName = "q8_0";
   static void quantize(const float* w, Block* y, Index k) { quant::quantize_row_q8_0(w, y, k); }
   static void dequantize(const Block* x, float* w, Index k) { quant::dequantize_row_q8_0(x, w, k); }
+  static std::string scale_problem(const Block& blk) { return detail::half_scale_problem("d", blk.d); }
 
   static void put_block(const Block& blk, Index b, Index lane, Element* codes, std::byte* scales) {
     for (Index k = 0; k < 32; ++k) slab(codes, b)[detail::q8_byte(k, lane)] = std::byte(std::uint8_t(blk.qs[k]));
@@ -142,6 +192,7 @@ struct WeightType<Dtype::q4_0>
   static constexpr const char* kName = "q4_0";
   static void quantize(const float* w, Block* y, Index k) { quant::quantize_row_q4_0(w, y, k); }
   static void dequantize(const Block* x, float* w, Index k) { quant::dequantize_row_q4_0(x, w, k); }
+  static std::string scale_problem(const Block& blk) { return detail::half_scale_problem("d", blk.d); }
 
   static void put_block(const Block& blk, Index b, Index lane, Element* codes, std::byte* scales) {
     detail::put_nibbles32(blk.qs, slab(codes, b), lane);
@@ -172,6 +223,10 @@ struct WeightType<Dtype::mxfp4>
   static constexpr const char* kName = "mxfp4";
   static void quantize(const float* w, Block* y, Index k) { quant::quantize_row_mxfp4(w, y, k); }
   static void dequantize(const Block* x, float* w, Index k) { quant::dequantize_row_mxfp4(x, w, k); }
+  static std::string scale_problem(const Block& blk) {
+    if (quant::mxfp4_block_finite(blk)) return {};
+    return "its E8M0 exponent e = " + std::to_string(blk.e) + ": 2^(e-128) times its largest code overflows float";
+  }
 
   static void put_block(const Block& blk, Index b, Index lane, Element* codes, std::byte* scales) {
     detail::put_nibbles32(blk.qs, slab(codes, b), lane);

@@ -79,4 +79,20 @@ inline void dequantize_row_mxfp4(const BlockMXFP4* x, float* y, Index k) {
 
 APEX_QUANT_FP_STRICT_END
 
+/// Whether every value 2^(e−128)·kMxfp4Values[q] of block x (ggml's
+/// decoding, e8m0_to_fp32_half) is a finite float: the products are exact,
+/// so false exactly when one reaches 2^128 — e = 255 (scale 2^127) with a
+/// doubled code value |v| ≥ 2, e = 254 with |v| ≥ 4, e = 253 with |v| ≥ 8
+/// (E2M1 1, 2, 4); every e ≤ 252 is finite (12·2^124 < 2^128). ggml's
+/// quantizer never makes such a block from finite floats (e ≤ 252 at the
+/// top; the e = 255 it gives blocks of |w| ≈ 2^-126 holds codes 0), but a
+/// file can hold one, and the library refuses it wherever one enters.
+inline bool mxfp4_block_finite(const BlockMXFP4& x) {
+  if (x.e < 253) return true;
+  int top = 0;
+  for (const std::uint8_t byte : x.qs)
+    for (const int code : {byte & 7, (byte >> 4) & 7}) top = kMxfp4Values[code] > top ? kMxfp4Values[code] : top;
+  return std::isfinite(float(top) * e8m0_to_fp32_half(x.e));
+}
+
 }  // namespace apex::quant

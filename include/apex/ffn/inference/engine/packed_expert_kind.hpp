@@ -42,7 +42,7 @@ namespace apex {
 
 /// One float tensor (1 × cols) an expert kind keeps per routed expert, named
 /// under the expert's prefix `experts.{e}.` (packed checkpoints) or, in a
-/// GGUF block, under `blk.N.` with the experts as rows (gguf_expert_kind.hpp).
+/// GGUF block, under `blk.N.` with the experts as rows (inference/files/gguf/expert_kind.hpp).
 struct ExpertExtraTensor {
   const char* name;
   Index cols;

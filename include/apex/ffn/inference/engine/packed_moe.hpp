@@ -87,7 +87,7 @@ class PackedMoE {
   /// `types` (bf16: rounded to nearest even; block formats: ggml's reference
   /// quantizers). ConfigError if the packed layer would not fit in physical
   /// memory (core/memory_budget.hpp), or if a width is not whole blocks of
-  /// its type.
+  /// its type; ValueError for a weight its type cannot hold (pack_expert).
   static PackedMoE from(const Source& src, const PackedTypes& types = kDtype) {
     const MoEConfig& cfg = src.config();
     check_fits("PackedMoE::from", cfg, 0, types);
@@ -95,11 +95,11 @@ class PackedMoE {
     std::vector<Extra> extras;
     experts.reserve(std::size_t(cfg.n_experts));
     for (const auto& e : src.experts()) {
-      const SwiGLU<float>& m = Kind::weights(e);
-      experts.emplace_back(m.w_gate(), m.w_up(), m.w_down(), types.routed);
+      experts.push_back(detail::inference::pack_expert("expert", experts.size(), Kind::weights(e), types.routed));
       if constexpr (kHasExtra) extras.push_back(Kind::extra(e));
     }
-    for (const auto& s : src.shared_experts()) shared.emplace_back(s.w_gate(), s.w_up(), s.w_down(), types.shared);
+    for (const auto& s : src.shared_experts())
+      shared.push_back(detail::inference::pack_expert("shared expert", shared.size(), s, types.shared));
     PackedMoE out(cfg, src.router().weight(), src.balancer().bias(), std::move(experts), std::move(extras),
                   std::move(shared), src.shared_gate_weight());
     if (cfg.router_bias) out.set_logit_bias(src.router().logit_bias());

@@ -138,5 +138,26 @@ inline void fingerprint_add(std::uint64_t& h, const float* p, Index n) {
 }
 inline constexpr std::uint64_t kFingerprintSeed = 0xCBF29CE484222325ull;
 
+/// fn(), which packs or moves the weights of expert `index`; a ValueError
+/// it throws (a weight the type cannot hold, named by matrix, row and
+/// block) is thrown again naming the expert: "where: expert 3: PackedExpert:
+/// w_gate row 5: packing weights as q8_0: block 2 …".
+template <class Fn>
+auto for_expert(const std::string& where, const char* expert, Index index, Fn&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const ValueError& e) {
+    throw ValueError(where + ": " + expert + " " + std::to_string(index) + ": " + e.what());
+  }
+}
+
+/// The SwiGLU weights `m` of expert `index` packed in `types`: for_expert
+/// around PackedExpert, as PackedMoE::from packs (`which`: "expert", "shared expert").
+template <class Swiglu>
+packed::PackedExpert pack_expert(const char* which, std::size_t index, const Swiglu& m, packed::ExpertDtypes types) {
+  return for_expert("PackedMoE::from", which, Index(index),
+                    [&] { return packed::PackedExpert(m.w_gate(), m.w_up(), m.w_down(), types); });
+}
+
 }  // namespace detail::inference
 }  // namespace apex

@@ -233,10 +233,14 @@ Layer build_moe(const std::string& where, const PackedSource& file, const MoECon
   StoredStaging raw;                                                   // staging: one expert (quantized files)
   const PackedTypes types = stored ? *plan.file_types : load_types(options, Layer::kDtype);
   const auto next = [&](const std::string& q, Index width, packed::ExpertDtypes t) {
-    if (stored) return read_stored_expert(file, plan.name, q, d, width, t, raw);
-    gu.resize(2 * width, d);  // the shared experts have their own width f_s
-    down.resize(d, width);
-    return read_expert(where, file, plan.name, q, gu, down, t, fp);
+    try {  // a weight or block the type cannot hold: named by matrix, row and block, here by expert
+      if (stored) return read_stored_expert(file, plan.name, q, d, width, t, raw);
+      gu.resize(2 * width, d);  // the shared experts have their own width f_s
+      down.resize(d, width);
+      return read_expert(where, file, plan.name, q, gu, down, t, fp);
+    } catch (const ValueError& e) {
+      throw ValueError(where + ": expert '" + q + "': " + e.what());
+    }
   };
   using Kind = typename Layer::Kind;
   std::vector<packed::PackedExpert> experts, shared;

@@ -21,8 +21,12 @@
 /// metadata and tensor infos before the first weight is touched, and a
 /// loader returns a new layer, so a rejected load changes nothing the caller
 /// holds. The experts' bytes are moved from the mapping into packed panels
-/// of the file's types without re-quantization. The router, selection bias, shared gate and norm are decoded to
-/// float, whatever their type. A router weight or bias with NaN or Inf is a
+/// of the file's types without re-quantization; a block whose values would
+/// not be finite (an fp16 scale that is Inf or NaN, an MXFP4 exponent whose
+/// largest code overflows float) is a ValueError naming the expert, matrix,
+/// row and block as it moves (docs/quantized_formats.md#scale-range). The
+/// router, selection bias, shared gate and norm are decoded to float,
+/// whatever their type. A router weight or bias with NaN or Inf is a
 /// ValueError (the float layer rejects the logits it would give).
 ///
 /// The MoE pipeline knows nothing of GGUF: these loaders only assemble a
@@ -187,11 +191,16 @@ PackedMoE<Storage, Expert> load_gguf_moe(const gguf::File& file, Index layer) {
   std::vector<typename Layer::Extra> extras;
   experts.reserve(std::size_t(c.n_experts));
   for (Index e = 0; e < c.n_experts; ++e) {
-    experts.push_back(g::expert(file, p.gate, p.up, p.down, e, c.d_model, c.d_ffn));
+    experts.push_back(detail::inference::for_expert(where, "expert", e, [&] {  // a block beyond the format's range
+      return g::expert(file, p.gate, p.up, p.down, e, c.d_model, c.d_ffn);
+    }));
     if constexpr (Layer::kHasExtra)
       extras.push_back(Layer::Kind::make_extra(g::extra_rows(where, file, p, e), GgufExpertKind<Expert>::options(*p.arch)));
   }
-  if (c.n_shared > 0) shared.push_back(g::expert(file, p.shared_gate_w, p.shared_up, p.shared_down, 0, c.d_model, c.shared_ffn()));
+  if (c.n_shared > 0)
+    shared.push_back(detail::inference::for_expert(where, "shared expert", 0, [&] {
+      return g::expert(file, p.shared_gate_w, p.shared_up, p.shared_down, 0, c.d_model, c.shared_ffn());
+    }));
   Matrix<float> shared_gate;  // 1 × d, or empty
   if (c.shared_expert_gate) shared_gate = g::decode(file, p.shared_gate, 0, 1, c.d_model);
   Layer out(c, router, bias, std::move(experts), std::move(extras), std::move(shared), std::move(shared_gate));

@@ -19,7 +19,8 @@
 /// side: the same function) of `expert_shared_count` = ⌈S·f_s / f⌉ times f
 /// units, the last ones zero (they add exact zeros); load_gguf_moe reads it
 /// back as one shared expert of that width. Refused (ConfigError naming the reason):
-/// a capacity factor (llama.cpp is dropless), a gated shared expert outside
+/// an `options.rms_eps` that is not a positive float (NaN, 0, 1e39: the key
+/// is F32), a capacity factor (llama.cpp is dropless), a gated shared expert outside
 /// qwen2moe's routing, a family whose fixed routing differs from the layer's.
 ///
 /// gpt-oss: a layer of ClampedSwiGLU experts (PackedMoE<S, ClampedSwiGLU<float>>,
@@ -37,11 +38,13 @@
 /// embedding tensors): a layer file, not a runnable llama.cpp model.
 
 #include <cstddef>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "../../../core/errors.hpp"
+#include "../../../core/scalar_range.hpp"
 #include "../../../moe/moe_ffn.hpp"
 #include "expert_kind.hpp"
 #include "plan.hpp"
@@ -92,6 +95,19 @@ inline void check_expressible(const char* where, const gguf::Architecture& a, co
   need(r.scoring != Scoring::SoftmaxSelected || c.weights_from_unbiased || all_zero(b),
        "softmax over the selected (expert_gating_func 3) weighs the unbiased logits; the layer weighs the biased "
        "ones and its balancing bias is not zero");
+}
+
+/// ConfigError naming the option unless `o` describes a block of a layer of
+/// `c`: rms_eps a positive float (the key is F32: NaN, 0 or 1e39 would be
+/// written as they are, or as +inf), layer a block index whose block_count
+/// fits the key's uint32, the norm's gain 1 × d.
+inline void check_options(const char* where, const GgufSaveOptions& o, const MoEConfig& c) {
+  const std::string eps = apex::detail::positive_float_problem(o.rms_eps);
+  apex::detail::require_config(eps.empty(), where, "options.rms_eps (attention.layer_norm_rms_epsilon) " + eps);
+  apex::detail::require_config(o.layer >= 0 && o.layer < Index(UINT32_MAX), where,
+                               "options.layer must lie in [0, 4294967294] (block_count = layer + 1 is a uint32), got " +
+                                   std::to_string(o.layer));
+  if (o.norm_gain) apex::detail::check_shape(where, "options.norm_gain", *o.norm_gain, 1, c.d_model);
 }
 
 /// The architecture a layer of `kind` experts is written as (file comment).
@@ -206,7 +222,7 @@ void save_gguf_moe(const std::string& path, const PackedMoE<Storage, Expert>& la
   const gguf::Architecture& a = g::choose(where, c, layer.bias(), options.family, GKind::kKind);
   g::check_expressible(where, a, c, layer.bias());
   GKind::check_extras(where, layer.extras(), a);
-  if (options.norm_gain) detail::check_shape(where, "options.norm_gain", *options.norm_gain, 1, c.d_model);
+  g::check_options(where, options, c);
   gguf::Writer w;
   g::write_keys(w, a, c, options);
   const auto d = std::uint64_t(c.d_model), f = std::uint64_t(c.d_ffn), e = std::uint64_t(c.n_experts);

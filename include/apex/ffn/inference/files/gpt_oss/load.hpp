@@ -15,9 +15,11 @@
 /// - dense F32/BF16/F64 experts: read, de-interleaved and transposed, packed.
 ///
 /// The router, its bias and the experts' biases stay float. Every check (the
-/// file's tensors, forms, dtypes and shapes, E8M0 code 255, memory) runs
-/// before the first expert is read; the biases and router are checked finite
-/// before any expert is packed. The layer has no float source: check_source
+/// file's tensors, forms, dtypes and shapes, memory) runs before the first
+/// expert is read; each MXFP4 block is checked as its expert is read, by the
+/// float loader's check (io/gpt_oss_layout.hpp gpt_oss_block: E8M0 code
+/// 255, or a value beyond float's range); the biases and router are checked
+/// finite before any expert is packed. The layer has no float source: check_source
 /// refuses it.
 
 #include <cstdint>
@@ -56,7 +58,9 @@ inline std::vector<float> dense_slice(const GptOssSource& s, const std::string& 
 }
 
 /// Expert e of an MXFP4 weight (R rows of `in` weights) as ggml blocks, row by
-/// row: R × in/32 blocks. ValueError for E8M0 code 255 (NaN in OCP MX).
+/// row: R × in/32 blocks. ValueError for a block whose values are not finite
+/// floats (gpt_oss_block, the float loader's check: E8M0 code 255, or 254
+/// with FP4 6.0).
 inline std::vector<quant::BlockMXFP4> mxfp4_slice(const GptOssSource& s, const std::string& name, Index e, Index R,
                                                   Index in) {
   const Index G = in / quant::kQK;
@@ -64,12 +68,8 @@ inline std::vector<quant::BlockMXFP4> mxfp4_slice(const GptOssSource& s, const s
   read_range(s, name + gpt_oss_names::kBlocks, std::uint64_t(e) * codes.size(), codes.size(), codes.data());
   read_range(s, name + gpt_oss_names::kScales, std::uint64_t(e) * scales.size(), scales.size(), scales.data());
   std::vector<quant::BlockMXFP4> out(scales.size());
-  for (std::size_t b = 0; b < out.size(); ++b) {
-    if (scales[b] == 0xFF)
-      throw ValueError(s.where + ": tensor " + safetensors::quote_name(name + gpt_oss_names::kScales) +
-                       " holds E8M0 code 255 (NaN)");
-    out[b] = quant::mxfp4_from_openai(&codes[b * 16], scales[b]);
-  }
+  for (std::size_t b = 0; b < out.size(); ++b)
+    out[b] = gpt_oss_block(s.where, name, &codes[b * 16], scales[b], e, Index(b) / G, Index(b) % G);
   return out;
 }
 
@@ -128,7 +128,7 @@ inline packed::PackedExpert read_expert(const GptOssSource& s, const std::string
 /// is a ConfigError. Throws ConfigError for a config that is not a gpt-oss
 /// block (router_bias, no shared experts) or does not fit in memory,
 /// FormatError/ShapeError naming the tensor, ValueError for NaN/Inf or an
-/// E8M0 code 255.
+/// MXFP4 block whose values are not finite floats (gpt_oss_block).
 template <class Storage>
 PackedMoE<Storage, ClampedSwiGLU<float>> load_packed_gpt_oss(const std::string& path, const MoEConfig& config,
                                                              const PackedLoadOptions& options = {}) {
