@@ -4,7 +4,7 @@
 // packed layer in every weight type against the float layer built from the
 // same (dequantized) weights; the same bits on every kernel path and thread
 // count; bad options.
-#include <apex/ffn/adapters/lora_moe.hpp>
+#include <apex/ffn/adapters.hpp>
 #include <apex/ffn/inference.hpp>
 #include <apex/ffn/moe/gpt_oss.hpp>
 
@@ -254,4 +254,98 @@ TEST_CASE("LoRA on packed experts: the same bits on every kernel path and thread
       }
     }
   }
+}
+
+TEST_CASE("LoRA on a dense SwiGLU: gradients against central differences, packed against float", "[lora][dense]") {
+  SECTION("double, every gradient and dx") {
+    for (Index n : {Index(0), Index(1), Index(6)}) {
+      LoraOptions o = lora(2);
+      o.targets = {true, false, false, true};  // gate and down
+      LoraSwiGLU<SwiGLU<double>> layer(SwiGLU<double>(7, 5, 70), o, Rng(71));
+      randomise_b(layer, 72);
+      Matrix<double> x = random_matrix(n, 7, 73);
+      const Matrix<double> r = random_matrix(n, 7, 74);
+      const auto loss = [&] { return dot_all(layer.forward(x), r); };
+      LoraSwiGLU<SwiGLU<double>>::Cache cache;
+      layer.zero_grad();
+      layer.forward(x, &cache);
+      const Matrix<double> dx = layer.backward(r, cache);
+      APEX_CHECK_GRADS(check_params(layer.params(), loss), 1e-6);
+      CHECK(check_values("x", x.data(), dx.data(), x.size(), loss).rel_error <= 1e-6);
+    }
+  }
+  SECTION("packed in every type equals the float layer of the same weights") {
+    for (const TypeCase& tc : kTypeCases) {
+      const SwiGLU<float> trained(tc.d, tc.f, 75);
+      auto packed = PackedSwiGLU<float>::from(trained, tc.type);
+      SwiGLU<float> dense = trained;
+      dense.w_gate() = packed.weights().w_gate();
+      dense.w_up() = packed.weights().w_up();
+      dense.w_down() = packed.weights().w_down();
+      LoraSwiGLU<SwiGLU<float>> ref(std::move(dense), lora(4), Rng(76));
+      LoraSwiGLU<PackedSwiGLU<float>> lay(std::move(packed), lora(4), Rng(76));
+      randomise_b(ref, 77);
+      randomise_b(lay, 77);
+      const Matrix<float> x = test::rnd<float>(45, tc.d, 78), dy = test::rnd<float>(45, tc.d, 79);
+      const Step a = run_step(ref, x, dy), b = run_step(lay, x, dy);
+      INFO(packed::dtype_name(tc.type));
+      CHECK(test::rel(b.y, a.y) <= 1e-5);
+      CHECK(test::rel(b.dx, a.dx) <= 1e-5);
+      for (std::size_t i = 0; i < a.grads.size(); ++i) CHECK(test::rel(b.grads[i], a.grads[i]) <= 1e-5);
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("merged adapters: the float layer W + sBA and its re-quantized copy", "[lora][merge]",
+                   SwiGLU<float>, KappaSwiGLU<float>, ClampedSwiGLU<float>) {
+  const MoEConfig cfg = kind_config<TestType>(4, 2, 1, 64, 96);
+  MoEFFN<float, TestType> trained(cfg, 80);
+  perturb(trained, 81);
+  LoraOptions o = lora(4);
+  o.targets = {true, true, false, true};
+  LoraMoE<PackedMoE<float, TestType>> lay(PackedMoE<float, TestType>::from(trained, packed::Dtype::q8_0), o, Rng(82));
+  randomise_b(lay, 83);
+  lay.router().weight() *= 1.5f;  // as if the router had trained
+  const Matrix<float> x = test::rnd<float>(30, 64, 84);
+  const Matrix<float> y = lay.forward(x);
+  const auto merged = merged_float(lay);
+  CHECK(test::rel(merged.forward(x), y) <= 1e-5);
+  const auto f32 = merged_packed<float>(lay, packed::Dtype::f32);
+  CHECK(test::rel(f32.forward(x), y) <= 1e-5);
+  const auto bf = merged_packed<packed::bf16>(lay);
+  CHECK(test::rel(bf.forward(x), y) <= 1e-2);  // bf16's rounding of W + sBA
+  CHECK(test::rel(bf.forward(x), y) > 0);
+}
+
+TEST_CASE("LoRA options and adapters that do not fit are refused", "[lora][errors]") {
+  const MoEConfig cfg = test::moe_config(4, 2, 1, 6, 5);
+  const auto make = [&](const LoraOptions& o) { LoraMoE<MoEFFN<float>> l(MoEFFN<float>(cfg, 1), o, Rng(2)); };
+  LoraOptions o = lora(2);
+  o.rank = 0;
+  CHECK_THROWS_CONTAINING(make(o), ConfigError, "rank must be >= 1, got 0");
+  o.rank = 6;
+  CHECK_THROWS_CONTAINING(make(o), ConfigError, "rank 6 exceeds min(in, out) = 5");
+  o = lora(2);
+  o.targets = {true, false, true, false};
+  CHECK_THROWS_CONTAINING(make(o), ConfigError, "targets.gate_up adapts gate and up together");
+  o.targets = {false, false, false, false};
+  CHECK_THROWS_CONTAINING(make(o), ConfigError, "no projection is targeted");
+  o = lora(2);
+  o.alpha = std::nan("");
+  CHECK_THROWS_CONTAINING(make(o), ConfigError, "alpha must be finite and > 0");
+  o.alpha = 1e39;
+  CHECK_THROWS_CONTAINING(make(o), ConfigError, "alpha");
+  o.alpha = -1;
+  CHECK_THROWS_CONTAINING(make(o), ConfigError, "alpha must be finite and > 0");
+  MoEConfig wide_shared = cfg;
+  wide_shared.d_shared_ffn = 2;  // the shared experts are narrower than the rank
+  o = lora(3);
+  CHECK_THROWS_CONTAINING(LoraMoE<MoEFFN<float>>(MoEFFN<float>(wide_shared, 1), o, Rng(2)), ConfigError,
+                          "shared experts");
+  o.shared_experts = false;
+  CHECK_NOTHROW(LoraMoE<MoEFFN<float>>(MoEFFN<float>(wide_shared, 1), o, Rng(2)));
+  LoraMoE<MoEFFN<float>> ok(MoEFFN<float>(cfg, 1), lora(2), Rng(2));
+  CHECK_THROWS_AS(ok.forward(Matrix<float>(3, 7)), ShapeError);
+  LoraMoE<MoEFFN<float>>::Cache empty;
+  CHECK_THROWS_AS(ok.backward(Matrix<float>(3, 6), empty), ShapeError);
 }

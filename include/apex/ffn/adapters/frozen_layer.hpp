@@ -54,6 +54,11 @@ struct FrozenLayer<MoEFFN<T, Expert>> {
   static GatedActivation<Expert> activation(const Base& b, Index e) {
     return GatedActivation<Expert>::of(b.experts()[std::size_t(e)]);
   }
+  /// Expert e's frozen float parts as a packed layer keeps them (float layers only).
+  template <class K = PackedExpertKind<Expert>>
+  static typename K::Extra packed_extra(const Base& b, Index e) {
+    return K::extra(b.experts()[std::size_t(e)]);
+  }
   static const Router<T>& router(const Base& b) { return b.router(); }
   static const RowVector<T>& bias(const Base& b) { return b.balancer().bias(); }
   static const Matrix<T>& shared_gate(const Base& b) { return b.shared_gate_weight(); }
@@ -77,6 +82,7 @@ struct FrozenLayer<PackedMoE<Storage, Expert, Act>> {
     if constexpr (Base::kHasExtra) return GatedActivation<Expert>::of(b.extras()[std::size_t(e)]);
     else return GatedActivation<Expert>::of(NoExpertExtra{});
   }
+  static const typename Base::Extra& packed_extra(const Base& b, Index e) { return b.extras()[std::size_t(e)]; }
   static const Router<float>& router(const Base& b) { return b.router(); }
   static const RowVector<float>& bias(const Base& b) { return b.bias(); }
   static const Matrix<float>& shared_gate(const Base& b) { return b.shared_gate_weight(); }

@@ -21,6 +21,7 @@
 ///     backward(side, work, dh, ds)  work: n × ≥2f starting [G̃ | Ũ]; dh: n × 2f, ∂L/∂A in its
 ///                                   right half, becomes [∂L/∂G̃ | ∂L/∂Ũ]; ds: ∂L/∂side (κ)
 ///     finish(y)                     the output bias (clamped), else nothing
+///     apply_to(expert)              writes the frozen parts into a training expert (a merged copy)
 /// The frozen parts get no gradient.
 
 #include "../core/types.hpp"
@@ -57,6 +58,7 @@ struct GatedActivation<SwiGLU<T>> {
   }
   template <class Y>
   void finish(Y&&) const {}
+  void apply_to(SwiGLU<T>&) const {}
 };
 
 /// κ-SwiGLU: α, b and the options frozen; κ from each row's router logit.
@@ -86,6 +88,11 @@ struct GatedActivation<KappaSwiGLU<T>> {
   }
   template <class Y>
   void finish(Y&&) const {}
+  void apply_to(KappaSwiGLU<T>& e) const {
+    e.set_options(options);
+    e.kappa_alpha() = alpha;
+    e.kappa_bias() = bias;
+  }
 };
 
 /// gpt-oss's clamped SwiGLU: the three biases and α, L frozen.
@@ -114,6 +121,12 @@ struct GatedActivation<ClampedSwiGLU<T>> {
   template <class Y>
   void finish(Y&& y) const {
     y.rowwise() += b_down;  // y = A·W_downᵀ + b_down
+  }
+  void apply_to(ClampedSwiGLU<T>& e) const {
+    e.set_options(options);
+    e.b_gate() = b_gate;
+    e.b_up() = b_up;
+    e.b_down() = b_down;
   }
 };
 

@@ -53,26 +53,32 @@ class LoraAdapterSet {
   /// Expert e's adapter values (the tied set for every e when tied).
   const LoraExpertAdapters<T>& values(Index e) const { return values_[std::size_t(tied_ ? 0 : e)]; }
   LoraExpertAdapters<T>& values(Index e) { return values_[std::size_t(tied_ ? 0 : e)]; }
-  /// Where expert e's backward adds (its partial when tied); allocated first.
-  LoraExpertAdapters<T>* grads_of(Index e) { return &grads_[std::size_t(e)]; }
+  /// Where expert e's backward adds (its partial when tied across several
+  /// experts); allocated first.
+  LoraExpertAdapters<T>* grads_of(Index e) { return partials() ? &grads_[std::size_t(e)] : &grad(e); }
   /// The gradients params() lists: per expert, or the tied total.
+  LoraExpertAdapters<T>& grad(Index e) { return tied_ ? total_ : grads_[std::size_t(e)]; }
   const LoraExpertAdapters<T>& grad(Index e) const { return tied_ ? total_ : grads_[std::size_t(e)]; }
 
-  bool has_gradients() const { return !grads_.empty() || experts_ == 0; }
+  bool has_gradients() const { return has_grads_ || experts_ == 0; }
   void allocate_gradients() {
     if (has_gradients()) return;
-    grads_.resize(std::size_t(experts_));
-    for (Index e = 0; e < experts_; ++e) grads_[std::size_t(e)] = zero_like(values(e));
+    if (!tied_ || partials()) {
+      grads_.resize(std::size_t(experts_));
+      for (Index e = 0; e < experts_; ++e) grads_[std::size_t(e)] = zero_like(values(e));
+    }
     if (tied_) total_ = zero_like(values_.front());
+    has_grads_ = true;
   }
   void zero_grad() {
     allocate_gradients();
     for (auto& g : grads_) set_zero(g);
     if (tied_) set_zero(total_);
   }
-  /// Tied: total += Σ_e partial_e in expert order, partials cleared. Else nothing.
+  /// Tied across several experts: total += Σ_e partial_e in expert order,
+  /// partials cleared. Else nothing.
   void reduce_partials() {
-    if (!tied_ || grads_.empty()) return;
+    if (!partials() || grads_.empty()) return;
     for (auto& g : grads_)
       for (int s = 0; s < kLoraSlots; ++s) {
         auto& part = g.slot[std::size_t(s)];
@@ -89,7 +95,7 @@ class LoraAdapterSet {
     ParamList<T> out;
     for (std::size_t i = 0; i < values_.size(); ++i) {
       const std::string expert = prefix_ + (tied_ ? "" : std::to_string(i) + ".");
-      LoraExpertAdapters<T>* g = grads ? (tied_ ? &total_ : &grads_[i]) : nullptr;
+      LoraExpertAdapters<T>* g = grads ? &grad(Index(i)) : nullptr;
       for (int s = 0; s < kLoraSlots; ++s) {
         LoraPair<T>& v = values_[i].slot[std::size_t(s)];
         if (v.empty()) continue;
@@ -122,11 +128,15 @@ class LoraAdapterSet {
     }
   }
 
+  /// One set written by several experts' concurrent backward: each gets a partial.
+  bool partials() const { return tied_ && experts_ > 1; }
+
   Index experts_ = 0;
   bool tied_ = false;
+  bool has_grads_ = false;
   std::string prefix_;
   std::vector<LoraExpertAdapters<T>> values_;  ///< 1 (tied) or one per expert
-  std::vector<LoraExpertAdapters<T>> grads_;   ///< one per expert once allocated: its gradient, or its partial
+  std::vector<LoraExpertAdapters<T>> grads_;   ///< one per expert once allocated: its gradient, or its partial (tied)
   LoraExpertAdapters<T> total_;                ///< tied: the gradient params() lists
 };
 
