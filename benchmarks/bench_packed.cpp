@@ -19,16 +19,31 @@
 // weights, twice this machine class's 300 MB L3), as a MoE decode step reads
 // each expert once.
 //
+// BM_transposed times the transposed product dx = dy·M of one packed matrix
+// (kernels/transposed_product.hpp, the backward through frozen weights)
+// against the forward y = x·Mᵀ of the same matrix, and against the forward
+// of an f32 matrix of the same shape (the tiles the transposed product
+// runs): per type, rows 1, 32, 512, on the shapes of a Qwen3-30B-A3B expert
+// (d 2048, f 768: gate_up M is 1536 × 2048, down M 2048 × 768). Forwards
+// run rows in blocks as packed::forward does (run_matrix, plain epilogue).
+// Counters: t_over_fwd (transposed time / forward time, same matrix),
+// t_over_f32fwd, and each variant's GFLOP/s (2·rows·O·K per call). The
+// matrices are cycled through a pool of copies as above, so the weights are
+// cold. The label names the path (the compiler's default) and the tiles the
+// block formats' forward runs.
+//
 //   cmake --preset bench && cmake --build --preset bench --target bench_packed
 //   build/bench/benchmarks/bench_packed --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
 #include <apex/ffn/layers/activations.hpp>
 #include <apex/ffn/layers/linear.hpp>
 #include <apex/ffn/kernels/fused_expert.hpp>
+#include <apex/ffn/kernels/transposed_product.hpp>
 
 #include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -166,6 +181,93 @@ void shapes(benchmark::internal::Benchmark* b) {
     for (const long m : {1, 4, 16, 128, 1024}) b->Args({d, f, m});
 }
 BENCHMARK(BM_expert)->Apply(shapes)->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.3);
+
+/// Copies of one O × K matrix of type t (the lanes from normal floats)
+/// adding up to at least APEX_BENCH_POOL_MB of its bytes, so the weights
+/// are cold when a call reads them. The last pool of each type (f32 or
+/// not) is kept for the next benchmark of the same shape.
+const std::vector<packed::PanelMatrix>& matrix_pool(packed::Dtype t, Index O, Index K) {
+  struct Pool {
+    packed::Dtype t{};
+    Index O = 0, K = 0;
+    std::vector<packed::PanelMatrix> copies;
+  };
+  static Pool pools[2];  // f32, the others
+  Pool& pool = pools[t == packed::Dtype::f32 ? 0 : 1];
+  if (!pool.copies.empty() && pool.t == t && pool.O == O && pool.K == K) return pool.copies;
+  pool.copies.clear();
+  packed::PanelMatrix m(t, K, O / packed::kPanelLanes);
+  std::vector<float> w(static_cast<std::size_t>(K));
+  Rng rng(7);
+  for (Index o = 0; o < O; ++o) {
+    for (float& v : w) v = float(rng.normal() / std::sqrt(double(K)));
+    m.pack_row(o / packed::kPanelLanes, o % packed::kPanelLanes, w.data());
+  }
+  const char* env = std::getenv("APEX_BENCH_POOL_MB");
+  const double mb = env ? std::atof(env) : 640.0;
+  const auto n = std::max<Index>(1, Index(mb * 1e6 / double(m.bytes())));
+  pool = Pool{t, O, K, std::vector<packed::PanelMatrix>(std::size_t(n), m)};
+  return pool.copies;
+}
+
+/// y = x·Mᵀ (rows × O) as packed::forward runs a matrix: rows in blocks.
+void forward_product(const packed::PanelMatrix& m, const float* x, Index rows, float* y) {
+  const Index O = packed::kPanelLanes * m.panels(), block = rows <= packed::kSmallRows ? rows : packed::kRowBlock;
+  for (Index r0 = 0; r0 < rows; r0 += block) {
+    const Index n = std::min(block, rows - r0);
+    packed::detail::run_matrix<packed::PlainEpilogue>(packed::kDefaultIsa, m, x + r0 * m.k(), m.k(), n, y + r0 * O, O,
+                                                      packed::kPanelLanes, O);
+  }
+}
+
+void BM_transposed(benchmark::State& state) {
+  const auto t = packed::Dtype(state.range(0));
+  const Index O = state.range(1), K = state.range(2), rows = state.range(3);
+  const std::vector<packed::PanelMatrix>& pool = matrix_pool(t, O, K);
+  const std::vector<packed::PanelMatrix>& pool32 = matrix_pool(packed::Dtype::f32, O, K);
+  const Matrix<float> dy = bench::random_matrix<float>(rows, O, 3), x = bench::random_matrix<float>(rows, K, 4);
+  Matrix<float> dx(rows, K), y(rows, O), y32(rows, O);  // rows × K, rows × O
+  double t_sum[3] = {0, 0, 0};  // transposed, forward, f32 forward
+  std::size_t next = 0, next32 = 0, turn = 0;
+  for (auto _ : state) {
+    const packed::PanelMatrix& m = pool[next];
+    const packed::PanelMatrix& m32 = pool32[next32];
+    next = (next + 1) % pool.size();
+    next32 = (next32 + 1) % pool32.size();
+    double s[3];
+    for (int k = 0; k < 3; ++k) {
+      const int v = int((turn + std::size_t(k)) % 3);
+      const auto t0 = Clock::now();
+      if (v == 0) packed::transposed_product(packed::kDefaultIsa, m, dy.data(), O, rows, dx.data(), K);
+      else if (v == 1) forward_product(m, x.data(), rows, y.data());
+      else forward_product(m32, x.data(), rows, y32.data());
+      s[v] = seconds_since(t0);
+    }
+    ++turn;
+    benchmark::DoNotOptimize(dx.data());
+    benchmark::DoNotOptimize(y.data());
+    benchmark::DoNotOptimize(y32.data());
+    benchmark::ClobberMemory();
+    for (int v = 0; v < 3; ++v) t_sum[v] += s[v];
+    state.SetIterationTime(s[0]);
+  }
+  const double it = double(state.iterations()), flops = 2.0 * double(rows) * double(O) * double(K);
+  const char* names[3] = {"transposed", "fwd", "f32fwd"};
+  for (int v = 0; v < 3; ++v) state.counters[std::string(names[v]) + "_GFLOPs"] = flops / (t_sum[v] / it) / 1e9;
+  state.counters["t_over_fwd"] = t_sum[0] / t_sum[1];
+  state.counters["t_over_f32fwd"] = t_sum[0] / t_sum[2];
+  state.SetLabel(std::string(packed::dtype_name(t)) + " " + std::to_string(O) + "x" + std::to_string(K) +
+                 " isa=" + packed::isa_name(packed::kDefaultIsa) +
+                 " block_tiles=" + packed::block_format_tiles(packed::kDefaultIsa));
+}
+
+void transposed_shapes(benchmark::internal::Benchmark* b) {
+  for (const packed::Dtype t : {packed::Dtype::f32, packed::Dtype::bf16, packed::Dtype::f16, packed::Dtype::q8_0,
+                                packed::Dtype::q4_0, packed::Dtype::mxfp4, packed::Dtype::q4_k, packed::Dtype::q6_k})
+    for (const auto& [O, K] : {std::pair<long, long>{1536, 2048}, {2048, 768}})
+      for (const long rows : {1, 32, 512}) b->Args({long(t), O, K, rows});
+}
+BENCHMARK(BM_transposed)->Apply(transposed_shapes)->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.3);
 
 }  // namespace
 

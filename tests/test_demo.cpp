@@ -1,9 +1,10 @@
 // The demo's own parts (examples/demo): the context-embedding layer's
-// gradients, the whole model's backward against finite differences, AdamW
-// and clipping, a short training run that must lower the loss, speculative
-// decoding against plain decoding, the model packed for inference (float and
-// bf16) against the float model, the sweep over every storage type (block
-// formats included), the PNG encoder and the command line.
+// gradients, the whole model's backward against finite differences, a short
+// training run that must lower the loss (its optimiser is the library's,
+// tested in test_optim.cpp), speculative decoding against plain decoding, the
+// model packed for inference (float and bf16) against the float model, the
+// sweep over every storage type (block formats included), the PNG encoder and
+// the command line.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -13,7 +14,6 @@
 #include <type_traits>
 #include <vector>
 
-#include "adamw.hpp"
 #include "char_model.hpp"
 #include "cli.hpp"
 #include "context_embedding.hpp"
@@ -33,7 +33,6 @@ using apex::test::check_values;
 using apex::test::dot_all;
 using apex::test::random_matrix;
 using Catch::Matchers::WithinAbs;
-using Catch::Matchers::WithinRel;
 
 namespace {
 
@@ -159,55 +158,6 @@ TEST_CASE("Batches hold context windows and look-ahead labels", "[demo][data]") 
   CHECK(b.labels[1].size() == 4);
   CHECK(b.labels[1](2) == 7);
   CHECK(b.labels[1](3) == kIgnoreIndex);
-}
-
-TEST_CASE("AdamW's first step moves every weight by lr against its gradient", "[demo][adamw]") {
-  Matrix<double> w = Matrix<double>::Constant(2, 3, 1.0), gw(2, 3);
-  RowVector<double> gain = RowVector<double>::Ones(3), ggain(3);
-  gw << 0.5, -2.0, 1e-3, -1e-3, 4.0, -0.25;
-  ggain << 1.0, -1.0, 0.0;
-  ParamList<double> params = {detail::make_param<double>("fc.weight", w, gw),
-                              detail::make_param<double>("norm.weight", gain, ggain)};
-  AdamWOptions o;
-  o.weight_decay = 0.1;
-  AdamW<double> opt(params, o);
-  CHECK(opt.decays(0));
-  CHECK_FALSE(opt.decays(1));
-  const double lr = 0.01;
-  opt.step(lr);
-  // Bias correction makes m̂/√v̂ = g/|g| on step 1, whatever |g|; decay multiplies by 1 − lr·λ first.
-  for (Index i = 0; i < w.size(); ++i) {
-    const double g = gw.data()[i];
-    CHECK_THAT(w.data()[i], WithinAbs(1.0 * (1 - lr * 0.1) - lr * g / (std::abs(g) + 1e-8), 1e-9));
-  }
-  CHECK_THAT(gain(0), WithinAbs(1.0 - lr, 1e-9));
-  CHECK_THAT(gain(1), WithinAbs(1.0 + lr, 1e-9));
-  CHECK(gain(2) == 1.0);  // no gradient, no decay: unchanged
-}
-
-TEST_CASE("AdamW minimises a quadratic and clipping bounds the global norm", "[demo][adamw]") {
-  Matrix<double> x = Matrix<double>::Zero(1, 4), g(1, 4);
-  const Matrix<double> c = (Matrix<double>(1, 4) << 3, -1, 0.5, 2).finished();
-  ParamList<double> params = {detail::make_param<double>("x.weight", x, g)};
-  AdamWOptions o;
-  o.weight_decay = 0;
-  AdamW<double> opt(params, o);
-  for (int s = 0; s < 600; ++s) {
-    g = x - c;  // ∇ ½‖x − c‖²
-    opt.step(warmup_cosine(s, 600, 10, 0.1, 0.01));
-  }
-  CHECK((x - c).norm() < 1e-2);
-  CHECK(opt.steps() == 600);
-
-  g << 3, 4, 0, 0;
-  CHECK_THAT(clip_grad_norm(params, 1.0), WithinRel(5.0, 1e-12));
-  CHECK_THAT(g.norm(), WithinRel(1.0, 1e-6));
-  CHECK_THAT(clip_grad_norm(params, 10.0), WithinRel(1.0, 1e-6));  // under the bound: unchanged
-  CHECK_THAT(g.norm(), WithinRel(1.0, 1e-6));
-  CHECK(name_ends_with("layers.1.ffn.experts.0.kappa_bias", "bias"));
-  CHECK_FALSE(decays_by_default("layers.0.norm.weight"));
-  CHECK_FALSE(decays_by_default("embed.proj.bias"));
-  CHECK(decays_by_default("layers.1.ffn.router.weight"));
 }
 
 TEST_CASE("A few training steps lower the demo model's loss", "[demo][train]") {

@@ -14,12 +14,14 @@
 #include <apex/ffn/core/errors.hpp>
 #include <apex/ffn/layers/kappa_swiglu.hpp>
 #include <apex/ffn/moe/load_balancer.hpp>
+#include <apex/ffn/optim/adamw.hpp>
+#include <apex/ffn/optim/clip.hpp>
+#include <apex/ffn/optim/schedule.hpp>
 
 #include <cmath>
 #include <string>
 #include <vector>
 
-#include "adamw.hpp"
 #include "char_model.hpp"
 #include "text_data.hpp"
 
@@ -33,7 +35,9 @@ struct TrainOptions {
   double lr_floor = 0.1;     ///< final learning rate as a fraction of the peak
   long warmup = 100;         ///< linear warmup steps
   double clip = 1.0;         ///< max global gradient norm
-  AdamWOptions adamw;
+  /// β₂ = 0.99 rather than PyTorch's 0.999: v then averages over ~100 steps,
+  /// which suits a run of a few thousand; λ = 0.1 as in most LLM recipes.
+  AdamWOptions adamw{0.9, 0.99, 1e-8, 0.1};
   double U_max = 4.0;        ///< κ-SwiGLU's final U
   double U_ramp = 0.5;       ///< fraction of the steps over which U rises from 1 to U_max
   bool balance = true;       ///< apply the MoE balancers' bias updates

@@ -52,3 +52,7 @@
 #include "ffn/moe/routing_rules.hpp"
 #include "ffn/moe/row_exchange.hpp"
 #include "ffn/moe/shared_expert_gate.hpp"
+#include "ffn/optim/adamw.hpp"
+#include "ffn/optim/clip.hpp"
+#include "ffn/optim/non_finite.hpp"
+#include "ffn/optim/schedule.hpp"
