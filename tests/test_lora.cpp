@@ -120,6 +120,11 @@ TEMPLATE_TEST_CASE("LoRA on frozen MoE layers: every gradient against central di
       check_lora_gradients<TestType>(lora(2, false), n, 31);
     }
   }
+  SECTION("fused gate/up on the routed experts, the shared experts' gate and up apart (shared_targets)") {
+    LoraOptions o = lora(2);
+    o.shared_targets = LoraTargets{true, true, false, true};
+    check_lora_gradients<TestType>(o, 5, 51);
+  }
   SECTION("down only, router frozen, no shared adapters") {
     LoraOptions o = lora(1, true, false);
     o.targets = {false, false, false, true};

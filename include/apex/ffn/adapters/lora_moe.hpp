@@ -65,8 +65,8 @@ class LoraMoE {
         balancer_(config_.n_experts, config_.n_active, config_.balancer_alpha),
         shared_gate_(Frozen::shared_gate(base_)),
         routed_(config_.n_experts, config_.d_model, config_.d_ffn, opt_, !opt_.per_expert, "experts.", rng),
-        shared_(opt_.shared_experts ? config_.n_shared : 0, config_.d_model, config_.shared_ffn(), opt_, false,
-                "shared_experts.", rng) {
+        shared_(opt_.shared_experts ? config_.n_shared : 0, config_.d_model, config_.shared_ffn(), opt_.for_shared(),
+                false, "shared_experts.", rng) {
     balancer_.set_bias(Frozen::bias(base_));
     acts_.reserve(std::size_t(config_.n_experts));
     for (Index e = 0; e < config_.n_experts; ++e) acts_.push_back(Frozen::activation(base_, e));
@@ -152,7 +152,8 @@ class LoraMoE {
 
   static LoraOptions validated(const LoraOptions& o, const MoEConfig& c) {
     o.validate("LoraMoE", c.d_model, c.d_ffn, "routed experts");
-    if (o.shared_experts && c.n_shared > 0) o.validate("LoraMoE", c.d_model, c.shared_ffn(), "shared experts");
+    if (o.shared_experts && c.n_shared > 0)
+      o.for_shared().validate("LoraMoE", c.d_model, c.shared_ffn(), "shared experts");
     return o;
   }
 

@@ -12,6 +12,7 @@
 /// frozen one.
 
 #include <cmath>
+#include <optional>
 #include <string>
 
 #include "../core/errors.hpp"
@@ -38,9 +39,23 @@ struct LoraOptions {
   double alpha = 16;       ///< α: finite, > 0, within float
   bool rslora = false;     ///< s = α/√r (rank-stabilised, peft's `use_rslora`) instead of α/r
   LoraTargets targets;     ///< which projections of each expert are adapted
+  /// The shared experts' targets where they differ from the routed experts'
+  /// (`targets`): transformers holds a family's routed experts fused, so
+  /// peft adapts their gate_up_proj as one, but a shared expert as separate
+  /// gate_proj / up_proj layers, each with its own adapter.
+  std::optional<LoraTargets> shared_targets;
   bool per_expert = true;  ///< false: one adapter per projection, shared by every routed expert
   bool shared_experts = true;  ///< adapters on the shared experts too (each its own)
   bool train_router = false;   ///< router weights (and logit bias) among the trainable parameters
+
+  /// These options as the shared experts' adapters take them: `targets`
+  /// replaced by `shared_targets` when set.
+  LoraOptions for_shared() const {
+    LoraOptions o = *this;
+    if (shared_targets) o.targets = *shared_targets;
+    o.shared_targets.reset();
+    return o;
+  }
 
   /// s = α/r, or α/√r with rslora.
   double scale() const { return rslora ? alpha / std::sqrt(double(rank)) : alpha / double(rank); }
