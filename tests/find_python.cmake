@@ -2,12 +2,12 @@
 # interop tests run, in OUT: the one the cache variable named CHOSEN gives
 # (APEX_FFN_TORCH_PYTHON, APEX_FFN_GGUF_PYTHON, APEX_FFN_PEFT_PYTHON) if set,
 # else the first of python3 on the PATH, the interpreters of the virtual
-# environments APEX_FFN_PYTHON_VENVS lists (the active one, the source
-# tree's .venv, a machine-wide one) and /usr/bin/python3 that can
+# environments APEX_FFN_PYTHON_VENVS lists (the active one and the source
+# tree's .venv, which CI creates) and /usr/bin/python3 that can
 # `import MODULES` ("torch", "gguf, numpy"), else "". The search runs once
 # per build folder and module list (an internal cache entry), since each try
 # starts Python.
-set(APEX_FFN_PYTHON_VENVS "$ENV{VIRTUAL_ENV};${PROJECT_SOURCE_DIR}/.venv;/work/venv" CACHE STRING
+set(APEX_FFN_PYTHON_VENVS "$ENV{VIRTUAL_ENV};${PROJECT_SOURCE_DIR}/.venv" CACHE STRING
     "Virtual environments whose Python the interop tests try after python3 on the PATH")
 function(apex_ffn_python_with out modules chosen)
   if(${chosen})
