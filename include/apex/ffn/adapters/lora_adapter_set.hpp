@@ -33,11 +33,16 @@ class LoraAdapterSet {
   LoraAdapterSet() = default;
   /// `experts` experts of widths d, f; adapters as `o` targets them (o
   /// validated by the caller), drawn from rng expert by expert, slot by slot
-  /// (only A draws); `tied`: one set for all. `prefix`: "experts." or "shared_experts.".
-  LoraAdapterSet(Index experts, Index d, Index f, const LoraOptions& o, bool tied, std::string prefix, Rng& rng)
-      : experts_(experts), tied_(tied), prefix_(std::move(prefix)) {
-    values_.resize(std::size_t(tied ? 1 : experts));
-    for (auto& v : values_) {
+  /// (only A draws); `tied`: one set for all. `prefix`: "experts." or
+  /// "shared_experts.". An expert-parallel rank keeps experts [first, last)
+  /// only (last < 0: all), after drawing every expert's in order, so its
+  /// adapters are the single-process layer's for the same rng.
+  LoraAdapterSet(Index experts, Index d, Index f, const LoraOptions& o, bool tied, std::string prefix, Rng& rng,
+                 Index first = 0, Index last = -1)
+      : first_(tied ? 0 : first), experts_((last < 0 ? experts : last) - first), tied_(tied), prefix_(std::move(prefix)) {
+    const Index drawn = tied ? 1 : experts;
+    for (Index i = 0; i < drawn; ++i) {
+      LoraExpertAdapters<T> v;
       const auto add = [&](LoraSlot s, bool on, Index in, Index out) {
         if (on) v[s] = detail::new_lora_pair<T>(in, out, o.rank, rng);
       };
@@ -45,12 +50,15 @@ class LoraAdapterSet {
       add(LoraSlot::up, o.targets.up, d, f);
       add(LoraSlot::gate_up, o.targets.gate_up, d, 2 * f);
       add(LoraSlot::down, o.targets.down, f, d);
+      if (tied || (i >= first_ && i < first_ + experts_)) values_.push_back(std::move(v));
     }
   }
 
+  /// Experts held (a rank's shard, or all), and the global id of the first.
   Index experts() const { return experts_; }
+  Index first() const { return first_; }
   bool tied() const { return tied_; }
-  /// Expert e's adapter values (the tied set for every e when tied).
+  /// Expert e's adapter values, e counted from first() (the tied set for every e when tied).
   const LoraExpertAdapters<T>& values(Index e) const { return values_[std::size_t(tied_ ? 0 : e)]; }
   LoraExpertAdapters<T>& values(Index e) { return values_[std::size_t(tied_ ? 0 : e)]; }
   /// Where expert e's backward adds (its partial when tied across several
@@ -94,7 +102,7 @@ class LoraAdapterSet {
   ParamList<T> params(bool grads) {
     ParamList<T> out;
     for (std::size_t i = 0; i < values_.size(); ++i) {
-      const std::string expert = prefix_ + (tied_ ? "" : std::to_string(i) + ".");
+      const std::string expert = prefix_ + (tied_ ? "" : std::to_string(first_ + Index(i)) + ".");
       LoraExpertAdapters<T>* g = grads ? &grad(Index(i)) : nullptr;
       for (int s = 0; s < kLoraSlots; ++s) {
         LoraPair<T>& v = values_[i].slot[std::size_t(s)];
@@ -131,7 +139,8 @@ class LoraAdapterSet {
   /// One set written by several experts' concurrent backward: each gets a partial.
   bool partials() const { return tied_ && experts_ > 1; }
 
-  Index experts_ = 0;
+  Index first_ = 0;    ///< global id of values_[0] (per-expert sets)
+  Index experts_ = 0;  ///< experts whose backward adds here
   bool tied_ = false;
   bool has_grads_ = false;
   std::string prefix_;

@@ -60,7 +60,7 @@ class LoraMoE {
   LoraMoE(Base base, const LoraOptions& options, Rng& rng)
       : base_(std::move(base)),
         config_(base_.config()),
-        opt_(validated(options, config_)),
+        opt_(validated_options(options, config_)),
         router_(Frozen::router(base_)),
         balancer_(config_.n_experts, config_.n_active, config_.balancer_alpha),
         shared_gate_(Frozen::shared_gate(base_)),
@@ -140,6 +140,15 @@ class LoraMoE {
     if (shared_gate_grad_.size() != shared_gate_.size()) shared_gate_grad_ = Matrix<T>::Zero(shared_gate_.rows(), shared_gate_.cols());
   }
 
+  /// `o`, or ConfigError naming the field if it does not fit a layer of `c`
+  /// (routed experts, and shared ones when they get adapters).
+  static LoraOptions validated_options(const LoraOptions& o, const MoEConfig& c) {
+    o.validate("LoraMoE", c.d_model, c.d_ffn, "routed experts");
+    if (o.shared_experts && c.n_shared > 0)
+      o.for_shared().validate("LoraMoE", c.d_model, c.shared_ffn(), "shared experts");
+    return o;
+  }
+
   /// Workspace columns of a routed and of a shared expert's row.
   Index routed_work_cols() const { return 3 * config_.d_ffn + routed_.values(0).hidden_cols(); }
   Index shared_work_cols() const {
@@ -150,12 +159,6 @@ class LoraMoE {
   template <class>
   friend struct detail::LoraRunner;
 
-  static LoraOptions validated(const LoraOptions& o, const MoEConfig& c) {
-    o.validate("LoraMoE", c.d_model, c.d_ffn, "routed experts");
-    if (o.shared_experts && c.n_shared > 0)
-      o.for_shared().validate("LoraMoE", c.d_model, c.shared_ffn(), "shared experts");
-    return o;
-  }
 
   T scale() const { return T(opt_.scale()); }
   std::vector<RoutedBlock> routed_blocks() const {
