@@ -100,6 +100,9 @@ TEST_CASE("config.json keys that change the layer or its MoE blocks", "[hf_confi
   CHECK(q.is_moe_layer(3));
   CHECK(!q.is_moe_layer(5));
   CHECK(q.is_moe_layer(7));
+  // transformers 5 saves Qwen3-MoE's expert count as num_local_experts (its Qwen3MoeConfig.attribute_map).
+  CHECK(hf_parse(R"({"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2,
+    "moe_intermediate_size": 32, "num_local_experts": 6, "num_experts_per_tok": 2})").moe.n_experts == 6);
   // DeepSeek-V3: two shared experts are one MLP of twice the width; moe_layer_freq 2.
   const HfModelConfig d = hf_parse(R"({"model_type": "deepseek_v3", "hidden_size": 64, "num_hidden_layers": 6,
     "moe_intermediate_size": 16, "n_routed_experts": 16, "num_experts_per_tok": 4, "n_shared_experts": 2,

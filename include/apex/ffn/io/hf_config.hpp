@@ -12,7 +12,8 @@
 ///     key                            deepseek_v3   mixtral            qwen2_moe   qwen3_moe   olmoe
 ///     d_model                        hidden_size (all)
 ///     d_ffn                          moe_intermediate_size  intermediate_size  moe_…  moe_…  intermediate_size
-///     n_experts                      n_routed_experts  num_local_experts  num_experts (qwen2/3, olmoe)
+///     n_experts                      n_routed_experts  num_local_experts  num_experts (qwen2/3, olmoe;
+///                                                                     transformers 5 writes Qwen3-MoE's as num_local_experts)
 ///     n_active                       num_experts_per_tok (all)
 ///     renormalise                    norm_topk_prob (default true)  always  norm_topk_prob (default false)
 ///     shared experts                 n_shared_experts × moe_intermediate_size (one MLP)
@@ -161,7 +162,9 @@ inline void read_family_keys(const HfKeys& k, HfModelConfig& out) {
     case MoEFamily::Qwen2MoE:
     case MoEFamily::Qwen3MoE:
       c.d_ffn = k.count("moe_intermediate_size");
-      c.n_experts = k.count("num_experts");
+      // transformers 5's Qwen3MoeConfig maps num_experts to num_local_experts and saves that name
+      c.n_experts = k.find("num_experts") || !k.find("num_local_experts") ? k.count("num_experts")
+                                                                          : k.count("num_local_experts");
       c.routing.renormalize = k.flag_or("norm_topk_prob", false);
       out.moe_every = k.count_or("decoder_sparse_step", 1);
       if (const nlohmann::json* dense = k.find("mlp_only_layers")) {

@@ -21,7 +21,12 @@
 /// Every local phase is followed by error agreement (communicator.hpp), so a
 /// bad input on one rank throws on every rank and none blocks; every
 /// allocation happens inside one. Seconds per phase go to the layer's
-/// PhaseTimes. `Layer` is the layer (const for forward), which befriends this.
+/// PhaseTimes. `Layer` is the layer (const for forward), which befriends this
+/// and gives its parts through `ep_*` accessors: the router, the balancing
+/// bias, the shared gate and its gradient, this rank's routed experts and the
+/// shared experts (by reference, or made for the call: the adapters' layer,
+/// mpi/expert_parallel_lora.hpp), and `ep_after_backward()` once the local
+/// experts' backward has run, before the replicated gradients are summed.
 
 #include <algorithm>
 #include <cstdint>
@@ -74,9 +79,9 @@ struct ExchangeRunner {
 
   const MoEConfig& config() const { return layer.config(); }
   int threads() const { return resolve_threads(layer.threads_); }
-  const Router<T>& router() const { return layer.parts_->router; }
-  const RowVector<T>& bias() const { return layer.parts_->balancer.bias(); }
-  const Matrix<T>& shared_gate() const { return layer.parts_->shared_gate; }
+  const Router<T>& router() const { return layer.ep_router(); }
+  const RowVector<T>& bias() const { return layer.ep_bias(); }
+  const Matrix<T>& shared_gate() const { return layer.ep_shared_gate(); }
   const Communicator& comm() const { return layer.comm_; }
 
   /// Adds the seconds since the previous lap to `phase`.
@@ -128,7 +133,7 @@ struct ExchangeRunner {
     lap(layer.times_.route);
     alltoall_counts(comm(), send_counts, shard.max_count(), recv_counts);
     comm().step(where, [&] {
-      c.exchange.build(send_counts, recv_counts, comm().size(), shard.max_count(), Index(layer.parts_->experts.size()));
+      c.exchange.build(send_counts, recv_counts, comm().size(), shard.max_count(), layer.ep_local_count());
       x_recv.resize(c.exchange.received(), d);
       side_recv.resize(c.exchange.received() * kSide);
     });
@@ -141,7 +146,9 @@ struct ExchangeRunner {
       c.side_sorted.resize(side_recv.size());
       c.exchange.to_expert_major(x_recv, c.x_sorted);
       if constexpr (kSide == 1) c.exchange.to_expert_major(side_recv, c.side_sorted);
-      apex::detail::local_forward(layer.parts_->experts, layer.parts_->shared, x, c.x_sorted, c.side_sorted,
+      const auto& experts = layer.ep_experts();
+      const auto& shared = layer.ep_shared();
+      apex::detail::local_forward(experts, shared, x, c.x_sorted, c.side_sorted,
                                   c.exchange.local_offset, c.work, y_local, c.shared_work, c.shared_y,
                                   Plain::kMaxTileRows, threads());
       y_recv.resize(y_local.rows(), d);
@@ -154,18 +161,17 @@ struct ExchangeRunner {
   }
 
   MoECacheShape cache_shape() const {
-    const auto& p = *layer.parts_;
     const MoEConfig& cfg = config();
     MoECacheShape s;
     s.d_model = cfg.d_model;
     s.n_experts = cfg.n_experts;
     s.n_active = cfg.n_active;
     s.n_shared = cfg.n_shared;
-    s.work_cols = p.experts.front().work_cols();
-    s.shared_work_cols = p.shared.empty() ? 0 : p.shared.front().work_cols();
+    s.work_cols = layer.ep_work_cols();
+    s.shared_work_cols = cfg.n_shared > 0 ? layer.ep_shared_work_cols() : 0;
     s.side_cols = kSide;
     s.ranks = comm().size();
-    s.local_experts = Index(p.experts.size());
+    s.local_experts = layer.ep_local_count();
     s.gated = cfg.shared_expert_gate;
     s.capacity_on = cfg.routing.capacity_factor > 0;
     return s;
@@ -220,9 +226,12 @@ struct ExchangeRunner {
       auto dx_local = apex::detail::thread_workspace<T, ExchangeDxTag>(rows, d);  // R × d, expert-major
       Vector<T> dside_local = Vector<T>::Zero(rows * kSide);
       ex.to_expert_major(dy_recv, dy_local);
-      apex::detail::local_backward(layer.parts_->experts, layer.parts_->shared, c.x, dy_shared, c.x_sorted,
+      auto&& experts = layer.ep_experts();
+      auto&& shared = layer.ep_shared();
+      apex::detail::local_backward(experts, shared, c.x, dy_shared, c.x_sorted,
                                    c.side_sorted, ex.local_offset, c.work, c.shared_work, dy_local, dx_local,
                                    dside_local, shared_dx, threads());
+      layer.ep_after_backward();
       dx_recv.resize(rows, d);
       dside_recv.resize(dside_local.size());
       ex.to_received(dx_local, dx_recv);
@@ -233,8 +242,8 @@ struct ExchangeRunner {
     if constexpr (kSide == 1) exchange(dside_recv.data(), ex.recv_rows, dside_sorted.data(), ex.send_rows, 1);
     lap(layer.times_.exchange);
   }
-  Router<T>& router_grad() const { return layer.parts_->router; }
-  Matrix<T>& shared_gate_grad() const { return layer.parts_->shared_gate_grad; }
+  Router<T>& router_grad() const { return layer.ep_router(); }
+  Matrix<T>& shared_gate_grad() const { return layer.ep_shared_gate_grad(); }
 
  private:
   void exchange(const T* send, const std::vector<Index>& send_rows, T* recv, const std::vector<Index>& recv_rows,

@@ -200,6 +200,23 @@ class ExpertParallelMoE {
 
   std::string description() const { return detail::rank_description<T>(config_, Index(parts_->experts.size())); }
 
+  /// \name What the exchange runner reads (mpi/exchange_runner.hpp)
+  ///@{
+  const Router<T>& ep_router() const { return parts_->router; }
+  Router<T>& ep_router() { return parts_->router; }
+  const RowVector<T>& ep_bias() const { return parts_->balancer.bias(); }
+  const Matrix<T>& ep_shared_gate() const { return parts_->shared_gate; }
+  Matrix<T>& ep_shared_gate_grad() { return parts_->shared_gate_grad; }
+  const std::vector<Expert>& ep_experts() const { return parts_->experts; }
+  std::vector<Expert>& ep_experts() { return parts_->experts; }
+  const std::vector<SharedType>& ep_shared() const { return parts_->shared; }
+  std::vector<SharedType>& ep_shared() { return parts_->shared; }
+  Index ep_local_count() const { return Index(parts_->experts.size()); }
+  Index ep_work_cols() const { return parts_->experts.front().work_cols(); }
+  Index ep_shared_work_cols() const { return parts_->shared.front().work_cols(); }
+  void ep_after_backward() {}
+  ///@}
+
   void observe_counts(const Cache& c, const std::vector<bool>* counted) {
     constexpr const char* where = "ExpertParallelMoE::observe";
     const Index e_count = config_.n_experts;
