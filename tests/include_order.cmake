@@ -9,7 +9,7 @@
 # (file:line -> target, and the rule it breaks), or at a header that does not
 # exist. The rule:
 #
-#   core < optim < quant < kernels < layers < moe < io < inference < mpi
+#   core < optim < quant < kernels < layers < moe < io < inference < adapters < mpi
 #
 # A subfolder counts as its folder (kernels/arch/ is kernels), except inside
 # the folders ordered below, whose own headers come last: io/file/ holds the
@@ -24,7 +24,7 @@ if(NOT HEADERS OR NOT IS_DIRECTORY "${HEADERS}")
 endif()
 get_filename_component(HEADERS "${HEADERS}" ABSOLUTE)
 
-set(ORDER core optim quant kernels layers moe io inference mpi)
+set(ORDER core optim quant kernels layers moe io inference adapters mpi)
 # Within a folder, ranks of its subfolders; "|" joins siblings of one rank,
 # "." is the folder's own headers. A subfolder not listed ranks as ".".
 set(ORDER_io "file" "safetensors|gguf" ".")

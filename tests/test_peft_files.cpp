@@ -6,8 +6,8 @@
 // refusal with its message, the layers unchanged after a rejected load.
 #include <apex/ffn/adapters/peft_files.hpp>
 #include <apex/ffn/inference.hpp>
-#include <apex/ffn/inference/packed_gpt_oss.hpp>
-#include <apex/ffn/inference/packed_load.hpp>
+#include <apex/ffn/inference/files/gpt_oss/load.hpp>
+#include <apex/ffn/inference/files/checkpoint/load.hpp>
 #include <apex/ffn/io/gpt_oss_checkpoint.hpp>
 #include <apex/ffn/io/hf_config.hpp>
 #include <apex/ffn/io/name_maps.hpp>

@@ -15,6 +15,7 @@
 #include "ffn/core/types.hpp"
 #include "ffn/core/version.hpp"
 #include "ffn/core/workspace.hpp"
+#include "ffn/adapters.hpp"
 #include "ffn/inference.hpp"
 #include "ffn/layers/activations.hpp"
 #include "ffn/layers/clamped_swiglu.hpp"

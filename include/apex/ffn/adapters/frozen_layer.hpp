@@ -16,7 +16,7 @@
 #include <type_traits>
 
 #include "../core/types.hpp"
-#include "../inference/packed_moe.hpp"
+#include "../inference/engine/packed_moe.hpp"
 #include "../kernels/epilogue.hpp"
 #include "../moe/moe_ffn.hpp"
 #include "frozen_dense.hpp"

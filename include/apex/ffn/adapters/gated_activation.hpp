@@ -26,9 +26,9 @@
 
 #include "../core/types.hpp"
 #include "../core/workspace.hpp"
-#include "../inference/packed_clamped.hpp"
-#include "../inference/packed_expert_kind.hpp"
-#include "../inference/packed_kappa.hpp"
+#include "../inference/engine/packed_clamped.hpp"
+#include "../inference/engine/packed_expert_kind.hpp"
+#include "../inference/engine/packed_kappa.hpp"
 #include "../layers/clamped_swiglu.hpp"
 #include "../layers/kappa_activation.hpp"
 #include "../layers/kappa_swiglu.hpp"

@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "../core/types.hpp"
-#include "../inference/packed_moe.hpp"
+#include "../inference/engine/packed_moe.hpp"
 #include "../moe/moe_ffn.hpp"
 #include "lora_moe.hpp"
 

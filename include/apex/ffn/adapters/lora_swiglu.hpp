@@ -20,7 +20,7 @@
 
 #include "../core/parallel.hpp"
 #include "../core/types.hpp"
-#include "../inference/packed_swiglu.hpp"
+#include "../inference/engine/packed_swiglu.hpp"
 #include "../layers/swiglu.hpp"
 #include "../moe/expert_tasks.hpp"
 #include "frozen_dense.hpp"
