@@ -13,6 +13,7 @@
 ///     global_capacity.hpp     global_capacity_drops: the capacity limit on all ranks' batch
 ///     rank_memory.hpp         a rank's weight bytes, for the memory-fit checks
 ///     expert_parallel_moe.hpp ExpertParallelMoE<T, Expert>
+///     expert_parallel_lora.hpp ExpertParallelLora<Base>: LoRA adapters on frozen experts, sharded
 ///     kappa_regulariser.hpp   κ-SwiGLU's layer-wide regulariser across ranks
 ///
 /// Sharded checkpoints (mpi/expert_parallel_checkpoint.hpp) and the open
@@ -25,6 +26,7 @@
 #include "mpi/config_agreement.hpp"
 #include "mpi/exchange_plan.hpp"
 #include "mpi/exchange_runner.hpp"
+#include "mpi/expert_parallel_lora.hpp"
 #include "mpi/expert_parallel_moe.hpp"
 #include "mpi/expert_shard.hpp"
 #include "mpi/fixed_order_sum.hpp"
