@@ -55,6 +55,7 @@
 #include "../core/errors.hpp"
 #include "arch/avx2_unpack_columns.hpp"
 #include "fused_expert.hpp"
+#include "spread_rows.hpp"
 #include "unpack_columns.hpp"
 
 namespace apex::packed {
@@ -70,19 +71,6 @@ struct TransposedScratch {
 inline TransposedScratch& transposed_scratch() {
   thread_local TransposedScratch s;
   return s;
-}
-
-/// dy rows a multiple of 4 KiB apart fall in the same L1 sets, and a tile
-/// reads 12 of them at once, more than the 8 ways: such rows are copied 64
-/// bytes further apart first (once per call; measured on the down shape of
-/// a Qwen3-30B expert, O = 2048, 32 rows: the tiles 15-40 % faster).
-inline const float* spread_rows(const float* dy, Index& lddy, Index rows, Index O, TransposedScratch& s) {
-  if (rows < 2 || lddy % 1024 != 0) return dy;
-  const Index ld = O + 16;
-  float* copy = grow(s.dy, apex::detail::checked_product("packed::transposed_product", "dy copy", {rows, ld}));
-  for (Index r = 0; r < rows; ++r) std::copy(dy + r * lddy, dy + r * lddy + O, copy + r * ld);
-  lddy = ld;
-  return copy;
 }
 
 /// Chunk `chunk` of one panel on path `isa` (the same bytes on every path):
@@ -141,7 +129,7 @@ void transposed_product(Isa isa, const PanelMatrix& pm, const float* dy, Index l
   const Index K = pm.k(), O = L * pm.panels();
   TransposedScratch& s = transposed_scratch();
   float* buf = grow(s.columns, apex::detail::checked_product("packed::transposed_product", "unpacked columns", {O, C}));
-  dy = spread_rows(dy, lddy, rows, O, s);
+  dy = spread_rows(dy, lddy, rows, O, s.dy, "packed::transposed_product");  // kernels/spread_rows.hpp
   const Index block = rows <= kSmallRows ? rows : kRowBlock;
   for (Index p = 0; p < 2 * kPrefetchPanels; ++p) prefetch_chunk<T>(pm, p, 0, p >= kPrefetchPanels);
   for (Index j = 0; j < column_chunks(K); ++j) {
