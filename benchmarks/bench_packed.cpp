@@ -28,19 +28,34 @@
 // run rows in blocks as packed::forward does (run_matrix, plain epilogue).
 // Counters: t_over_fwd (transposed time / forward time, same matrix),
 // t_over_f32fwd, and each variant's GFLOP/s (2·rows·O·K per call). The
-// matrices are cycled through a pool of copies as above, so the weights are
-// cold. The label names the path (the compiler's default) and the tiles the
-// block formats' forward runs.
+// matrices are cycled through a pool of copies as above, and each variant
+// reads its own copy, so the weights are cold. The label names the path (the
+// compiler's default) and the tiles the block formats' forward runs.
+//
+// BM_dequantized times the forward with exact float activations of a
+// block-format matrix (kernels/dequantized_product.hpp: each panel
+// dequantized, then the f32 tiles; the forward of LoRA training through
+// frozen weights) against the inference forward of the same matrix
+// (quantized activations, the block formats' integer tiles) and the
+// forward of an f32 matrix of the same shape (the tiles it runs), on the
+// shapes and row counts of BM_transposed, the weights cold as above.
+// Counters: dq_over_fwd, dq_over_f32fwd (time ratios) and each variant's
+// GFLOP/s.
+//
+// Both take their counters from the thread's CPU time per call (medians:
+// ThreeTimes says why), the benchmark's time is wall time.
 //
 //   cmake --preset bench && cmake --build --preset bench --target bench_packed
 //   build/bench/benchmarks/bench_packed --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
 #include <apex/ffn/layers/activations.hpp>
 #include <apex/ffn/layers/linear.hpp>
+#include <apex/ffn/kernels/dequantized_product.hpp>
 #include <apex/ffn/kernels/fused_expert.hpp>
 #include <apex/ffn/kernels/transposed_product.hpp>
 
 #include <algorithm>
 #include <cstdlib>
+#include <ctime>
 #include <map>
 #include <memory>
 #include <string>
@@ -220,6 +235,58 @@ void forward_product(const packed::PanelMatrix& m, const float* x, Index rows, f
   }
 }
 
+/// CPU time of the calling thread, in seconds.
+double thread_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
+
+/// Per-call times of the three variants of a comparison, run back to back
+/// in each iteration in an order rotating with the iteration (drift hits
+/// all alike). The machine is shared: a call is often preempted for whole
+/// time slices of other jobs (4 ms here), which wall time counts and the
+/// thread's CPU time does not. So the counters come from CPU times: the
+/// ratios are the median over iterations of the ratio within one, the rates
+/// use each variant's median call. The benchmark's own time is wall time.
+struct ThreeTimes {
+  std::vector<double> cpu[3];
+  /// Runs the variants once each; returns variant 0's wall time.
+  template <class F>
+  double run(std::size_t turn, F&& variant) {
+    double wall0 = 0;
+    for (int k = 0; k < 3; ++k) {
+      const int v = int((turn + std::size_t(k)) % 3);
+      const double c0 = thread_cpu_seconds();
+      const auto t0 = Clock::now();
+      variant(v);
+      if (v == 0) wall0 = seconds_since(t0);
+      cpu[v].push_back(thread_cpu_seconds() - c0);
+    }
+    return wall0;
+  }
+  static double median(std::vector<double> s) {
+    std::nth_element(s.begin(), s.begin() + std::ptrdiff_t(s.size() / 2), s.end());
+    return s[s.size() / 2];
+  }
+  /// Each variant's GFLOP/s and variant 0's time over the others' (named
+  /// `ratio`_over_<name>).
+  void counters(benchmark::State& state, const char* const* names, const char* ratio, double flops) const {
+    for (int v = 0; v < 3; ++v) state.counters[std::string(names[v]) + "_GFLOPs"] = flops / median(cpu[v]) / 1e9;
+    for (int v = 1; v < 3; ++v) {
+      std::vector<double> r(cpu[0].size());
+      for (std::size_t i = 0; i < r.size(); ++i) r[i] = cpu[0][i] / cpu[v][i];
+      state.counters[std::string(ratio) + "_over_" + names[v]] = median(r);
+    }
+  }
+};
+
+std::string matrix_label(packed::Dtype t, Index O, Index K) {
+  return std::string(packed::dtype_name(t)) + " " + std::to_string(O) + "x" + std::to_string(K) +
+         " isa=" + packed::isa_name(packed::kDefaultIsa) +
+         " block_tiles=" + packed::block_format_tiles(packed::kDefaultIsa);
+}
+
 void BM_transposed(benchmark::State& state) {
   const auto t = packed::Dtype(state.range(0));
   const Index O = state.range(1), K = state.range(2), rows = state.range(3);
@@ -227,47 +294,76 @@ void BM_transposed(benchmark::State& state) {
   const std::vector<packed::PanelMatrix>& pool32 = matrix_pool(packed::Dtype::f32, O, K);
   const Matrix<float> dy = bench::random_matrix<float>(rows, O, 3), x = bench::random_matrix<float>(rows, K, 4);
   Matrix<float> dx(rows, K), y(rows, O), y32(rows, O);  // rows × K, rows × O
-  double t_sum[3] = {0, 0, 0};  // transposed, forward, f32 forward
+  ThreeTimes times;  // transposed, forward, f32 forward
   std::size_t next = 0, next32 = 0, turn = 0;
   for (auto _ : state) {
     const packed::PanelMatrix& m = pool[next];
+    const packed::PanelMatrix& m_fwd = pool[(next + pool.size() / 2) % pool.size()];  // another copy: cold too
     const packed::PanelMatrix& m32 = pool32[next32];
     next = (next + 1) % pool.size();
     next32 = (next32 + 1) % pool32.size();
-    double s[3];
-    for (int k = 0; k < 3; ++k) {
-      const int v = int((turn + std::size_t(k)) % 3);
-      const auto t0 = Clock::now();
+    const double t0 = times.run(turn++, [&](int v) {
       if (v == 0) packed::transposed_product(packed::kDefaultIsa, m, dy.data(), O, rows, dx.data(), K);
-      else if (v == 1) forward_product(m, x.data(), rows, y.data());
+      else if (v == 1) forward_product(m_fwd, x.data(), rows, y.data());
       else forward_product(m32, x.data(), rows, y32.data());
-      s[v] = seconds_since(t0);
-    }
-    ++turn;
+    });
     benchmark::DoNotOptimize(dx.data());
     benchmark::DoNotOptimize(y.data());
     benchmark::DoNotOptimize(y32.data());
     benchmark::ClobberMemory();
-    for (int v = 0; v < 3; ++v) t_sum[v] += s[v];
-    state.SetIterationTime(s[0]);
+    state.SetIterationTime(t0);
   }
-  const double it = double(state.iterations()), flops = 2.0 * double(rows) * double(O) * double(K);
   const char* names[3] = {"transposed", "fwd", "f32fwd"};
-  for (int v = 0; v < 3; ++v) state.counters[std::string(names[v]) + "_GFLOPs"] = flops / (t_sum[v] / it) / 1e9;
-  state.counters["t_over_fwd"] = t_sum[0] / t_sum[1];
-  state.counters["t_over_f32fwd"] = t_sum[0] / t_sum[2];
-  state.SetLabel(std::string(packed::dtype_name(t)) + " " + std::to_string(O) + "x" + std::to_string(K) +
-                 " isa=" + packed::isa_name(packed::kDefaultIsa) +
-                 " block_tiles=" + packed::block_format_tiles(packed::kDefaultIsa));
+  times.counters(state, names, "t", 2.0 * double(rows) * double(O) * double(K));
+  state.SetLabel(matrix_label(t, O, K));
 }
 
-void transposed_shapes(benchmark::internal::Benchmark* b) {
+void BM_dequantized(benchmark::State& state) {
+  const auto t = packed::Dtype(state.range(0));
+  const Index O = state.range(1), K = state.range(2), rows = state.range(3);
+  const std::vector<packed::PanelMatrix>& pool = matrix_pool(t, O, K);
+  const std::vector<packed::PanelMatrix>& pool32 = matrix_pool(packed::Dtype::f32, O, K);
+  const Matrix<float> x = bench::random_matrix<float>(rows, K, 4);  // rows × K
+  Matrix<float> ydq(rows, O), y(rows, O), y32(rows, O);             // rows × O
+  ThreeTimes times;  // dequantized, forward, f32 forward
+  std::size_t next = 0, next32 = 0, turn = 0;
+  for (auto _ : state) {
+    const packed::PanelMatrix& m = pool[next];
+    const packed::PanelMatrix& m_fwd = pool[(next + pool.size() / 2) % pool.size()];  // another copy: cold too
+    const packed::PanelMatrix& m32 = pool32[next32];
+    next = (next + 1) % pool.size();
+    next32 = (next32 + 1) % pool32.size();
+    const double t0 = times.run(turn++, [&](int v) {
+      if (v == 0) packed::dequantized_product(packed::kDefaultIsa, m, x.data(), K, rows, ydq.data(), O, O);
+      else if (v == 1) forward_product(m_fwd, x.data(), rows, y.data());
+      else forward_product(m32, x.data(), rows, y32.data());
+    });
+    benchmark::DoNotOptimize(ydq.data());
+    benchmark::DoNotOptimize(y.data());
+    benchmark::DoNotOptimize(y32.data());
+    benchmark::ClobberMemory();
+    state.SetIterationTime(t0);
+  }
+  const char* names[3] = {"dq", "fwd", "f32fwd"};
+  times.counters(state, names, "dq", 2.0 * double(rows) * double(O) * double(K));
+  state.SetLabel(matrix_label(t, O, K));
+}
+
+/// Every type or the block formats, on the expert shapes, rows 1, 32, 512.
+void matrix_shapes(benchmark::internal::Benchmark* b, bool block_formats_only) {
   for (const packed::Dtype t : {packed::Dtype::f32, packed::Dtype::bf16, packed::Dtype::f16, packed::Dtype::q8_0,
-                                packed::Dtype::q4_0, packed::Dtype::mxfp4, packed::Dtype::q4_k, packed::Dtype::q6_k})
+                                packed::Dtype::q4_0, packed::Dtype::mxfp4, packed::Dtype::q4_k, packed::Dtype::q6_k}) {
+    const bool float_type = t == packed::Dtype::f32 || t == packed::Dtype::bf16 || t == packed::Dtype::f16;
+    if (block_formats_only && float_type) continue;
     for (const auto& [O, K] : {std::pair<long, long>{1536, 2048}, {2048, 768}})
       for (const long rows : {1, 32, 512}) b->Args({long(t), O, K, rows});
+  }
 }
+void transposed_shapes(benchmark::internal::Benchmark* b) { matrix_shapes(b, false); }
+// f32, bf16 and f16 run their own tiles there: the dequantized product is the forward.
+void dequantized_shapes(benchmark::internal::Benchmark* b) { matrix_shapes(b, true); }
 BENCHMARK(BM_transposed)->Apply(transposed_shapes)->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.3);
+BENCHMARK(BM_dequantized)->Apply(dequantized_shapes)->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.3);
 
 }  // namespace
 

@@ -29,24 +29,24 @@
 /// calls or threads; a plain std::fma loop over unpack_row's values is the
 /// exact reference (tests/test_transposed_product.cpp).
 ///
-/// Measured (bench_packed, BM_transposed: one thread, cold weights, medians
-/// of 3, interleaved; path avx512_bf16, i.e. the AVX2 unpacker and the
-/// AVX-512 f32 tiles; an AMD Zen 4 core shared with other jobs). Time of
-/// dx = dy·M over the forward x·Mᵀ of an f32 matrix of the same shape (the
-/// tiles both run), gate_up (1536 × 2048) / down (2048 × 768) of a
-/// Qwen3-30B-A3B expert:
+/// Measured (bench_packed, BM_transposed: one thread, cold weights, the
+/// thread's CPU time per call, medians of 3 runs of interleaved calls; path
+/// avx512_bf16, i.e. the AVX2 unpacker and the AVX-512 f32 tiles; an AMD
+/// Zen 4 core shared with other jobs). Time of dx = dy·M over the forward
+/// x·Mᵀ of an f32 matrix of the same shape (the tiles both run), gate_up
+/// (1536 × 2048) / down (2048 × 768) of a Qwen3-30B-A3B expert:
 ///
 ///   rows  f32        bf16       f16        Q8_0       Q4_0       MXFP4      Q4_K       Q6_K
-///   1     2.40 1.72  1.15 1.51  0.92 0.90  0.84 1.02  0.64 0.62  0.85 0.70  0.87 0.81  0.98 0.86
-///   32    1.51 1.35  1.08 1.12  1.12 1.10  1.25 1.18  0.89 1.13  1.42 1.14  0.97 1.21  1.00 1.25
-///   512   1.05 1.01  0.98 1.03  0.96 1.02  0.97 0.98  0.90 1.03  0.95 0.96  0.86 1.03  0.92 1.06
+///   1     1.39 1.31  1.49 1.65  1.17 1.14  1.06 1.10  0.95 0.90  0.91 0.91  0.99 0.99  1.01 1.12
+///   32    1.22 1.24  1.18 1.26  1.19 1.21  1.21 1.31  1.19 1.26  1.08 1.14  1.08 1.14  1.30 1.19
+///   512   0.96 1.04  0.94 1.02  0.95 1.02  0.94 1.01  0.93 1.00  0.94 1.00  0.94 1.01  0.96 1.02
 ///
 /// At 512 rows the product runs at the f32 tiles' rate. At 32 rows what is
 /// left is the unpacking's memory traffic, which is not overlapped with the
-/// tiles (f32, 4 bytes a weight, pays most). Against the forward of the
-/// same matrix a block format takes 1.5–2.8× at 32 and 512 rows (its
-/// forward multiplies int8 codes, about twice the f32 tiles' rate) and
-/// 3.6–6.7× at one row (the whole matrix is unpacked for that row).
+/// tiles. Against the forward of the same matrix (another copy, cold too) a
+/// block format takes 1.6–2.5× at 32 and 512 rows (its forward multiplies
+/// int8 codes, about twice the f32 tiles' rate) and 2.3–5.7× at one row
+/// (the whole matrix is unpacked for that row).
 
 #include <algorithm>
 #include <cstdint>
@@ -55,6 +55,7 @@
 #include "../core/errors.hpp"
 #include "arch/avx2_unpack_columns.hpp"
 #include "fused_expert.hpp"
+#include "spread_rows.hpp"
 #include "unpack_columns.hpp"
 
 namespace apex::packed {
@@ -70,19 +71,6 @@ struct TransposedScratch {
 inline TransposedScratch& transposed_scratch() {
   thread_local TransposedScratch s;
   return s;
-}
-
-/// dy rows a multiple of 4 KiB apart fall in the same L1 sets, and a tile
-/// reads 12 of them at once, more than the 8 ways: such rows are copied 64
-/// bytes further apart first (once per call; measured on the down shape of
-/// a Qwen3-30B expert, O = 2048, 32 rows: the tiles 15-40 % faster).
-inline const float* spread_rows(const float* dy, Index& lddy, Index rows, Index O, TransposedScratch& s) {
-  if (rows < 2 || lddy % 1024 != 0) return dy;
-  const Index ld = O + 16;
-  float* copy = grow(s.dy, apex::detail::checked_product("packed::transposed_product", "dy copy", {rows, ld}));
-  for (Index r = 0; r < rows; ++r) std::copy(dy + r * lddy, dy + r * lddy + O, copy + r * ld);
-  lddy = ld;
-  return copy;
 }
 
 /// Chunk `chunk` of one panel on path `isa` (the same bytes on every path):
@@ -141,7 +129,7 @@ void transposed_product(Isa isa, const PanelMatrix& pm, const float* dy, Index l
   const Index K = pm.k(), O = L * pm.panels();
   TransposedScratch& s = transposed_scratch();
   float* buf = grow(s.columns, apex::detail::checked_product("packed::transposed_product", "unpacked columns", {O, C}));
-  dy = spread_rows(dy, lddy, rows, O, s);
+  dy = spread_rows(dy, lddy, rows, O, s.dy, "packed::transposed_product");  // kernels/spread_rows.hpp
   const Index block = rows <= kSmallRows ? rows : kRowBlock;
   for (Index p = 0; p < 2 * kPrefetchPanels; ++p) prefetch_chunk<T>(pm, p, 0, p >= kPrefetchPanels);
   for (Index j = 0; j < column_chunks(K); ++j) {

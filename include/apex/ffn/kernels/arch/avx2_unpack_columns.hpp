@@ -78,8 +78,11 @@ APEX_TARGET_AVX2 inline void q4_k_scale_min8(const std::byte* planes, int j, __m
 }
 
 /// The factors of chunk `chunk` of a block-format panel, 8 lanes a step.
+/// Always inlined: GCC 12 (-O1 and -O2) dropped the call to an out-of-line
+/// copy for Q6_K as if it wrote nothing, leaving the caller's factors unset.
 template <Dtype T>
-APEX_TARGET_AVX2 void chunk_factors_avx2(const std::byte* scales, Index chunk, ChunkFactors& f) {
+APEX_TARGET_AVX2 APEX_KERNEL_INLINE inline void chunk_factors_avx2(const std::byte* scales, Index chunk,
+                                                                   ChunkFactors& f) {
   using W = WeightType<T>;
   for (int v = 0; v < 4; ++v) {  // lanes 8v … 8v + 7
     __m256 lo, hi, min = _mm256_setzero_ps();
