@@ -65,6 +65,28 @@ void clamped_glu(const G& g, const U& u, A&& a, T alpha, T limit) {
   const auto gc = g.min(limit);
   a = (u.max(-limit).min(limit) + T(1)) * (gc * array::sigmoid(alpha * gc));
 }
+
+/// The backward of clamped_glu: work (n × ≥2f) starts with the biased [G̃ | Ũ],
+/// dh (n × 2f) holds ∂L/∂A in its right half and becomes [∂L/∂G̃ | ∂L/∂Ũ].
+/// With s = σ(α·Ĝ), per element:
+///     ∂L/∂Ũ = ∂L/∂A · Ĝ·s · [−L ≤ Ũ ≤ L]
+///     ∂L/∂G̃ = ∂L/∂A · (Û + 1) · s·(1 + α·Ĝ·σ(−α·Ĝ)) · [G̃ ≤ L]
+/// d(Ĝ·σ(αĜ))/dĜ = σ(αĜ)·(1 + αĜ·σ(−αĜ)); σ(αĜ) and σ(−αĜ) from one exponential.
+template <class Work, class DH, class T>
+void clamped_glu_backward(const Work& work, DH& dh, T alpha, T limit) {
+  const Index f = dh.cols() / 2;
+  array::Row<T> gc(f), z(f), s(f), sm(f), e(f), uc(f);  // 1 × f: Ĝ, αĜ, σ(αĜ), σ(−αĜ), scratch, Û
+  for (Index t = 0; t < dh.rows(); ++t) {
+    const auto g = work.row(t).head(f).array(), u = work.row(t).segment(f, f).array();
+    gc = g.min(limit);
+    z = alpha * gc;
+    array::sigmoid_pair(z, s, sm, e);
+    uc = u.max(-limit).min(limit);
+    auto da = dh.row(t).tail(f).array();
+    dh.row(t).head(f).array() = (g <= limit).select(da * (uc + T(1)) * s * (T(1) + z * sm), T(0));
+    da = ((u >= -limit) && (u <= limit)).select(da * gc * s, T(0));
+  }
+}
 }  // namespace detail
 
 /// gpt-oss's routed expert: a clamped SwiGLU with gate, up and down biases.
@@ -151,9 +173,7 @@ class ClampedSwiGLU {
   }
 
   /// Backward of forward_block. dy: n × d, dx: n × d (written); adds into
-  /// the weight and bias gradients. With s = σ(α·Ĝ), per element:
-  ///     ∂L/∂Ũ = ∂L/∂A · Ĝ·s · [−L ≤ Ũ ≤ L]
-  ///     ∂L/∂G̃ = ∂L/∂A · (Û + 1) · s·(1 + α·Ĝ·σ(−α·Ĝ)) · [G̃ ≤ L]
+  /// the weight and bias gradients: ∂L/∂G̃ and ∂L/∂Ũ as clamped_glu_backward gives them, and
   ///     ∂L/∂b_gate = Σ_rows ∂L/∂G̃,  ∂L/∂b_up = Σ_rows ∂L/∂Ũ,  ∂L/∂b_down = Σ_rows dy
   template <class DX>
   void backward_block(const ConstMatrixRef<T>& x, const ConstMatrixRef<T>& work, const ConstMatrixRef<T>& dy,
@@ -163,18 +183,7 @@ class ClampedSwiGLU {
     const T alpha = T(opt_.alpha), limit = T(opt_.limit);
     b_down_grad_ += dy.colwise().sum();
     mlp_.gated_backward(x, work, dy, dx, [&](auto& dh) {  // dh: n × 2f, [dG | dU], ∂L/∂A in the dU half
-      array::Row<T> gc(f), z(f), s(f), sm(f), e(f), uc(f);  // 1 × f: Ĝ, αĜ, σ(αĜ), σ(−αĜ), scratch, Û
-      for (Index t = 0; t < x.rows(); ++t) {
-        const auto g = work.row(t).head(f).array(), u = work.row(t).segment(f, f).array();
-        gc = g.min(limit);
-        z = alpha * gc;
-        array::sigmoid_pair(z, s, sm, e);
-        uc = u.max(-limit).min(limit);
-        auto da = dh.row(t).tail(f).array();
-        // d(Ĝ·σ(αĜ))/dĜ = σ(αĜ)·(1 + αĜ·σ(−αĜ))
-        dh.row(t).head(f).array() = (g <= limit).select(da * (uc + T(1)) * s * (T(1) + z * sm), T(0));
-        da = ((u >= -limit) && (u <= limit)).select(da * gc * s, T(0));
-      }
+      detail::clamped_glu_backward(work, dh, alpha, limit);
       b_gate_grad_ += dh.leftCols(f).colwise().sum();
       b_up_grad_ += dh.rightCols(f).colwise().sum();
     });

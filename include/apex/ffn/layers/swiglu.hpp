@@ -53,6 +53,25 @@ inline Index default_ffn_width(Index d_model) {
 }
 
 namespace detail {
+/// SwiGLU's gate derivative: work (n × ≥2f) starts with [G | U], dh (n × 2f)
+/// holds ∂L/∂A in its right half and becomes [∂L/∂G | ∂L/∂U]:
+///     dG = dA ⊙ U ⊙ SiLU'(G),  SiLU'(G) = σ(G)(1 + G·σ(−G));   dU = dA ⊙ SiLU(G) = dA ⊙ G·σ(G).
+/// A row at a time, σ(G) and σ(−G) from one exponential (array::sigmoid_pair).
+/// SwiGLU's backward and the adapters over frozen experts (adapters/) both call it.
+template <class Work, class DH>
+void silu_glu_backward(const Work& work, DH& dh) {
+  using T = typename DH::Scalar;
+  const Index f = dh.cols() / 2;
+  array::Row<T> s(f), sm(f), e(f);  // 1 × f: σ(g), σ(−g), scratch
+  for (Index t = 0; t < dh.rows(); ++t) {
+    const auto gt = work.row(t).head(f).array();
+    array::sigmoid_pair(gt, s, sm, e);
+    auto da = dh.row(t).tail(f).array();
+    dh.row(t).head(f).array() = da * work.row(t).segment(f, f).array() * s * (T(1) + gt * sm);
+    da = da * gt * s;
+  }
+}
+
 struct SwiGLUWorkTag;      ///< workspace of a cacheless forward: [G | U | A]
 struct SwiGLUGateGradTag;  ///< workspace of the gated backward (also κ-SwiGLU's): [dG | dU]
 }  // namespace detail
@@ -136,21 +155,7 @@ class SwiGLU {
   void backward_block(const ConstMatrixRef<T>& x, const ConstMatrixRef<T>& work, const ConstMatrixRef<T>& dy,
                       const Eigen::MatrixBase<DX>& dx) {
     allocate_gradients();
-    gated_backward(x, work, dy, dx, [&](auto& dh) {
-      const Index n = x.rows();
-      const auto g = work.leftCols(f_);        // n × f
-      const auto u = work.middleCols(f_, f_);  // n × f
-      // dG = dA ⊙ U ⊙ SiLU'(G),  SiLU'(G) = σ(G)(1 + G·σ(−G));  dU = dA ⊙ SiLU(G) = dA ⊙ G·σ(G).
-      // A row at a time, σ(G) and σ(−G) from one exponential (array::sigmoid_pair).
-      array::Row<T> s(f_), sm(f_), e(f_);  // 1 × f: σ(g), σ(−g), scratch
-      for (Index t = 0; t < n; ++t) {
-        const auto gt = g.row(t).array();
-        array::sigmoid_pair(gt, s, sm, e);
-        auto da = dh.row(t).tail(f_).array();
-        dh.row(t).head(f_).array() = da * u.row(t).array() * s * (T(1) + gt * sm);
-        da = da * gt * s;
-      }
-    });
+    gated_backward(x, work, dy, dx, [&](auto& dh) { detail::silu_glu_backward(work, dh); });
   }
   ///@}
 
