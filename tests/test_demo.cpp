@@ -22,6 +22,7 @@
 #include "decode.hpp"
 #include "evaluate.hpp"
 #include "finetune.hpp"
+#include "finetune_report.hpp"
 #include "gradcheck.hpp"
 #include "lora_char_model.hpp"
 #include "packed_char_model.hpp"
@@ -640,4 +641,42 @@ TEST_CASE("LoRA fine-tuning on q4_0 weights lowers the loss and changes only the
   }
   for (std::size_t l = 0; l < routers.size(); ++l) CHECK(model.moe_layers()[l].ffn().router().weight() == routers[l]);
   CHECK_THROWS_WITH(FineTuneOptions{0}.validate(), Catch::Contains("steps must be positive"));
+}
+
+TEST_CASE("The fine-tuning report says how much of the gap was won back", "[demo][lora][report]") {
+  FineTuneRun r;
+  r.type = "q4_0";
+  r.applicable = true;
+  r.float_loss = 1.0;
+  r.before.loss = 1.008;
+  r.after.loss = 1.002;
+  r.adapter_params = 1234;
+  r.opt.steps = 10;
+  r.log.pair_lora_ms = {30, 10, 20};
+  r.log.pair_float_ms = {10, 5, 40};
+  const std::string text = finetune_summary(r);
+  INFO(text);
+  CHECK(text.find("75% of the gap won back") != std::string::npos);
+  CHECK(text.find("1234 adapter parameters") != std::string::npos);
+  CHECK(text.find("20.0 ms fine-tuning vs 10.0 ms float training (2.00x, medians of 3 back-to-back pairs)") !=
+        std::string::npos);
+  r.after.loss = 0.99;
+  CHECK(recovery_text(r) == fmt("all of the gap won back and %.4f bits/char more: the adapters also train the model "
+                                "further", 0.01 / kLn2));
+  r.before.loss = 0.999;
+  CHECK(recovery_text(r) == "the packed model was not worse than the float model to start with");
+
+  FineTuneRun k;
+  k.type = "q4_k";
+  k.reason = "reduction length 128 is not a multiple of 256";
+  CHECK(finetune_summary(k) ==
+        "LoRA fine-tuning on q4_k: not applicable: reduction length 128 is not a multiple of 256\n");
+  Markdown md;
+  report_finetune(md, {r, k}, 1.007, NAN);
+  const std::string report = md.str();
+  INFO(report);
+  CHECK(report.find("| `q4_0` inference layers (Q8 activations; the sweep's row) | 1.007000 |") != std::string::npos);
+  CHECK(report.find("Not applicable: reduction length 128 is not a multiple of 256.") != std::string::npos);
+  CHECK(report.find("finetune_q4_0.png") != std::string::npos);
+  CHECK(report.find("finetune_q4_k.png") == std::string::npos);
 }

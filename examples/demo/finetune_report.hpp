@@ -18,6 +18,17 @@ inline double kib(double bytes) { return bytes / 1024.0; }
 /// Bits/char difference a − b of two losses in nats.
 inline double bpc_delta(double a, double b) { return (a - b) / kLn2; }
 
+/// How much of the quantization's cost the fine-tuning won back, in words:
+/// a share of the gap, or all of it and how far past the float model the
+/// adapters went (they also train the model further on the training text).
+inline std::string recovery_text(const FineTuneRun& r) {
+  if (!(r.before.loss > r.float_loss)) return "the packed model was not worse than the float model to start with";
+  if (r.after.loss <= r.float_loss)
+    return fmt("all of the gap won back and %.4f bits/char more: the adapters also train the model further",
+               bpc_delta(r.float_loss, r.after.loss));
+  return fmt("%.0f%% of the gap won back", 100 * r.recovered());
+}
+
 /// The run as console lines.
 inline std::string finetune_summary(const FineTuneRun& r) {
   if (!r.applicable) return fmt("LoRA fine-tuning on %s: not applicable: %s\n", r.type.c_str(), r.reason.c_str());
@@ -26,10 +37,9 @@ inline std::string finetune_summary(const FineTuneRun& r) {
                         "with the evaluations):\n",
                         r.type.c_str(), long(r.lora.rank), long(r.adapter_params), r.opt.steps, r.train_seconds,
                         r.seconds);
-  out += fmt("  validation: float %.4f bits/char, %s before %.4f (%+.4f), after %.4f (%+.4f): %.0f%% of the gap "
-             "recovered\n",
+  out += fmt("  validation: float %.4f bits/char, %s before %.4f (%+.4f), after %.4f (%+.4f): %s\n",
              r.float_loss / kLn2, r.type.c_str(), r.before.bpc(), bpc_delta(r.before.loss, r.float_loss),
-             r.after.bpc(), bpc_delta(r.after.loss, r.float_loss), 100 * r.recovered());
+             r.after.bpc(), bpc_delta(r.after.loss, r.float_loss), recovery_text(r).c_str());
   out += fmt("  step: %.1f ms fine-tuning vs %.1f ms float training (%.2fx, medians of %zu back-to-back pairs)\n",
              median_of(r.log.pair_lora_ms), median_of(r.log.pair_float_ms),
              median_of(r.log.pair_lora_ms) / median_of(r.log.pair_float_ms), r.log.pair_lora_ms.size());
@@ -65,9 +75,9 @@ inline void report_finetune_losses(Markdown& md, const FineTuneRun& r, double in
   rows.push_back(row("`" + r.type + "` + adapters, before fine-tuning (B = 0)", r.before.loss));
   rows.push_back(row(fmt("**`%s` + adapters, after %ld steps**", r.type.c_str(), r.opt.steps), r.after.loss));
   md.table({"model", "nats/char", "bits/char", "Δ vs float (bits/char)"}, rows);
-  md.para(fmt("The fine-tuning won back %.0f%% of the quantization's cost on the whole validation text "
-              "(%+.4f → %+.4f bits/char against the float model); next-character accuracy %.2f%% → %.2f%%.",
-              100 * r.recovered(), bpc_delta(r.before.loss, r.float_loss), bpc_delta(r.after.loss, r.float_loss),
+  md.para(fmt("On the whole validation text, against the float model: %+.4f → %+.4f bits/char, %s; next-character "
+              "accuracy %.2f%% → %.2f%%.",
+              bpc_delta(r.before.loss, r.float_loss), bpc_delta(r.after.loss, r.float_loss), recovery_text(r).c_str(),
               100 * r.before.main_accuracy, 100 * r.after.main_accuracy));
 }
 
