@@ -1,8 +1,9 @@
 // The apex-ffn demo: trains a small character-level language model whose
 // trunk is made only of this library's layers — dense SwiGLU and κ-SwiGLU
 // mixture-of-experts sublayers behind skip gates, multi-token heads — on the
-// King James Pentateuch, then measures what each feature does and writes a
-// report with plots. See docs/demo.md.
+// King James Pentateuch, then measures what each feature does, packs the
+// FFN layers in every storage type, fine-tunes LoRA adapters on the q4_0
+// weights, and writes a report with plots. See docs/demo.md.
 #include <Eigen/Core>
 
 #include <algorithm>
@@ -181,8 +182,9 @@ void write_plots(const std::string& out, const RunLog& log, const RunLog& nolb, 
   if (contrast > 0) plot_imbalance(out + "/imbalance.png", log, nolb, contrast);
 }
 
-/// Trains, evaluates, decodes, packs, fine-tunes on packed weights, checks the
-/// checkpoint, plots and reports, in that order; the exit status says whether the demo's claims held.
+/// Trains, evaluates, decodes, packs, fine-tunes on packed weights, checks
+/// the checkpoint, plots and reports, in that order; the exit status says
+/// whether the demo's claims held.
 int run(const DemoOptions& opt) {
   const auto wall0 = std::chrono::steady_clock::now();
   use_threads(opt.threads);
