@@ -3,8 +3,9 @@
 // training run that must lower the loss (its optimiser is the library's,
 // tested in test_optim.cpp), speculative decoding against plain decoding, the
 // model packed for inference (float and bf16) against the float model, the
-// sweep over every storage type (block formats included), the PNG encoder and
-// the command line.
+// sweep over every storage type (block formats included), the LoRA
+// fine-tuning model (its backward against finite differences, a few steps
+// on q4_0 weights), the PNG encoder and the command line.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "char_model.hpp"
@@ -19,7 +21,10 @@
 #include "context_embedding.hpp"
 #include "decode.hpp"
 #include "evaluate.hpp"
+#include "finetune.hpp"
+#include "finetune_report.hpp"
 #include "gradcheck.hpp"
+#include "lora_char_model.hpp"
 #include "packed_char_model.hpp"
 #include "plot.hpp"
 #include "storage_sweep.hpp"
@@ -318,6 +323,27 @@ TEST_CASE("The command line parses values and rejects bad flags", "[demo][cli]")
   CHECK(DemoOptions{}.sweep == "all");
   CHECK(DemoOptions{}.d_model == ModelPreset::tiny().d_model);
   CHECK(DemoOptions{}.d_ffn == ModelPreset::tiny().d_ffn);
+  // Fine-tuning: steps (0 skips it) and the adapters' rank, which must fit the widths.
+  CHECK(DemoOptions{}.finetune_steps == 300);
+  {
+    const char* argv[] = {"demo", "--finetune-steps", "0", "--lora-rank=500"};  // no fine-tuning: any rank
+    const ParsedArgs a = parse_args(4, argv);
+    REQUIRE(a.error.empty());
+    CHECK(a.options.finetune_steps == 0);
+    CHECK(a.options.lora_rank == 500);
+  }
+  {
+    const char* argv[] = {"demo", "--lora-rank", "65"};
+    CHECK(parse_args(3, argv).error ==
+          "option '--lora-rank' 65 exceeds min(--d-model, --d-ffn) = 64, the smaller side of the adapted projections");
+    const char* wide[] = {"demo", "--lora-rank", "65", "--d-model", "256"};
+    CHECK(parse_args(5, wide).error.empty());
+  }
+  for (const char* v : {"--lora-rank=0", "--finetune-steps=-1", "--finetune-steps=x"}) {
+    const char* argv[] = {"demo", v};
+    INFO(v);
+    CHECK_FALSE(parse_args(2, argv).error.empty());
+  }
 }
 
 TEST_CASE("The demo model packed for inference scores and decodes like the float model", "[demo][packed]") {
@@ -500,4 +526,157 @@ TEST_CASE("With widths of whole 256-weight blocks the K-quants are scored too", 
   // 144 and 210 bytes per 256 weights.
   CHECK(s.find("q4_k")->ffn_bytes == s.ffn_weights / 256 * 144);
   CHECK(s.find("q6_k")->ffn_bytes == s.ffn_weights / 256 * 210);
+}
+
+TEST_CASE("The LoRA fine-tuning model's backward matches finite differences", "[demo][lora][gradcheck]") {
+  // The packed engine holds float weights only, so the check runs on the
+  // same model class with the adapters over the training layers in double
+  // (LoraReferenceLayers): the demo's conversion, sublayers and backward.
+  const Corpus corpus = Corpus::from_text(kText);
+  CharModelConfig cfg = small_config(corpus.vocab.size(), false);
+  cfg.kappa.rho = 1.0;  // the true gradient through κ's logit input (frozen here, but it carries ∂L/∂x)
+  CharModel<double> trained(cfg, 5);
+  trained.set_kappa_U(2.0);
+  Rng rng(9);
+  for (auto& p : trained.params())
+    if (p.name.find("kappa") != std::string::npos) {
+      auto v = p.value();
+      fill_uniform(v, rng, 0.5);
+    }
+  LoraOptions o;
+  o.rank = 2;
+  o.alpha = 3;
+  auto model = adapt_model<LoraReferenceLayers<double>>(trained, o, 7);
+  const Batch batch = make_batch(corpus.train, {10, 100}, 6, cfg.context, cfg.mtp_heads, 0);
+
+  // B = 0: the adapted model computes what the trained one does.
+  const auto z0 = trained.forward(batch.context);
+  const auto za = model.forward(batch.context);
+  CHECK((za.logits - z0.logits).norm() <= 1e-12 * z0.logits.norm());
+  CHECK((za.head_logits - z0.head_logits).norm() <= 1e-12 * z0.head_logits.norm());
+
+  // B = 0 also makes every ∂L/∂A zero: random B, so both are exercised.
+  ParamList<double> lora = lora_parameters(model);
+  REQUIRE(lora.size() == 2 * 2 * (1 + 4 + 1));  // (A, B) × (gate_up, down) × (dense, 4 routed, 1 shared)
+  for (auto& p : lora)
+    if (p.name.find("lora_B") != std::string::npos) {
+      auto v = p.value();
+      fill_uniform(v, rng, 0.5);
+    }
+  decltype(model)::Cache cache;
+  Matrix<double> dl, dh;
+  model.zero_grad();
+  const auto out = model.forward(batch.context, &cache);
+  model.loss(out, batch, &dl, &dh);
+  model.backward(dl, dh, cache);
+  const auto loss = [&] { return model.loss(model.forward(batch.context), batch).total; };
+  // Every adapter entry; the embedding's first entries check ∂L/∂x through every adapted layer.
+  std::vector<apex::test::GradCheck> results;
+  for (const auto& p : model.params()) {
+    const bool adapter = is_lora_parameter(p.name);
+    if (!adapter && p.name.rfind("embed.", 0) != 0) continue;
+    const Matrix<double> analytic = p.grad();
+    const Index n = adapter ? p.size() : std::min<Index>(p.size(), 12);
+    results.push_back(check_values(p.name, p.value_data, analytic.data(), n, loss));
+    CHECK(analytic.norm() > 0);
+  }
+  REQUIRE(results.size() == lora.size() + 3);
+  APEX_CHECK_GRADS(results, 1e-6);
+}
+
+TEST_CASE("LoRA fine-tuning on q4_0 weights lowers the loss and changes only the adapters", "[demo][lora][train]") {
+  static_assert(std::is_same_v<LoraCharModel<packed::q4_0>::Sparse::FFNType,
+                               LoraMoE<PackedMoE<packed::q4_0, KappaSwiGLU<float>>>>);
+  static_assert(std::is_same_v<LoraCharModel<packed::q4_0>::Dense::FFNType, LoraSwiGLU<PackedSwiGLU<packed::q4_0>>>);
+  const Corpus corpus = Corpus::from_text(kText, 0.2);
+  CharModel<float> trained = briefly_trained(corpus, ModelPreset{"test", 32, 4, 64, 4, 2, 1, 8}, 30);
+  const Index pad = corpus.vocab.id('\n');
+  auto model = adapt_model<LoraLayers<packed::q4_0>>(trained, LoraOptions{}, 3);
+  for (const auto& s : model.moe_layers()) CHECK_FALSE(s.has_gradients());  // the adapters' are not allocated yet
+  const Batch batch = make_batch(corpus.train, {0, 60, 120, 180}, 16, trained.context(), trained.mtp().num_heads(), pad);
+  const auto batch_loss_of = [&](const auto& m) { return m.loss(m.forward(batch.context), batch).total; };
+
+  // It starts as the q4_0 weights with float activations: off the float
+  // model, near the packed q4_0 inference model (Q8_0 activations).
+  const double start = batch_loss_of(model), float_loss = batch_loss_of(trained);
+  const double inference = batch_loss_of(pack_model<packed::q4_0>(trained));
+  INFO("batch loss: float " << float_loss << ", q4_0 inference " << inference << ", q4_0 LoRA start " << start);
+  CHECK(start != float_loss);
+  CHECK(std::abs(start - inference) < 0.02);
+
+  // Everything but the adapters, and the routers (not in params()), as converted.
+  std::vector<std::pair<std::string, Matrix<float>>> frozen;
+  for (auto& p : model.params())
+    if (!is_lora_parameter(p.name)) frozen.emplace_back(p.name, p.value());
+  REQUIRE(frozen.size() > 10);
+  std::vector<Matrix<float>> routers;
+  for (const auto& s : model.moe_layers()) routers.push_back(s.ffn().router().weight());
+
+  FineTuneOptions fo;
+  fo.steps = 25;
+  fo.lr = 1e-2;
+  fo.warmup = 2;
+  fo.balance = false;
+  FineTuner<LoraCharModel<packed::q4_0>> tuner(model, corpus.train, fo, pad);
+  for (const auto& s : model.moe_layers()) CHECK(s.has_gradients());  // params() allocated them (LoraMoE's too)
+  REQUIRE(tuner.parameters().size() == 2 * 2 * (2 + 2 * 5));  // 2 dense layers, 2 MoE layers of 4 + 1 experts
+  std::vector<double> losses;
+  for (long s = 0; s < fo.steps; ++s) {
+    const FineTuneStep st = tuner.step(batch);
+    REQUIRE(std::isfinite(st.loss));
+    REQUIRE(st.grad_norm > 0);
+    losses.push_back(st.loss);
+  }
+  const double end = batch_loss_of(model);
+  INFO("fine-tuning loss " << losses.front() << " -> " << losses.back() << ", batch loss " << start << " -> " << end);
+  CHECK(losses.front() == Approx(start + 0.0).epsilon(0.02));
+  CHECK(end < start - 0.1);
+  std::size_t i = 0;
+  for (auto& p : model.params()) {
+    if (is_lora_parameter(p.name)) continue;
+    INFO(p.name);
+    REQUIRE(frozen[i].first == p.name);
+    CHECK(frozen[i].second == Matrix<float>(p.value()));
+    ++i;
+  }
+  for (std::size_t l = 0; l < routers.size(); ++l) CHECK(model.moe_layers()[l].ffn().router().weight() == routers[l]);
+  CHECK_THROWS_WITH(FineTuneOptions{0}.validate(), Catch::Contains("steps must be positive"));
+}
+
+TEST_CASE("The fine-tuning report says how much of the gap was won back", "[demo][lora][report]") {
+  FineTuneRun r;
+  r.type = "q4_0";
+  r.applicable = true;
+  r.float_loss = 1.0;
+  r.before.loss = 1.008;
+  r.after.loss = 1.002;
+  r.adapter_params = 1234;
+  r.opt.steps = 10;
+  r.log.pair_lora_ms = {30, 10, 20};
+  r.log.pair_float_ms = {10, 5, 40};
+  const std::string text = finetune_summary(r);
+  INFO(text);
+  CHECK(text.find("75% of the gap won back") != std::string::npos);
+  CHECK(text.find("1234 adapter parameters") != std::string::npos);
+  CHECK(text.find("20.0 ms fine-tuning vs 10.0 ms float training (2.00x, medians of 3 back-to-back pairs)") !=
+        std::string::npos);
+  r.after.loss = 0.99;
+  CHECK(recovery_text(r) == fmt("all of the gap won back and %.4f bits/char more: the adapters also train the model "
+                                "further", 0.01 / kLn2));
+  r.before.loss = 0.999;
+  CHECK(recovery_text(r) == "the packed model was not worse than the float model to start with");
+
+  FineTuneRun k;
+  k.type = "q4_k";
+  k.reason = "reduction length 128 is not a multiple of 256";
+  CHECK(finetune_summary(k) ==
+        "LoRA fine-tuning on q4_k: not applicable: reduction length 128 is not a multiple of 256\n");
+  Markdown md;
+  report_finetune(md, {r, k}, 1.007, NAN);
+  const std::string report = md.str();
+  INFO(report);
+  CHECK(report.find("| `q4_0` inference layers (Q8 activations; the sweep's row) | 1.007000 |") != std::string::npos);
+  CHECK(report.find("Not applicable: reduction length 128 is not a multiple of 256.") != std::string::npos);
+  CHECK(report.find("finetune_q4_0.png") != std::string::npos);
+  CHECK(report.find("finetune_q4_k.png") == std::string::npos);
 }

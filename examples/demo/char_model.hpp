@@ -18,10 +18,11 @@
 ///
 /// The sublayer types are a parameter (`Layers`): `TrainingLayers<T>`, the
 /// default, are the trainable float/double layers built from a config and a
-/// seed; a forward-only model on other sublayers (the packed inference
-/// layers, packed_char_model.hpp) is converted from a trained model and runs
-/// this same forward and loss code, so evaluation and decoding are written
-/// once for both.
+/// seed; a model on other sublayers is converted from a trained model and
+/// runs this same forward and loss code, so evaluation and decoding are
+/// written once for all: the packed inference layers (packed_char_model.hpp,
+/// forward only) and the LoRA layers on frozen packed weights
+/// (lora_char_model.hpp), whose backward is this model's too.
 
 #include <apex/ffn/layers/cross_entropy.hpp>
 #include <apex/ffn/layers/ffn_sublayer.hpp>
@@ -57,8 +58,10 @@ struct TrainingLayers {
 
 /// `Layers` names the dense and MoE sublayer types (`Layers::Dense`,
 /// `Layers::Sparse`). Only a model on trainable layers has a seeded
-/// constructor; backward, params() and the training controls are members
-/// that compile only for sublayers with gradients.
+/// constructor (`Layers::kTrainable`); backward, params() and the training
+/// controls are members that compile only for sublayers that have them
+/// (backward and params() for LoRA sublayers too, the κ controls only for
+/// the training layers).
 template <class T, class Layers = TrainingLayers<T>>
 class CharModel {
  public:
@@ -117,12 +120,14 @@ class CharModel {
   /// `convert(sublayer)` (an overload set taking src's Dense and Sparse
   /// sublayers), e.g. packed for inference. Everything else — embedding,
   /// final norm, heads, layer order, mode — is copied, so the converted
-  /// model computes what src does up to the converted layers. It has no
-  /// gradient for the main head (backward needs trainable layers anyway).
+  /// model computes what src does up to the converted layers. The main
+  /// head gets a zeroed gradient (V × d) as the other parts keep theirs, so
+  /// a model on sublayers with a backward (LoRA) runs backward too.
   template <class SrcLayers, class Convert>
   CharModel(const CharModel<T, SrcLayers>& src, const Convert& convert)
       : cfg_(src.cfg_), rng_(src.rng_), embed_(src.embed_), order_(src.order_), norm_(src.norm_),
-        head_(src.head_), mtp_(src.mtp_), mode_(src.mode_) {
+        head_(src.head_), head_grad_(Matrix<T>::Zero(src.head_.rows(), src.head_.cols())), mtp_(src.mtp_),
+        mode_(src.mode_) {
     dense_.reserve(src.dense_.size());
     sparse_.reserve(src.sparse_.size());
     for (const auto& s : src.dense_) dense_.push_back(convert(s));

@@ -6,6 +6,7 @@
 
 #include <apex/ffn/moe/config.hpp>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstdlib>
@@ -28,6 +29,8 @@ struct DemoOptions {
   std::string sweep = "all";               ///< score a packed copy in every storage type (all) or not (none)
   long d_model = ModelPreset::tiny().d_model;  ///< trunk width d (the tiny preset's by default)
   long d_ffn = ModelPreset::tiny().d_ffn;      ///< FFN hidden width f of every SwiGLU and expert
+  long finetune_steps = 300;               ///< LoRA fine-tuning steps on the q4_0 (and q4_k) model (0: skip it)
+  long lora_rank = 8;                      ///< rank of every adapter
   std::string data = APEX_DEMO_DEFAULT_DATA;  ///< training text
 };
 
@@ -57,6 +60,10 @@ inline std::string usage(const std::string& prog) {
          "                      none: skip it (default " + d.sweep + ")\n"
          "  --d-model N         trunk width (default " + std::to_string(d.d_model) + "; q4_k and q6_k need a multiple of 256)\n"
          "  --d-ffn N           FFN hidden width (default " + std::to_string(d.d_ffn) + "; q4_k and q6_k need a multiple of 256)\n"
+         "  --finetune-steps N  after training, pack the FFN layers in q4_0 (and q4_k where the widths allow)\n"
+         "                      and train LoRA adapters on the frozen packed weights for N steps, 0 to skip\n"
+         "                      (default " + std::to_string(d.finetune_steps) + ")\n"
+         "  --lora-rank R       rank of the adapters (default " + std::to_string(d.lora_rank) + ")\n"
          "  --data PATH         training text (default " + d.data + ")\n"
          "  --help              show this help\n";
 }
@@ -77,7 +84,7 @@ inline bool parse_long(const std::string& s, long lo, long hi, long& out) {
 inline bool takes_value(const std::string& arg) {
   return arg == "--steps" || arg == "--contrast-steps" || arg == "--seed" || arg == "--threads" || arg == "--out" ||
          arg == "--checkpoint" || arg == "--packed" || arg == "--data" || arg == "--sweep" || arg == "--d-model" ||
-         arg == "--d-ffn";
+         arg == "--d-ffn" || arg == "--finetune-steps" || arg == "--lora-rank";
 }
 
 /// Parses `value` of option `arg` as an integer in [lo, hi] into `n`;
@@ -105,6 +112,10 @@ inline std::string set_option(DemoOptions& o, const std::string& arg, const std:
     if ((e = number(arg, value, 1, 8192, n)).empty()) o.d_model = n;
   } else if (arg == "--d-ffn") {
     if ((e = number(arg, value, 1, 32768, n)).empty()) o.d_ffn = n;
+  } else if (arg == "--finetune-steps") {
+    if ((e = number(arg, value, 0, 10'000'000, n)).empty()) o.finetune_steps = n;
+  } else if (arg == "--lora-rank") {
+    if ((e = number(arg, value, 1, 4096, n)).empty()) o.lora_rank = n;
   } else if (value.empty()) {
     e = "option '" + arg + "' needs a non-empty value";
   } else if (arg == "--out") {
@@ -158,6 +169,10 @@ inline ParsedArgs parse_args(int argc, const char* const* argv) {
     r.error = cli_detail::set_option(r.options, arg, value);
     if (!r.error.empty()) return r;
   }
+  const DemoOptions& o = r.options;
+  if (o.finetune_steps > 0 && o.lora_rank > std::min(o.d_model, o.d_ffn))
+    r.error = "option '--lora-rank' " + std::to_string(o.lora_rank) + " exceeds min(--d-model, --d-ffn) = " +
+              std::to_string(std::min(o.d_model, o.d_ffn)) + ", the smaller side of the adapted projections";
   return r;
 }
 

@@ -18,6 +18,7 @@
 
 #include "decode_runs.hpp"
 #include "demo_run.hpp"
+#include "finetune_report.hpp"
 #include "packed_run.hpp"
 #include "report.hpp"
 #include "run_log.hpp"
@@ -86,9 +87,15 @@ inline void report_validation(Markdown& md, const DemoRun& r) {
               float_ffn_bytes(r) / 1024.0, inf.seconds));
 }
 
-/// Every storage type's packed copy against the float model (with --sweep all).
+/// Every storage type's packed copy against the float model (with --sweep all),
+/// then the LoRA fine-tuning on packed weights.
 inline void report_storage(Markdown& md, const DemoRun& r) {
   if (r.sweep) report_storage_sweep(md, *r.sweep);
+  const auto inference = [&](const char* type) {
+    const StorageLoss* s = r.sweep ? r.sweep->find(type) : nullptr;
+    return s && s->applicable ? s->eval.loss : NAN;
+  };
+  report_finetune(md, r.finetune, inference("q4_0"), inference("q4_k"));
 }
 
 /// Each MoE layer's expert load over the whole run and its final bias.
@@ -244,6 +251,10 @@ inline void report_sample_and_files(Markdown& md, const DemoRun& r) {
   md.bullet("`log.csv`: one row per training step (loss, learning rate, U, gradient norm, skip rate, per-layer "
             "imbalance and per-expert load; validation loss where evaluated)");
   md.bullet("`loss.png`, `expert_load.png`" + std::string(r.contrast > 0 ? ", `imbalance.png`" : ""));
+  for (const FineTuneRun& f : r.finetune)
+    if (f.applicable)
+      md.bullet("`finetune_" + f.type + ".csv` (one row per fine-tuning step: its loss, the float and the unadapted " +
+                f.type + " model's on the same batch, step time), `finetune_" + f.type + ".png`");
   md.end_list();
   md.image("loss curves", "loss.png");
 }

@@ -12,6 +12,7 @@
 #include "char_model.hpp"
 #include "cli.hpp"
 #include "decode_runs.hpp"
+#include "finetune_run.hpp"
 #include "packed_run.hpp"
 #include "run_log.hpp"
 #include "storage_sweep.hpp"
@@ -39,18 +40,22 @@ struct DemoRun {
   const DecodeRuns& dec;  ///< the float model's decoding
   const std::optional<PackedRun>& inf;
   const std::optional<StorageSweep>& sweep;  ///< every storage type's packed copy (--sweep all)
+  const std::vector<FineTuneRun>& finetune;  ///< LoRA on q4_0 and q4_k weights (empty: --finetune-steps 0)
   const std::string& checkpoint_note;  ///< empty without --checkpoint
   double wall_seconds;                 ///< the whole demo up to the report
 };
 
 /// The demo's claims: the model beats the bigram baseline, and greedy speculative
 /// decoding reproduces greedy decoding, on the float model and on the packed one;
-/// every storage type the widths allow gives a finite loss.
+/// every storage type the widths allow gives a finite loss; LoRA fine-tuning
+/// on packed weights ends with a finite validation loss below its start.
 inline bool demo_checks_pass(const DemoRun& r) {
   bool ok = r.val.learned.loss < r.val.bigram_nll && std::isfinite(r.val.learned.loss) && r.dec.greedy_matches;
   if (r.inf) ok = ok && std::isfinite(r.inf->eval.loss) && r.inf->decode.greedy_matches;
   if (r.sweep)
     for (const StorageLoss& s : r.sweep->rows) ok = ok && (!s.applicable || std::isfinite(s.eval.loss));
+  for (const FineTuneRun& f : r.finetune)
+    ok = ok && (!f.applicable || (std::isfinite(f.after.loss) && f.after.loss < f.before.loss));
   return ok;
 }
 

@@ -1,8 +1,9 @@
 // The apex-ffn demo: trains a small character-level language model whose
 // trunk is made only of this library's layers — dense SwiGLU and κ-SwiGLU
 // mixture-of-experts sublayers behind skip gates, multi-token heads — on the
-// King James Pentateuch, then measures what each feature does and writes a
-// report with plots. See docs/demo.md.
+// King James Pentateuch, then measures what each feature does, packs the
+// FFN layers in every storage type, fine-tunes LoRA adapters on the q4_0
+// weights, and writes a report with plots. See docs/demo.md.
 #include <Eigen/Core>
 
 #include <algorithm>
@@ -28,6 +29,8 @@
 #include "demo_plots.hpp"
 #include "demo_report.hpp"
 #include "demo_run.hpp"
+#include "finetune_report.hpp"
+#include "finetune_run.hpp"
 #include "packed_run.hpp"
 #include "storage_sweep.hpp"
 #include "text_data.hpp"
@@ -126,6 +129,42 @@ std::optional<StorageSweep> storage_sweep(const DemoOptions& opt, const Model& m
   return s;
 }
 
+/// The LoRA fine-tuning's settings: the batches of training, a short warmup.
+FineTuneOptions finetune_options(const DemoOptions& o) {
+  FineTuneOptions f;
+  f.steps = std::max<long>(1, o.finetune_steps);
+  f.chunks = 16;
+  f.chunk_len = 32;
+  f.lr = 2e-3;
+  f.warmup = std::min<long>(20, std::max<long>(1, f.steps / 10));
+  f.seed = o.seed + 2000;
+  return f;
+}
+
+/// With --finetune-steps > 0: LoRA adapters trained on the model packed in
+/// q4_0, and in q4_k (not applicable unless the widths are whole 256-weight
+/// blocks); each run's console lines, CSV log and chart.
+std::vector<FineTuneRun> finetune(const DemoOptions& opt, Model& model, const Corpus& corpus, Index pad,
+                                  const TrainOptions& topt, double float_loss) {
+  std::vector<FineTuneRun> runs;
+  if (opt.finetune_steps == 0) return runs;
+  announce("fine-tuning LoRA adapters on the FFN layers packed in q4_0 (and q4_k where the widths allow)...");
+  LoraOptions lora;
+  lora.rank = opt.lora_rank;
+  lora.alpha = 2.0 * double(opt.lora_rank);  // s = α/r = 2 at every rank
+  const FineTuneSetup in{corpus, pad, topt, finetune_options(opt), lora, opt.seed + 3000, opt.threads, float_loss};
+  runs.push_back(run_finetune<packed::q4_0>(model, in));
+  runs.push_back(run_finetune<packed::q4_k>(model, in));
+  for (const FineTuneRun& r : runs) {
+    std::printf("%s", finetune_summary(r).c_str());
+    if (!r.applicable) continue;
+    write_finetune_csv(opt.out + "/finetune_" + r.type + ".csv", r.log);
+    plot_finetune(opt.out + "/finetune_" + r.type + ".png", r.log, r.type);
+  }
+  std::fflush(stdout);
+  return runs;
+}
+
 /// With --checkpoint: the save-and-reload check's sentence for the report; otherwise empty.
 std::string checkpoint_note(const DemoOptions& opt, Model& model, const Corpus& corpus, Index pad) {
 #ifdef APEX_DEMO_HAVE_CHECKPOINT
@@ -143,8 +182,9 @@ void write_plots(const std::string& out, const RunLog& log, const RunLog& nolb, 
   if (contrast > 0) plot_imbalance(out + "/imbalance.png", log, nolb, contrast);
 }
 
-/// Trains, evaluates, decodes, packs, checks the checkpoint, plots and reports,
-/// in that order; the exit status says whether the demo's claims held.
+/// Trains, evaluates, decodes, packs, fine-tunes on packed weights, checks
+/// the checkpoint, plots and reports, in that order; the exit status says
+/// whether the demo's claims held.
 int run(const DemoOptions& opt) {
   const auto wall0 = std::chrono::steady_clock::now();
   use_threads(opt.threads);
@@ -176,12 +216,13 @@ int run(const DemoOptions& opt) {
   const std::optional<PackedRun> inf =
       run_packed_copy(opt.packed, model, corpus, pad, opt.threads, decoding, val.learned.loss);
   const std::optional<StorageSweep> sweep = storage_sweep(opt, model, corpus, pad, inf, val.learned.loss);
+  const std::vector<FineTuneRun> tuned = finetune(opt, model, corpus, pad, topt, val.learned.loss);
   const std::string note = checkpoint_note(opt, model, corpus, pad);
   write_plots(opt.out, log, nolb, contrast, val.bigram_nll, moe_layer_ids.front());
 
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();
   const DemoRun r{opt, corpus, cfg, topt, model, n_params, active_params, moe_layer_ids, log, nolb, contrast,
-                  val, decoding, dec, inf, sweep, note, wall};
+                  val, decoding, dec, inf, sweep, tuned, note, wall};
   write_report(r);
   const bool ok = demo_checks_pass(r);
   if (!ok) std::fprintf(stderr, "demo: the trained model did not meet its checks (see the report)\n");

@@ -52,6 +52,18 @@ struct RunLog {
   }
 };
 
+/// Per-step records of a LoRA fine-tuning run (finetune_run.hpp): the
+/// adapted model's main-head loss on each batch and, on the same batch, the
+/// float model's and the packed model's without adapters, in bits/char.
+struct FineTuneLog {
+  std::vector<double> step, lr, bpc, float_bpc, base_bpc, grad_norm, step_ms;
+  std::vector<double> val_step, val_bpc;  ///< the adapted model on the quick validation text
+  double float_val_bpc = 0, base_val_bpc = 0;  ///< the float and the unadapted packed model on it
+  /// Paired timings: a fine-tuning step and, right after it, a float
+  /// training step of the same model (milliseconds).
+  std::vector<double> pair_lora_ms, pair_float_ms;
+};
+
 /// Mean per-expert load of one MoE layer over steps [first, last) (each step's load has equal weight).
 inline LoadReport window_load(const RunLog& log, std::size_t layer, std::size_t first, std::size_t last) {
   LoadReport r;

@@ -133,6 +133,12 @@ class LoraMoE {
     shared_.zero_grad();
     router_.zero_grad();
   }
+  /// Whether the gradients exist (allocate_gradients ran), as the layer
+  /// contract asks (FFNSublayer::has_gradients reads it).
+  bool has_gradients() const {
+    return routed_.has_gradients() && shared_.has_gradients() && router_.has_gradients() &&
+           shared_gate_grad_.size() == shared_gate_.size();
+  }
   void allocate_gradients() {
     routed_.allocate_gradients();
     shared_.allocate_gradients();
