@@ -322,6 +322,18 @@ TEMPLATE_TEST_CASE("merged adapters: the float layer W + sBA and its re-quantize
   CHECK(test::rel(bf.forward(x), y) > 0);
 }
 
+TEST_CASE("merged dense adapters: SwiGLU with W + sBA and its re-packed copy", "[lora][merge][dense]") {
+  const SwiGLU<float> trained(64, 96, 85);
+  LoraOptions o = lora(4);
+  o.targets = {true, true, false, true};
+  LoraSwiGLU<PackedSwiGLU<float>> lay(PackedSwiGLU<float>::from(trained, packed::Dtype::q4_0), o, Rng(86));
+  randomise_b(lay, 87);
+  const Matrix<float> x = test::rnd<float>(20, 64, 88);
+  const Matrix<float> y = lay.forward(x);
+  CHECK(test::rel(merged_float(lay).forward(x), y) <= 1e-5);
+  CHECK(test::rel(merged_packed<float>(lay, packed::Dtype::f32).forward(x), y) <= 1e-5);
+}
+
 TEST_CASE("LoRA options and adapters that do not fit are refused", "[lora][errors]") {
   const MoEConfig cfg = test::moe_config(4, 2, 1, 6, 5);
   const auto make = [&](const LoraOptions& o) { LoraMoE<MoEFFN<float>> l(MoEFFN<float>(cfg, 1), o, Rng(2)); };

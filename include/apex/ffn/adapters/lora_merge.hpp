@@ -10,7 +10,8 @@
 ///    for further full fine-tuning or a float checkpoint);
 ///  - `merged_packed<Storage>(layer, types)`: a `PackedMoE<Storage, Expert>`
 ///    re-quantized in `types` (ggml's quantizers), built expert by expert so
-///    only one expert is ever in float at a time.
+///    only one expert is ever in float at a time;
+///  - the same two for a dense `LoraSwiGLU`: a `SwiGLU<T>` and a `PackedSwiGLU<Storage>`.
 ///
 /// The merged layer computes what the adapted one does up to the rounding of
 /// W + s·B·A (and, re-quantized, the new blocks' quantization error).
@@ -23,6 +24,7 @@
 #include "../inference/engine/packed_moe.hpp"
 #include "../moe/moe_ffn.hpp"
 #include "lora_moe.hpp"
+#include "lora_swiglu.hpp"
 
 namespace apex {
 
@@ -116,6 +118,24 @@ auto merged_packed(const LoraMoE<Base>& layer, const PackedTypes& types = packed
           std::move(shared), Frozen::shared_gate(layer.base()));
   if (cfg.router_bias) out.set_logit_bias(layer.router().logit_bias());
   return out;
+}
+
+/// The adapted dense layer as a training layer `SwiGLU<T>`: W + s·B·A.
+template <class Base>
+auto merged_float(const LoraSwiGLU<Base>& layer) {
+  using T = typename LoraSwiGLU<Base>::Scalar;
+  SwiGLU<T> out(layer.d_model(), layer.d_ffn(), Rng(0));  // every weight overwritten
+  detail::merge_expert(detail::FrozenDense<Base>::frozen(layer.base(), layer.isa()), layer.adapters().values(0),
+                       T(layer.options().scale()), out);
+  return out;
+}
+
+/// The adapted dense layer re-packed in `types` (ConfigError for widths a block type cannot hold).
+template <class Storage, class Base>
+PackedSwiGLU<Storage> merged_packed(const LoraSwiGLU<Base>& layer,
+                                    packed::ExpertDtypes types = packed_dtype<Storage>()) {
+  static_assert(std::is_same_v<typename LoraSwiGLU<Base>::Scalar, float>, "merged_packed: the packed engine holds float layers");
+  return PackedSwiGLU<Storage>::from(merged_float(layer), types);
 }
 
 }  // namespace apex

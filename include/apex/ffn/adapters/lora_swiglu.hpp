@@ -80,6 +80,7 @@ class LoraSwiGLU {
   const LoraAdapterSet<T>& adapters() const { return adapters_; }
   void set_threads(int threads) { threads_ = threads; }
   void set_isa(packed::Isa isa) { isa_ = isa; }
+  packed::Isa isa() const { return isa_; }
 
   /// x: N × d → N × d. ShapeError on a wrong width.
   Matrix<T> forward(const ConstMatrixRef<T>& x, Cache* cache = nullptr) const {
