@@ -113,6 +113,19 @@ struct BlockFormat {
   }
   /// Weights at or above this bound are refused before ggml's search runs.
   static constexpr float kSearchBound = std::numeric_limits<float>::infinity();
+  /// The column unpacker (kernels/unpack_columns.hpp) reads chunk `chunk`
+  /// (32 columns k) of a lane as signed codes q (`chunk_codes`) times a
+  /// factor, `lo` below column 16 and `hi` from it, minus `min` where
+  /// kChunkMin (`chunk_factors`). A 32-weight block is one chunk: its
+  /// slab and scale area are the bytes the chunk reads (`chunk_bytes`, for
+  /// prefetching); other block sizes name their own.
+  static constexpr bool kChunkMin = false;
+  template <class Fn>
+  static void chunk_bytes(const Element* codes, const std::byte* scales, Index chunk, Fn&& f) {
+    static_assert(B == kChunkColumns, "a format whose blocks are not one chunk names the bytes a chunk reads");
+    f(slab(codes, chunk), kPanelLanes * kCodeBytes);
+    f(area(scales, chunk), kPanelLanes * kScaleBytes);
+  }
   /// One lane's K weights as float: ggml's dequantizer on the lane's blocks.
   static void unpack_row(const Element* codes, const std::byte* scales, Index K, Index lane, float* w) {
     for (Index b = 0; b < K / B; ++b) {
@@ -182,6 +195,13 @@ struct WeightType<Dtype::q8_0>
     const float dw = quant::fp16_to_fp32(detail::get_u16(area(scales, b), lane));
     return std::fma(float(s), dw * x.d[b], acc);
   }
+  /// Block `chunk` of a lane: codes q, factor d.
+  static void chunk_codes(const Element* codes, Index chunk, Index lane, std::int8_t* q) {
+    for (Index k = 0; k < 32; ++k) q[k] = std::int8_t(detail::byte_at(slab(codes, chunk), detail::q8_byte(k, lane)));
+  }
+  static void chunk_factors(const std::byte* scales, Index chunk, Index lane, float& lo, float& hi, float&) {
+    lo = hi = quant::fp16_to_fp32(detail::get_u16(area(scales, chunk), lane));
+  }
 };
 
 /// Q4_0: 32 4-bit codes and an fp16 scale; value d·(q − 8).
@@ -211,6 +231,13 @@ struct WeightType<Dtype::q4_0>
     const std::int32_t s = detail::nibble_dot32(slab(codes, b), lane, x.q + 32 * b, value);
     const float dw = quant::fp16_to_fp32(detail::get_u16(area(scales, b), lane));
     return std::fma(float(s), dw * x.d[b], acc);
+  }
+  /// Block `chunk` of a lane: codes q − 8, factor d.
+  static void chunk_codes(const Element* codes, Index chunk, Index lane, std::int8_t* q) {
+    for (Index k = 0; k < 32; ++k) q[k] = std::int8_t(int(detail::get_nibble(slab(codes, chunk), k, lane)) - 8);
+  }
+  static void chunk_factors(const std::byte* scales, Index chunk, Index lane, float& lo, float& hi, float&) {
+    lo = hi = quant::fp16_to_fp32(detail::get_u16(area(scales, chunk), lane));
   }
 };
 
@@ -245,6 +272,13 @@ struct WeightType<Dtype::mxfp4>
     const std::int32_t s = detail::nibble_dot32(slab(codes, b), lane, x.q + 32 * b, value);
     const float dw = quant::e8m0_to_fp32_half(detail::byte_at(area(scales, b), lane));
     return std::fma(float(s), dw * x.d[b], acc);
+  }
+  /// Block `chunk` of a lane: codes v2[q], factor 2^(e−128).
+  static void chunk_codes(const Element* codes, Index chunk, Index lane, std::int8_t* q) {
+    for (Index k = 0; k < 32; ++k) q[k] = std::int8_t(quant::kMxfp4Values[detail::get_nibble(slab(codes, chunk), k, lane)]);
+  }
+  static void chunk_factors(const std::byte* scales, Index chunk, Index lane, float& lo, float& hi, float&) {
+    lo = hi = quant::e8m0_to_fp32_half(detail::byte_at(area(scales, chunk), lane));
   }
 };
 

@@ -110,6 +110,35 @@ constexpr Dtype dtype_of() {
 }
 
 namespace detail {
+/// Whether the table has tiles of T on SIMD path I (Tiles<T, I> is defined).
+template <Dtype T, Isa I, class = void>
+struct HasTiles : std::false_type {};
+template <Dtype T, Isa I>
+struct HasTiles<T, I, std::void_t<decltype(sizeof(Tiles<T, I>))>> : std::true_type {};
+
+/// `TilesOn<T, I>::check()`: true, or a static_assert naming T and I where
+/// the table has no Tiles<T, I>. Every path's kernels ask it before they
+/// use a type's tiles, so a type missing a tile is a compile error that
+/// says which, never another type's code. One specialisation per type of
+/// the list and SIMD path with tiles (avx512_bf16 runs the others').
+template <Dtype T, Isa I>
+struct TilesOn;
+#define APEX_PACKED_TILES_ON(name, path)                                                                       \
+  template <>                                                                                                  \
+  struct TilesOn<Dtype::name, Isa::path> {                                                                     \
+    template <Dtype T = Dtype::name>                                                                           \
+    static constexpr bool check() {                                                                            \
+      static_assert(HasTiles<T, Isa::path>::value, "weight type " #name " has no tiles on path " #path        \
+                    ": specialise apex::packed::detail::Tiles<Dtype::" #name ", Isa::" #path "> (kernels/arch/)"); \
+      return true;                                                                                             \
+    }                                                                                                          \
+  };
+#define APEX_PACKED_TILES_ON_PATHS(name) \
+  APEX_PACKED_TILES_ON(name, avx2) APEX_PACKED_TILES_ON(name, avx512) APEX_PACKED_TILES_ON(name, avx512_vnni)
+APEX_PACKED_WEIGHT_TYPES(APEX_PACKED_TILES_ON_PATHS)
+#undef APEX_PACKED_TILES_ON_PATHS
+#undef APEX_PACKED_TILES_ON
+
 /// K rounded up to whole groups and blocks of type T: K + (−K mod step),
 /// ConfigError naming `where` past the index range. A block format holds
 /// whole blocks only (a GGUF row is whole blocks, and padding would change
