@@ -27,6 +27,8 @@ struct WeightType<Dtype::q4_k>
     : detail::BlockFormat<WeightType<Dtype::q4_k>, quant::BlockQ4_K, 256, 144, 16, ActivationFormat::q8_k> {
   using Storage = packed::q4_k;
   static constexpr const char* kName = "q4_k";
+  static constexpr std::uint32_t kGgmlType = 12;
+  static constexpr const char* kGgmlName = "q4_K";
   static constexpr Index kDminPlane = 2 * kPanelLanes, kScalePlanes = 4 * kPanelLanes;
   static void quantize(const float* w, Block* y, Index k) { quant::quantize_row_q4_k(w, y, k); }
   static void dequantize(const Block* x, float* w, Index k) { quant::dequantize_row_q4_k(x, w, k); }
@@ -114,6 +116,8 @@ struct WeightType<Dtype::q6_k>
     : detail::BlockFormat<WeightType<Dtype::q6_k>, quant::BlockQ6_K, 256, 210, 18, ActivationFormat::q8_k> {
   using Storage = packed::q6_k;
   static constexpr const char* kName = "q6_k";
+  static constexpr std::uint32_t kGgmlType = 14;
+  static constexpr const char* kGgmlName = "q6_K";
   static constexpr Index kHighBits = 128 * kPanelLanes, kScalePlanes = 2 * kPanelLanes;
   static void quantize(const float* w, Block* y, Index k) { quant::quantize_row_q6_k(w, y, k); }
   static void dequantize(const Block* x, float* w, Index k) { quant::dequantize_row_q6_k(x, w, k); }

@@ -7,8 +7,9 @@
 /// addresses, the row conversions and the scale-range rule) is
 /// kernels/block_format.hpp. Each entry says
 ///
-/// - its name and its ggml block (quant/blocks.hpp), how that block goes
-///   into a panel lane and comes back (`put_block`, `get_block`: the same bits, only moved), and
+/// - its name, its GGUF spelling (ggml's type id and name) and its ggml
+///   block (quant/blocks.hpp), how that block goes into a panel lane and
+///   comes back (`put_block`, `get_block`: the same bits, only moved), and
 ///   ggml's quantizer and dequantizer (`quantize`, `dequantize`);
 /// - when a block's values would not be finite (`scale_problem`);
 /// - the product of one block with quantized activations (`dot_block`):
@@ -44,6 +45,8 @@ struct WeightType<Dtype::q8_0>
     : detail::BlockFormat<WeightType<Dtype::q8_0>, quant::BlockQ8_0, 32, 34, 2, ActivationFormat::q8_0> {
   using Storage = packed::q8_0;
   static constexpr const char* kName = "q8_0";
+  static constexpr std::uint32_t kGgmlType = 8;
+  static constexpr const char* kGgmlName = "q8_0";
   static void quantize(const float* w, Block* y, Index k) { quant::quantize_row_q8_0(w, y, k); }
   static void dequantize(const Block* x, float* w, Index k) { quant::dequantize_row_q8_0(x, w, k); }
   static std::string scale_problem(const Block& blk) { return detail::half_scale_problem("d", blk.d); }
@@ -82,6 +85,8 @@ struct WeightType<Dtype::q4_0>
     : detail::BlockFormat<WeightType<Dtype::q4_0>, quant::BlockQ4_0, 32, 18, 2, ActivationFormat::q8_0> {
   using Storage = packed::q4_0;
   static constexpr const char* kName = "q4_0";
+  static constexpr std::uint32_t kGgmlType = 2;
+  static constexpr const char* kGgmlName = "q4_0";
   static void quantize(const float* w, Block* y, Index k) { quant::quantize_row_q4_0(w, y, k); }
   static void dequantize(const Block* x, float* w, Index k) { quant::dequantize_row_q4_0(x, w, k); }
   static std::string scale_problem(const Block& blk) { return detail::half_scale_problem("d", blk.d); }
@@ -120,6 +125,8 @@ struct WeightType<Dtype::mxfp4>
     : detail::BlockFormat<WeightType<Dtype::mxfp4>, quant::BlockMXFP4, 32, 17, 1, ActivationFormat::q8_0> {
   using Storage = packed::mxfp4;
   static constexpr const char* kName = "mxfp4";
+  static constexpr std::uint32_t kGgmlType = 39;
+  static constexpr const char* kGgmlName = "mxfp4";
   static void quantize(const float* w, Block* y, Index k) { quant::quantize_row_mxfp4(w, y, k); }
   static void dequantize(const Block* x, float* w, Index k) { quant::dequantize_row_mxfp4(x, w, k); }
   static std::string scale_problem(const Block& blk) {
