@@ -22,13 +22,20 @@
 /// side by side (bf16: the pair `vdpbf16ps` multiplies). K is padded to a
 /// multiple of both with zero weights.
 ///
-/// Adding a type: one `X(name)` in APEX_PACKED_WEIGHT_TYPES, its
-/// `WeightType` entry and its `Tiles` per SIMD path. Every dispatch over
-/// types is generated from the list, so a type without an entry or without
-/// tiles is a compile error (the primary templates are left undefined), never
+/// An entry also spells its type in files: `kName` (errors, the library's
+/// metadata), `kFileDtype` (safetensors) and `kGgmlType`/`kGgmlName` (GGUF);
+/// the loaders and writers look types up here, never switch over them.
+///
+/// Adding a type: one `X(name)` in APEX_PACKED_WEIGHT_TYPES (and its storage
+/// tag, kernels/dtype.hpp), its `WeightType` entry and its `Tiles` per SIMD
+/// path (docs/inference.md#the-weight-type-table lists the places). Every
+/// dispatch over types is generated from the list, so a type without an
+/// entry is a compile error (the primary templates are left undefined), and
+/// one without tiles on a path a static_assert naming both (TilesOn), never
 /// a silent default.
 
 #include <cstddef>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -77,6 +84,21 @@ inline std::string dtype_names() {
   APEX_PACKED_WEIGHT_TYPES(APEX_PACKED_NAME)
 #undef APEX_PACKED_NAME
   return s;
+}
+
+/// The type whose name (dtype_name's spelling) is `name`; empty for none.
+inline std::optional<Dtype> dtype_named(const std::string& name) {
+#define APEX_PACKED_NAMED(t) \
+  if (name == WeightType<Dtype::t>::kName) return Dtype::t;
+  APEX_PACKED_WEIGHT_TYPES(APEX_PACKED_NAMED)
+#undef APEX_PACKED_NAMED
+  return std::nullopt;
+}
+
+/// The safetensors spelling of a tensor of type t (kFileDtype: "F32",
+/// "BF16"), or null where a file holds its blocks as U8 bytes.
+inline const char* file_dtype(Dtype t) {
+  return visit_dtype(t, [](auto tag) { return WeightType<decltype(tag)::value>::kFileDtype; });
 }
 
 /// Every entry's kFileDtype, in table order; the block formats have none
