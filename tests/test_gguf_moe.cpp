@@ -364,6 +364,20 @@ TEST_CASE("gguf_moe: bad files are typed errors that leave the destination uncha
   SECTION("a key of the wrong type") {
     expect(set_key("deepseek2.expert_count", gguf::Value::of("16")), Is<FormatError>{}, "expert_count");
   }
+  SECTION("sizes past the index range, before anything is allocated") {
+    // Both loaders (expect runs load_gguf_moe_float<double> too) read the
+    // counts before the tensors: a count past 2^40, or a shared width
+    // count × d_ffn past int64, is a ConfigError naming it, not a wrapped size.
+    expect(set_key("deepseek2.expert_count", gguf::Value::of(std::uint64_t(1) << 41)), Is<ConfigError>{},
+           "'deepseek2.expert_count' = 2199023255552 is too large for a layer");
+    Edit wide;
+    wide.key = [](const std::string& k, gguf::Value& out) {
+      if (k == "deepseek2.expert_shared_count" || k == "deepseek2.expert_feed_forward_length")
+        out = gguf::Value::of(std::uint64_t(1) << 39);
+      return true;
+    };
+    expect(wide, Is<ConfigError>{}, "shared width");
+  }
   SECTION("metadata that disagrees with the tensors: a wrong shape") {
     expect(set_key("deepseek2.expert_count", gguf::Value::of(std::uint32_t(8))), Is<ShapeError>{},
            "blk.3.ffn_gate_inp.weight is [256, 16], the metadata implies [256, 8]");
