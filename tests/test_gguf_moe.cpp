@@ -364,6 +364,20 @@ TEST_CASE("gguf_moe: bad files are typed errors that leave the destination uncha
   SECTION("a key of the wrong type") {
     expect(set_key("deepseek2.expert_count", gguf::Value::of("16")), Is<FormatError>{}, "expert_count");
   }
+  SECTION("sizes past the index range, before anything is allocated") {
+    // Both loaders (expect runs load_gguf_moe_float<double> too) read the
+    // counts before the tensors: a count past 2^40, or a shared width
+    // count × d_ffn past int64, is a ConfigError naming it, not a wrapped size.
+    expect(set_key("deepseek2.expert_count", gguf::Value::of(std::uint64_t(1) << 41)), Is<ConfigError>{},
+           "'deepseek2.expert_count' = 2199023255552 is too large for a layer");
+    Edit wide;
+    wide.key = [](const std::string& k, gguf::Value& out) {
+      if (k == "deepseek2.expert_shared_count" || k == "deepseek2.expert_feed_forward_length")
+        out = gguf::Value::of(std::uint64_t(1) << 39);
+      return true;
+    };
+    expect(wide, Is<ConfigError>{}, "shared width");
+  }
   SECTION("metadata that disagrees with the tensors: a wrong shape") {
     expect(set_key("deepseek2.expert_count", gguf::Value::of(std::uint32_t(8))), Is<ShapeError>{},
            "blk.3.ffn_gate_inp.weight is [256, 16], the metadata implies [256, 8]");
@@ -453,16 +467,36 @@ TEST_CASE("gguf_moe: expert blocks whose values would not be finite are refused,
       b[1 + 9] = std::uint8_t(8 + code);  // … but one weight −v
     };
   };
+  // load_gguf_moe_float decoded such a block to Inf weights (ggml's
+  // dequantizer does not refuse it); the decoder refuses it the same way,
+  // naming the tensor, its row (expert 1's gate row 0: row kF) and block.
+  const auto as_float = [&] { return test::outcome([&] { (void)load_gguf_moe_float(gguf::File::open(bad), kBlock); }); };
+  const std::string row = "tensor '" + blk("ffn_gate_exps.weight") + "' row " + std::to_string(kF) + ": block 2 of a ";
   CHECK(edited(packed::Dtype::mxfp4, 17, mxfp4(254, 3)) == "returned");  // 3·2^126: finite
+  CHECK(as_float() == "returned");
   test::expect(edited(packed::Dtype::mxfp4, 17, mxfp4(254, 4)), "ValueError",
                {"load_gguf_moe(",
                 "expert 1: PackedExpert::from_file_rows: gate row 0: block 2 of a mxfp4 row: its E8M0 "
                 "exponent e = 254",
                 "overflows float"});
+  test::expect(as_float(), "ValueError",
+               {"load_gguf_moe_float(", row + "mxfp4 row: its E8M0 exponent e = 254", "overflows float"});
   test::expect(edited(packed::Dtype::mxfp4, 17, mxfp4(255, 2)), "ValueError", {"expert 1", "e = 255"});
+  test::expect(as_float(), "ValueError", {row + "mxfp4 row", "e = 255"});
   const auto q8_scale = [](std::uint16_t bits) { return [bits](unsigned char* b) { std::memcpy(b, &bits, 2); }; };
   CHECK(edited(packed::Dtype::q8_0, 34, q8_scale(0x7BFF)) == "returned");
+  CHECK(as_float() == "returned");
   test::expect(
       edited(packed::Dtype::q8_0, 34, q8_scale(0x7C00)), "ValueError",
       {"expert 1: PackedExpert::from_file_rows: gate row 0: block 2 of a q8_0 row: its scale d = inf in fp16"});
+  test::expect(as_float(), "ValueError",
+               {"load_gguf_moe_float(", row + "q8_0 row: its scale d = inf in fp16", "would not be finite"});
+  (void)edited(packed::Dtype::q8_0, 34, q8_scale(0x7E00));  // NaN
+  test::expect(as_float(), "ValueError", {row + "q8_0 row: its scale d = nan in fp16"});
+  // The float layer the caller holds is left as it was.
+  MoEFFN<float> dst = moe;
+  const Matrix<float> x = test::rnd<float>(3, kD, 5);
+  const Matrix<float> before = dst.forward(x);
+  CHECK_THROWS_AS(dst = load_gguf_moe_float(gguf::File::open(bad), kBlock), ValueError);
+  CHECK(test::same_bits(dst.forward(x), before));
 }

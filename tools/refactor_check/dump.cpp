@@ -1,7 +1,8 @@
 // Writes the raw bytes of outputs, dx and every gradient of the library's
 // layers into a folder, one file per array, so two revisions can be compared
-// with `cmp` (compare.sh). Includes only the umbrella headers, whose paths
-// have not moved, so the same source builds against old and new revisions.
+// with `cmp` (compare.sh). Includes the umbrella headers and the GGUF MoE
+// loaders and the transposed product, whose paths have not moved, so the
+// same source builds against old and new revisions.
 //
 //   dump OUT_DIR      → OUT_DIR/<case>.<array>.bin, and OUT_DIR/paths.txt
 //
@@ -11,8 +12,12 @@
 
 #include <apex/ffn.hpp>
 #include <apex/ffn/inference.hpp>
+#include <apex/ffn/inference/files/gguf/load.hpp>
+#include <apex/ffn/inference/files/gguf/save.hpp>
+#include <apex/ffn/kernels/transposed_product.hpp>
 
 #include <cstdio>
+#include <unistd.h>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -226,6 +231,49 @@ void packed_sublayer(const std::vector<packed::Isa>& isas) {
   }
 }
 
+/// Every storage type of the weight-type table besides f32 and bf16 (and a
+/// mixed K-quant pair) on each path: PackedMoE outputs, the transposed
+/// product of an expert's matrices (the column unpacker), and a GGUF file of
+/// the layer loaded packed and decoded to float.
+void block_formats(const std::vector<packed::Isa>& isas) {
+  using packed::Dtype;
+  MoEConfig cfg = config(4, 2, 0, 256, 512, false);  // whole Q4_K / Q6_K super-blocks
+  cfg.routing = family_routing(MoEFamily::Qwen3MoE);
+  const MoEFFN<float> m(cfg, 41);
+  const std::vector<std::pair<std::string, PackedTypes>> types = {
+      {"f16", Dtype::f16},   {"q8_0", Dtype::q8_0},   {"q4_0", Dtype::q4_0}, {"q4_k", Dtype::q4_k},
+      {"q6_k", Dtype::q6_k}, {"mxfp4", Dtype::mxfp4}, {"q4_k_q6_k", packed::ExpertDtypes(Dtype::q4_k, Dtype::q6_k)}};
+  const std::string gguf = "/tmp/apex_refactor_dump_" + std::to_string(::getpid()) + ".gguf";
+  for (const auto& [name, t] : types) {
+    PackedMoE<float> p = PackedMoE<float>::from(m, t);
+    const std::string tag = "block_formats." + name;
+    for (Index n : {Index(1), Index(5), Index(77)}) {
+      const Matrix<float> x = rnd<float>(n, cfg.d_model, 70 + std::uint64_t(n));
+      for (packed::Isa isa : isas) {
+        p.set_kernel_options({isa, packed::Bf16Products::widened});
+        put_m(tag + ".n" + std::to_string(n) + "." + packed::isa_name(isa) + ".y", p.forward(x));
+      }
+    }
+    const packed::PackedExpert& e = p.experts()[1];
+    const Matrix<float> dy_gu = rnd<float>(7, 32 * e.gate_up().panels(), 80);
+    const Matrix<float> dy_dn = rnd<float>(7, 32 * e.down().panels(), 81);
+    for (packed::Isa isa : isas) {
+      put_m(tag + ".gate_up_t." + packed::isa_name(isa), packed::transposed_product(e.gate_up(), dy_gu, isa));
+      put_m(tag + ".down_t." + packed::isa_name(isa), packed::transposed_product(e.down(), dy_dn, isa));
+    }
+    GgufSaveOptions o;
+    o.family = MoEFamily::Qwen3MoE;
+    save_gguf_moe(gguf, p, o);
+    const gguf::File file = gguf::File::open(gguf);
+    const Matrix<float> x = rnd<float>(9, cfg.d_model, 90);
+    put_m(tag + ".gguf_packed.y", load_gguf_moe(file, 0).forward(x));
+    MoEFFN<float> f = load_gguf_moe_float(file, 0);
+    put_m(tag + ".gguf_float.y", f.forward(x));
+    for (const auto& q : f.param_values()) put_m(tag + ".gguf_float." + q.name, q.value());
+  }
+  std::remove(gguf.c_str());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -242,6 +290,7 @@ int main(int argc, char** argv) {
   packed_moe<KappaSwiGLU<float>>("packed_moe.kappa", isas, true);
   packed_dense(isas);
   packed_sublayer(isas);
+  block_formats(isas);
   sublayers<float>();
   sublayers<double>();
   mtp<float>();

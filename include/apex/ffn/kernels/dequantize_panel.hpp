@@ -39,58 +39,26 @@ namespace apex::packed::detail {
 
 APEX_QUANT_FP_STRICT_BEGIN
 
-/// Each lane's factors of chunk `chunk` of a block-format panel (the
-/// scalar dequantizer's; ChunkFactors says what they multiply).
-template <Dtype T>
-void chunk_factors_scalar(const std::byte* scales, Index chunk, ChunkFactors& f) {
-  APEX_QUANT_FP_STRICT_SCOPE
-  using W = WeightType<T>;
-  for (Index l = 0; l < kPanelLanes; ++l) {
-    f.min[l] = 0.0f;
-    if constexpr (T == Dtype::q4_k) {
-      const std::byte* a = W::area(scales, chunk / 8);
-      std::uint8_t packed_scales[12], sc, m;
-      for (Index i = 0; i < 12; ++i) packed_scales[i] = byte_at(a, W::kScalePlanes + i * kPanelLanes + l);
-      quant::q4_k_scale_min(int(chunk % 8), packed_scales, sc, m);
-      f.lo[l] = f.hi[l] = quant::fp16_to_fp32(get_u16(a, l)) * float(sc);
-      f.min[l] = quant::fp16_to_fp32(get_u16(a + W::kDminPlane, l)) * float(m);
-    } else if constexpr (T == Dtype::q6_k) {
-      const std::byte* a = W::area(scales, chunk / 8);
-      const std::byte* group = a + W::kScalePlanes + 2 * (chunk % 8) * kPanelLanes;  // groups 2h, 2h + 1
-      const float d = quant::fp16_to_fp32(get_u16(a, l));
-      f.lo[l] = d * float(std::int8_t(byte_at(group, l)));
-      f.hi[l] = d * float(std::int8_t(byte_at(group + kPanelLanes, l)));
-    } else if constexpr (T == Dtype::mxfp4) {
-      f.lo[l] = f.hi[l] = quant::e8m0_to_fp32_half(byte_at(W::area(scales, chunk), l));
-    } else {
-      f.lo[l] = f.hi[l] = quant::fp16_to_fp32(get_u16(W::area(scales, chunk), l));
-    }
-  }
-}
-
-/// The integer the factors multiply, of column c (< 32) of chunk `chunk`,
-/// lane `lane`: Q8_0's q, Q4_0's q − 8, MXFP4's v2[q], Q4_K's q, Q6_K's q − 32.
-template <Dtype T>
-int chunk_value(const std::byte* codes, Index chunk, Index c, Index lane) {
-  using W = WeightType<T>;
-  if constexpr (T == Dtype::q4_k) return get_nibble(W::slab(codes, chunk / 8), 32 * (chunk % 8) + c, lane);
-  else if constexpr (T == Dtype::q6_k) return int(W::code(codes, chunk / 8, 32 * (chunk % 8) + c, lane)) - 32;
-  else return block32_value<T>(W::slab(codes, chunk), c, lane);
-}
-
 /// Chunk `chunk` of one block-format panel of type T (codes, scales) into
-/// dst (32 k × 32 lanes, see the file comment).
+/// dst (32 k × 32 lanes, see the file comment): each lane's codes and
+/// factors are the type's entry's (WeightType::chunk_codes, chunk_factors),
+/// as kernels/unpack_columns.hpp reads them; only the order of dst differs.
 template <Dtype T>
 void dequantize_chunk_scalar(const std::byte* codes, const std::byte* scales, Index chunk, float* dst) {
   APEX_QUANT_FP_STRICT_SCOPE
-  ChunkFactors f;
-  chunk_factors_scalar<T>(scales, chunk, f);
-  for (Index c = 0; c < kChunkColumns; ++c)
-    for (Index l = 0; l < kPanelLanes; ++l) {
-      float w = float(chunk_value<T>(codes, chunk, c, l)) * (c < 16 ? f.lo[l] : f.hi[l]);
-      if constexpr (T == Dtype::q4_k) w = w - f.min[l];
+  using W = WeightType<T>;
+  static_assert(W::kQuantized, "dequantize_chunk_scalar: a block format");
+  for (Index l = 0; l < kPanelLanes; ++l) {
+    std::int8_t q[kChunkColumns];
+    float lo, hi, min = 0.0f;
+    W::chunk_codes(reinterpret_cast<const typename W::Element*>(codes), chunk, l, q);
+    W::chunk_factors(scales, chunk, l, lo, hi, min);
+    for (Index c = 0; c < kChunkColumns; ++c) {
+      float w = float(q[c]) * (c < kChunkColumns / 2 ? lo : hi);
+      if constexpr (W::kChunkMin) w = w - min;  // two roundings: fp-contract is off here
       dst[c * kPanelLanes + l] = w;
     }
+  }
 }
 
 APEX_QUANT_FP_STRICT_END

@@ -34,6 +34,9 @@ struct mxfp4 {};
 
 /// Output lanes of every panel (two AVX-512 vectors, four AVX2 vectors).
 inline constexpr Index kPanelLanes = 32;
+/// Columns (k) a chunk of the column unpacker holds (kernels/unpack_columns.hpp):
+/// one block of the 32-weight formats, one sub-block of Q4_K.
+inline constexpr Index kChunkColumns = 32;
 
 /// The table entry of storage type T; undefined for a type without one.
 template <Dtype T>

@@ -24,6 +24,8 @@ struct WeightType<Dtype::f32> {
   using Element = float;  ///< what a panel's code array holds
   static constexpr const char* kName = "f32";
   static constexpr const char* kFileDtype = "F32";  ///< safetensors spelling of a tensor of this type
+  static constexpr std::uint32_t kGgmlType = 0;     ///< GGUF spelling: ggml's type id …
+  static constexpr const char* kGgmlName = "f32";  ///< … and name (as io/gguf/types.hpp has them)
   static constexpr Index kGroup = 1;
   static constexpr Index kBlockWeights = 1;
   static constexpr Index kBlockBytes = 4;
@@ -40,6 +42,10 @@ struct WeightType<Dtype::f32> {
   /// Block b (= weight b) of a lane from and to a file row's bytes.
   static void put_block(const Block& v, Index b, Index lane, Element* panel, std::byte*) { panel[offset(b, lane)] = v; }
   static Block get_block(const Element* panel, const std::byte*, Index b, Index lane) { return panel[offset(b, lane)]; }
+  /// A file element as float (a GGUF row decoded, kernels/weight_types.hpp)
+  /// and a float as a file element (a float checkpoint's value stored).
+  static float widen(Block v) { return v; }
+  static Block narrow(float x) { return x; }
 };
 
 /// bf16 weights (round to nearest even, NaN kept): panel[(k/2)·64 +
@@ -53,6 +59,8 @@ struct WeightType<Dtype::bf16> {
   using Element = bf16;
   static constexpr const char* kName = "bf16";
   static constexpr const char* kFileDtype = "BF16";
+  static constexpr std::uint32_t kGgmlType = 30;      ///< GGUF spelling: ggml's type id …
+  static constexpr const char* kGgmlName = "bf16";  ///< … and name (io/gguf/types.hpp)
   static constexpr Index kGroup = 2;
   static constexpr Index kBlockWeights = 1;
   static constexpr Index kBlockBytes = 2;
@@ -76,6 +84,8 @@ struct WeightType<Dtype::bf16> {
   }
   static void put_block(const Block& v, Index b, Index lane, Element* panel, std::byte*) { panel[offset(b, lane)] = v; }
   static Block get_block(const Element* panel, const std::byte*, Index b, Index lane) { return panel[offset(b, lane)]; }
+  static float widen(Block v) { return to_float(v); }
+  static Block narrow(float x) { return to_bf16(x); }  ///< round to nearest even, no range check
 };
 
 /// One IEEE binary16 value, stored as its bit pattern: the element of f16
@@ -97,6 +107,8 @@ struct WeightType<Dtype::f16> {
   using Element = f16;
   static constexpr const char* kName = "f16";
   static constexpr const char* kFileDtype = nullptr;  ///< held as U8 rows in the library's files
+  static constexpr std::uint32_t kGgmlType = 1;      ///< GGUF spelling: ggml's type id …
+  static constexpr const char* kGgmlName = "f16";  ///< … and name (io/gguf/types.hpp)
   static constexpr Index kGroup = 1;
   static constexpr Index kBlockWeights = 1;
   static constexpr Index kBlockBytes = 2;
@@ -119,6 +131,8 @@ struct WeightType<Dtype::f16> {
   }
   static void put_block(const Block& v, Index b, Index lane, Element* panel, std::byte*) { panel[offset(b, lane)] = v; }
   static Block get_block(const Element* panel, const std::byte*, Index b, Index lane) { return panel[offset(b, lane)]; }
+  static float widen(Block v) { return quant::fp16_to_fp32(v.bits); }
+  static Block narrow(float x) { return f16{quant::fp32_to_fp16(x)}; }  ///< no range check
 };
 
 }  // namespace apex::packed

@@ -75,8 +75,10 @@
 #include "isa.hpp"
 #include "arch/avx2.hpp"
 #include "arch/avx2_quant.hpp"
+#include "arch/avx2_quant_k.hpp"
 #include "arch/avx512.hpp"
 #include "arch/avx512_quant.hpp"
+#include "arch/avx512_quant_k.hpp"
 #include "arch/avx512_vnni_quant.hpp"
 #include "arch/scalar.hpp"
 #include "epilogue.hpp"
@@ -152,10 +154,12 @@ void run_panel(Isa isa, const PanelMatrix& pm, Index p, const float* x, Index ld
   run_panel<T, Epi>(isa, pm.panel<T>(p), pm.scales(p), pm.k(), x, ldx, rows, out, ldo, ncols);
 }
 
-/// One block-format panel against quantized rows: the VNNI tiles on
-/// avx512_vnni and avx512_bf16 (kernels/arch/avx512_vnni_quant.hpp), the
-/// AVX-512BW tiles on avx512 (arch/avx512_quant.hpp), the AVX2 tiles
-/// (arch/avx2_quant.hpp), the entry's dot_block on scalar.
+/// One block-format panel against quantized rows: the type's
+/// Tiles<T, Isa::avx512_vnni> on avx512_vnni and avx512_bf16
+/// (kernels/arch/avx512_vnni_quant.hpp), Tiles<T, Isa::avx512> on avx512
+/// (arch/avx512_quant*.hpp), Tiles<T, Isa::avx2> on avx2
+/// (arch/avx2_quant*.hpp), the entry's dot_block on scalar. A type without
+/// one of them does not compile (weight_types.hpp: TilesOn).
 template <Dtype T, class Epi>
 void run_quant_panel(Isa isa, const PanelMatrix& pm, Index p, const QuantRows& x, Index rows, float* out, Index ldo,
                      Index ncols) {

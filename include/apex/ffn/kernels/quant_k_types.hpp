@@ -27,6 +27,8 @@ struct WeightType<Dtype::q4_k>
     : detail::BlockFormat<WeightType<Dtype::q4_k>, quant::BlockQ4_K, 256, 144, 16, ActivationFormat::q8_k> {
   using Storage = packed::q4_k;
   static constexpr const char* kName = "q4_k";
+  static constexpr std::uint32_t kGgmlType = 12;
+  static constexpr const char* kGgmlName = "q4_K";
   static constexpr Index kDminPlane = 2 * kPanelLanes, kScalePlanes = 4 * kPanelLanes;
   static void quantize(const float* w, Block* y, Index k) { quant::quantize_row_q4_k(w, y, k); }
   static void dequantize(const Block* x, float* w, Index k) { quant::dequantize_row_q4_k(x, w, k); }
@@ -84,6 +86,26 @@ struct WeightType<Dtype::q4_k>
     acc = std::fma(float(sumi), d * x.d[b], acc);
     return std::fma(float(mins), -(dmin * x.d[b]), acc);
   }
+  /// Chunk c of a lane is sub-block j = c mod 8 of super-block c / 8: codes
+  /// q, factor d·sc_j, minus dmin·m_j (dequantize_row_q4_k's operations).
+  static constexpr bool kChunkMin = true;
+  static void chunk_codes(const Element* codes, Index chunk, Index lane, std::int8_t* q) {
+    for (Index c = 0; c < 32; ++c)
+      q[c] = std::int8_t(detail::get_nibble(slab(codes, chunk / 8), 32 * (chunk % 8) + c, lane));
+  }
+  static void chunk_factors(const std::byte* scales, Index chunk, Index lane, float& lo, float& hi, float& min) {
+    const std::byte* a = area(scales, chunk / 8);
+    std::uint8_t packed_scales[12], sc, m;
+    for (Index i = 0; i < 12; ++i) packed_scales[i] = detail::byte_at(a, kScalePlanes + i * kPanelLanes + lane);
+    quant::q4_k_scale_min(int(chunk % 8), packed_scales, sc, m);
+    lo = hi = quant::fp16_to_fp32(detail::get_u16(a, lane)) * float(sc);
+    min = quant::fp16_to_fp32(detail::get_u16(a + kDminPlane, lane)) * float(m);
+  }
+  template <class Fn>
+  static void chunk_bytes(const Element* codes, const std::byte* scales, Index chunk, Fn&& f) {
+    f(slab(codes, chunk / 8) + chunk % 8 * 16 * kPanelLanes, 16 * kPanelLanes);
+    f(area(scales, chunk / 8), kPanelLanes * kScaleBytes);
+  }
 };
 
 /// Q6_K. Codes: the low 4 bits as 4-bit codes (4096 bytes a super-block),
@@ -94,6 +116,8 @@ struct WeightType<Dtype::q6_k>
     : detail::BlockFormat<WeightType<Dtype::q6_k>, quant::BlockQ6_K, 256, 210, 18, ActivationFormat::q8_k> {
   using Storage = packed::q6_k;
   static constexpr const char* kName = "q6_k";
+  static constexpr std::uint32_t kGgmlType = 14;
+  static constexpr const char* kGgmlName = "q6_K";
   static constexpr Index kHighBits = 128 * kPanelLanes, kScalePlanes = 2 * kPanelLanes;
   static void quantize(const float* w, Block* y, Index k) { quant::quantize_row_q6_k(w, y, k); }
   static void dequantize(const Block* x, float* w, Index k) { quant::dequantize_row_q6_k(x, w, k); }
@@ -153,6 +177,25 @@ struct WeightType<Dtype::q6_k>
     }
     const float d = quant::fp16_to_fp32(detail::get_u16(a, lane));
     return std::fma(float(sumi), d * x.d[b], acc);
+  }
+  /// Chunk c of a lane is groups 2h, 2h + 1 (h = c mod 8) of super-block
+  /// c / 8: codes q − 32, factors d·sc_2h and d·sc_2h+1.
+  static void chunk_codes(const Element* codes, Index chunk, Index lane, std::int8_t* q) {
+    for (Index c = 0; c < 32; ++c) q[c] = std::int8_t(int(code(codes, chunk / 8, 32 * (chunk % 8) + c, lane)) - 32);
+  }
+  static void chunk_factors(const std::byte* scales, Index chunk, Index lane, float& lo, float& hi, float&) {
+    const std::byte* a = area(scales, chunk / 8);
+    const float d = quant::fp16_to_fp32(detail::get_u16(a, lane));
+    const auto group = [&](Index g) { return float(std::int8_t(detail::byte_at(a, kScalePlanes + g * kPanelLanes + lane))); };
+    lo = d * group(2 * (chunk % 8));
+    hi = d * group(2 * (chunk % 8) + 1);
+  }
+  template <class Fn>
+  static void chunk_bytes(const Element* codes, const std::byte* scales, Index chunk, Fn&& f) {
+    const Index part = chunk % 8;
+    f(slab(codes, chunk / 8) + part * 16 * kPanelLanes, 16 * kPanelLanes);
+    f(slab(codes, chunk / 8) + kHighBits + part * 8 * kPanelLanes, 8 * kPanelLanes);
+    f(area(scales, chunk / 8), kPanelLanes * kScaleBytes);
   }
 };
 

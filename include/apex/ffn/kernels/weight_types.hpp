@@ -22,13 +22,20 @@
 /// side by side (bf16: the pair `vdpbf16ps` multiplies). K is padded to a
 /// multiple of both with zero weights.
 ///
-/// Adding a type: one `X(name)` in APEX_PACKED_WEIGHT_TYPES, its
-/// `WeightType` entry and its `Tiles` per SIMD path. Every dispatch over
-/// types is generated from the list, so a type without an entry or without
-/// tiles is a compile error (the primary templates are left undefined), never
+/// An entry also spells its type in files: `kName` (errors, the library's
+/// metadata), `kFileDtype` (safetensors) and `kGgmlType`/`kGgmlName` (GGUF);
+/// the loaders and writers look types up here, never switch over them.
+///
+/// Adding a type: one `X(name)` in APEX_PACKED_WEIGHT_TYPES (and its storage
+/// tag, kernels/dtype.hpp), its `WeightType` entry and its `Tiles` per SIMD
+/// path (docs/inference.md#the-weight-type-table lists the places). Every
+/// dispatch over types is generated from the list, so a type without an
+/// entry is a compile error (the primary templates are left undefined), and
+/// one without tiles on a path a static_assert naming both (TilesOn), never
 /// a silent default.
 
 #include <cstddef>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -79,6 +86,21 @@ inline std::string dtype_names() {
   return s;
 }
 
+/// The type whose name (dtype_name's spelling) is `name`; empty for none.
+inline std::optional<Dtype> dtype_named(const std::string& name) {
+#define APEX_PACKED_NAMED(t) \
+  if (name == WeightType<Dtype::t>::kName) return Dtype::t;
+  APEX_PACKED_WEIGHT_TYPES(APEX_PACKED_NAMED)
+#undef APEX_PACKED_NAMED
+  return std::nullopt;
+}
+
+/// The safetensors spelling of a tensor of type t (kFileDtype: "F32",
+/// "BF16"), or null where a file holds its blocks as U8 bytes.
+inline const char* file_dtype(Dtype t) {
+  return visit_dtype(t, [](auto tag) { return WeightType<decltype(tag)::value>::kFileDtype; });
+}
+
 /// Every entry's kFileDtype, in table order; the block formats have none
 /// (a safetensors file holds their blocks as U8 bytes).
 inline std::vector<const char*> file_dtypes() {
@@ -110,6 +132,35 @@ constexpr Dtype dtype_of() {
 }
 
 namespace detail {
+/// Whether the table has tiles of T on SIMD path I (Tiles<T, I> is defined).
+template <Dtype T, Isa I, class = void>
+struct HasTiles : std::false_type {};
+template <Dtype T, Isa I>
+struct HasTiles<T, I, std::void_t<decltype(sizeof(Tiles<T, I>))>> : std::true_type {};
+
+/// `TilesOn<T, I>::check()`: true, or a static_assert naming T and I where
+/// the table has no Tiles<T, I>. Every path's kernels ask it before they
+/// use a type's tiles, so a type missing a tile is a compile error that
+/// says which, never another type's code. One specialisation per type of
+/// the list and SIMD path with tiles (avx512_bf16 runs the others').
+template <Dtype T, Isa I>
+struct TilesOn;
+#define APEX_PACKED_TILES_ON(name, path)                                                                       \
+  template <>                                                                                                  \
+  struct TilesOn<Dtype::name, Isa::path> {                                                                     \
+    template <Dtype T = Dtype::name>                                                                           \
+    static constexpr bool check() {                                                                            \
+      static_assert(HasTiles<T, Isa::path>::value, "weight type " #name " has no tiles on path " #path        \
+                    ": specialise apex::packed::detail::Tiles<Dtype::" #name ", Isa::" #path "> (kernels/arch/)"); \
+      return true;                                                                                             \
+    }                                                                                                          \
+  };
+#define APEX_PACKED_TILES_ON_PATHS(name) \
+  APEX_PACKED_TILES_ON(name, avx2) APEX_PACKED_TILES_ON(name, avx512) APEX_PACKED_TILES_ON(name, avx512_vnni)
+APEX_PACKED_WEIGHT_TYPES(APEX_PACKED_TILES_ON_PATHS)
+#undef APEX_PACKED_TILES_ON_PATHS
+#undef APEX_PACKED_TILES_ON
+
 /// K rounded up to whole groups and blocks of type T: K + (−K mod step),
 /// ConfigError naming `where` past the index range. A block format holds
 /// whole blocks only (a GGUF row is whole blocks, and padding would change

@@ -117,7 +117,7 @@ void stage_gguf(const std::string& where, const gguf::File& file, Index block, E
     } else {
       const g::Slice s = g::slice_of(where, p, q.name);  // this rank's experts only: its param_values()
       record(s);
-      staged.push_back(g::decode(file, s).cast<T>());
+      staged.push_back(g::decode(where, file, s).cast<T>());
     }
     result.loaded.push_back(q.name);
   }

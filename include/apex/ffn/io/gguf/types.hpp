@@ -72,23 +72,23 @@ struct TypeTraits {
 
 namespace detail {
 
-/// Indexed by id; block_elems == 0 marks an id that is not a type.
-inline const TypeTraits* type_table() {
-  static const TypeTraits table[kTensorTypeCount] = {
-      {"f32", 1, 4},          {"f16", 1, 2},        {"q4_0", 32, 18},     {"q4_1", 32, 20},
-      {"(removed 4)", 0, 0},  {"(removed 5)", 0, 0}, {"q5_0", 32, 22},     {"q5_1", 32, 24},
-      {"q8_0", 32, 34},       {"q8_1", 32, 36},     {"q2_K", 256, 84},    {"q3_K", 256, 110},
-      {"q4_K", 256, 144},     {"q5_K", 256, 176},   {"q6_K", 256, 210},   {"q8_K", 256, 292},
-      {"iq2_xxs", 256, 66},   {"iq2_xs", 256, 74},  {"iq3_xxs", 256, 98}, {"iq1_s", 256, 50},
-      {"iq4_nl", 32, 18},     {"iq3_s", 256, 110},  {"iq2_s", 256, 82},   {"iq4_xs", 256, 136},
-      {"i8", 1, 1},           {"i16", 1, 2},        {"i32", 1, 4},        {"i64", 1, 8},
-      {"f64", 1, 8},          {"iq1_m", 256, 56},   {"bf16", 1, 2},       {"(removed 31)", 0, 0},
-      {"(removed 32)", 0, 0}, {"(removed 33)", 0, 0}, {"tq1_0", 256, 54}, {"tq2_0", 256, 66},
-      {"(removed 36)", 0, 0}, {"(removed 37)", 0, 0}, {"(removed 38)", 0, 0}, {"mxfp4", 32, 17},
-      {"nvfp4", 64, 36},      {"q1_0", 128, 18},    {"q2_0", 64, 18},
-  };
-  return table;
-}
+/// Indexed by id; block_elems == 0 marks an id that is not a type. A
+/// constant, so the weight-type table's GGUF spelling is checked against
+/// it at compile time (inference/files/gguf/plan.hpp).
+inline constexpr TypeTraits kTypeTable[kTensorTypeCount] = {
+    {"f32", 1, 4},          {"f16", 1, 2},        {"q4_0", 32, 18},     {"q4_1", 32, 20},
+    {"(removed 4)", 0, 0},  {"(removed 5)", 0, 0}, {"q5_0", 32, 22},     {"q5_1", 32, 24},
+    {"q8_0", 32, 34},       {"q8_1", 32, 36},     {"q2_K", 256, 84},    {"q3_K", 256, 110},
+    {"q4_K", 256, 144},     {"q5_K", 256, 176},   {"q6_K", 256, 210},   {"q8_K", 256, 292},
+    {"iq2_xxs", 256, 66},   {"iq2_xs", 256, 74},  {"iq3_xxs", 256, 98}, {"iq1_s", 256, 50},
+    {"iq4_nl", 32, 18},     {"iq3_s", 256, 110},  {"iq2_s", 256, 82},   {"iq4_xs", 256, 136},
+    {"i8", 1, 1},           {"i16", 1, 2},        {"i32", 1, 4},        {"i64", 1, 8},
+    {"f64", 1, 8},          {"iq1_m", 256, 56},   {"bf16", 1, 2},       {"(removed 31)", 0, 0},
+    {"(removed 32)", 0, 0}, {"(removed 33)", 0, 0}, {"tq1_0", 256, 54}, {"tq2_0", 256, 66},
+    {"(removed 36)", 0, 0}, {"(removed 37)", 0, 0}, {"(removed 38)", 0, 0}, {"mxfp4", 32, 17},
+    {"nvfp4", 64, 36},      {"q1_0", 128, 18},    {"q2_0", 64, 18},
+};
+inline const TypeTraits* type_table() { return kTypeTable; }
 
 }  // namespace detail
 

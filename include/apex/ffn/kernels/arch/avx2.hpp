@@ -100,6 +100,10 @@ struct Tiles<Dtype::f32, Isa::avx2> {
                                     Index ldo, Index ncols) {
     fma_tile_avx2<F32Slab, R, Epi>(w, K, x, ldx, out, ldo, ncols);
   }
+  /// Lanes 8v … 8v + 7 of column k (the column unpacker, kernels/arch/avx2_unpack_columns.hpp).
+  APEX_TARGET_AVX2 static __m256 lanes(const float* w, Index k, int v) {
+    return _mm256_load_ps(w + k * kPanelLanes + 8 * v);
+  }
 };
 
 /// bf16 weights widened: even k by `<< 16`, odd k by masking the low half.
@@ -135,6 +139,12 @@ struct Tiles<Dtype::bf16, Isa::avx2> {
     }
     for (int r = 0; r < R; ++r) store_row_avx2<Epi>(acc[r], out + r * ldo, ncols);
   }
+  /// Lanes 8v … 8v + 7 of column k: lane word (k even | k odd << 16) of pair k / 2.
+  APEX_TARGET_AVX2 static __m256 lanes(const bf16* w, Index k, int v) {
+    const __m256i pair = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + (k / 2) * 2 * kPanelLanes + 16 * v));
+    return _mm256_castsi256_ps(k % 2 ? _mm256_and_si256(pair, _mm256_set1_epi32(int(0xFFFF0000u)))
+                                     : _mm256_slli_epi32(pair, 16));
+  }
 };
 
 /// f16 weights widened by F16C (`vcvtph2ps`, exact): then the f32 tile's
@@ -147,12 +157,18 @@ struct Tiles<Dtype::f16, Isa::avx2> {
                                     Index ldo, Index ncols) {
     fma_tile_avx2<F16Slab, R, Epi>(w, K, x, ldx, out, ldo, ncols);
   }
+  /// Lanes 8v … 8v + 7 of column k, widened by F16C.
+  APEX_TARGET_AVX2 static __m256 lanes(const f16* w, Index k, int v) {
+    return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(w + k * kPanelLanes + 8 * v)));
+  }
 };
 
-/// out (rows × ncols) = epilogue(x (rows × K) · panel), tiles of 3 rows.
+/// out (rows × ncols) = epilogue(x (rows × K) · panel), tiles of 3 rows; a
+/// compile error naming T for a type without AVX2 tiles.
 template <Dtype T, class Epi>
 APEX_TARGET_AVX2 void panel_avx2(const typename WeightType<T>::Element* w, const std::byte* scales, Index K,
                                  const float* x, Index ldx, Index rows, float* out, Index ldo, Index ncols) {
+  static_assert(TilesOn<T, Isa::avx2>::check());
   using Tile = Tiles<T, Isa::avx2>;
   Index r = 0;
   for (; r + 3 <= rows; r += 3) Tile::template tile<3, Epi>(w, scales, K, x + r * ldx, ldx, out + r * ldo, ldo, ncols);

@@ -32,7 +32,7 @@ APEX_QUANT_FP_STRICT_BEGIN
 template <Dtype T>
 APEX_TARGET_AVX2 inline void store_column8(float* dst, __m256i q, __m256 factor, __m256 min) {
   __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(q), factor);
-  if constexpr (T == Dtype::q4_k) w = _mm256_sub_ps(w, min);
+  if constexpr (WeightType<T>::kChunkMin) w = _mm256_sub_ps(w, min);
   _mm256_store_ps(dst, w);
 }
 
@@ -41,6 +41,7 @@ APEX_TARGET_AVX2 inline void store_column8(float* dst, __m256i q, __m256 factor,
 template <Dtype T>
 APEX_TARGET_AVX2 void dequantize_chunk_avx2(const std::byte* codes, const std::byte* scales, Index chunk,
                                             float* dst) {
+  static_assert(TilesOn<T, Isa::avx2>::check());
   APEX_QUANT_FP_STRICT_SCOPE
   constexpr Index L = kPanelLanes;
   ChunkFactors f;

@@ -1,8 +1,12 @@
 #pragma once
 /// \file kernels/arch/avx2_quant.hpp
 /// AVX2 tiles of the block formats (kernels/quant_types.hpp,
-/// kernels/quant_k_types.hpp): the integer block products of each entry's
-/// `dot_block`, 8 lanes a vector.
+/// kernels/quant_k_types.hpp): each type's `Tiles<T, Isa::avx2>` entry of
+/// the weight-type table holds the integer block product of its entry's
+/// `dot_block`, 8 lanes a vector, and the pieces of its column unpacker
+/// (kernels/arch/avx2_unpack_columns.hpp). This file has the helpers, the
+/// 32-weight formats' tiles and the tile loop; kernels/arch/avx2_quant_k.hpp
+/// the K-quants'.
 ///
 /// One 32-bit lane of a code vector holds 4 consecutive weights of one row
 /// (kernels/quant_layout.hpp), so `vpmaddubsw` against a broadcast word of 4
@@ -17,7 +21,11 @@
 /// int16 partial sums stay below 2^15: at most two pairs of 4-bit codes
 /// (2·2·24·128) or one pair of 6-bit codes (2·63·128 each) before `vpmaddwd`.
 /// The float step, fma(float(Σ), d_w·d_x, acc), is the entry's, in its order.
-/// The AVX-512 paths run these tiles for the block formats.
+///
+/// No tile branches on a type: the shared bodies (Nibble32Avx2) take what
+/// differs from the type's own entry, so a type without tiles here does not
+/// compile for this path (weight_types.hpp: TilesOn) instead of running
+/// another type's code.
 
 #include <cstddef>
 #include <cstdint>
@@ -78,6 +86,10 @@ APEX_TARGET_AVX2 inline __m256 e8m0_half8(const std::byte* p) {
   const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
   return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
 }
+/// The 32-bit words of lanes l0 … l0 + 7 in row `row` of a slab.
+APEX_TARGET_AVX2 inline __m256i slab_words8(const std::byte* slab, Index row, Index l0) {
+  return load32(slab + (row * kPanelLanes + l0) * 4);
+}
 /// Software prefetch of a slab's bytes, kPrefetchBytes ahead (kernels/isa.hpp).
 inline void prefetch_bytes(const std::byte* p, Index bytes) {
   for (Index o = 0; o < bytes; o += 128) prefetch_slab(p + o);
@@ -90,160 +102,125 @@ APEX_TARGET_AVX2 inline void store_acc_avx2(const float* acc, float* out, Index 
   store_row_avx2<Epi>(v, out, ncols);
 }
 
-/// Block formats of 32 weights (Q8_0, Q4_0, MXFP4): isum of R rows × 8
-/// lanes of block b; then the float step.
+/// Blocks of 32 4-bit codes (Q4_0, MXFP4): the block product, R rows × 8
+/// lanes of block b, and the unpacker's pieces. What differs between the
+/// types comes from the type's entry C = Tiles<T, Isa::avx2>:
+///   C::offset_codes(q)  the unsigned u = v(q) + C::kOffset `vpmaddubsw` takes;
+///   C::kRun             octs an int16 run holds before `vpmaddwd` (< 2^15);
+///   C::values(q)        the signed value v(q) of each code byte (unpacking);
+///   C::scale(area, v)   the block scale of lanes 8v … 8v + 7 as float.
 template <Dtype T>
-struct Block32Avx2 {
+struct Nibble32Avx2 {
   using W = WeightType<T>;
+  static constexpr bool kChunkMin = false;  ///< no min term (Q4_K has one)
+
+  template <int R>
+  APEX_TARGET_AVX2 static void block(const std::byte* slab, const std::byte* area, Index b, const QuantRows& x,
+                                     int v, float (*acc)[32]) {
+    using C = Tiles<T, Isa::avx2>;
+    __m256i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+    __m256i p16[R];
+    for (int r = 0; r < R; ++r) p16[r] = _mm256_setzero_si256();
+    for (int o = 0; o < 4; ++o) {
+      const __m256i raw = load32(slab + (o * kPanelLanes + 8 * v) * 4);
+      const __m256i lo = C::offset_codes(low_nibbles(raw)), hi = C::offset_codes(high_nibbles(raw));
+      for (int r = 0; r < R; ++r) {
+        const std::int8_t* xq = x.q + r * x.ldq + 32 * b + 8 * o;
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xq)), _mm256_maddubs_epi16(hi, bcast4(xq + 4)));
+        p16[r] = _mm256_add_epi16(p16[r], p);
+        if (o % C::kRun == C::kRun - 1) {
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p16[r], _mm256_set1_epi16(1)));
+          p16[r] = _mm256_setzero_si256();
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(C::kOffset * x.row(r).sum32(b)));
+    const __m256 dw = C::scale(area, v);
+    for (int r = 0; r < R; ++r)
+      accumulate8(acc[r] + 8 * v, isum[r], _mm256_mul_ps(dw, _mm256_set1_ps(x.d[r * x.ldd + b])));
+  }
+  /// Code rows 0 … 7 of block `chunk`, lanes l0 … l0 + 7: the low and high
+  /// nibbles of slab row i as rows 2i, 2i + 1, each code its signed value.
+  APEX_TARGET_AVX2 static void code_rows(const std::byte* codes, Index chunk, Index l0, __m256i* rows) {
+    const std::byte* slab = W::slab(codes, chunk);
+    for (int i = 0; i < 4; ++i) {
+      const __m256i raw = slab_words8(slab, i, l0);
+      for (int half = 0; half < 2; ++half)
+        rows[2 * i + half] = Tiles<T, Isa::avx2>::values(half ? high_nibbles(raw) : low_nibbles(raw));
+    }
+  }
+  /// Lanes 8v … 8v + 7's factor of block `chunk`: its scale, for all 32 columns.
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void factors8(const std::byte* scales, Index chunk, int v, __m256& lo, __m256& hi, __m256&) {
+    lo = hi = Tiles<T, Isa::avx2>::scale(W::area(scales, chunk), v);
+  }
+};
+
+/// Q8_0: signed byte codes (the sign trick), fp16 scale d.
+template <>
+struct Tiles<Dtype::q8_0, Isa::avx2> {
+  using W = WeightType<Dtype::q8_0>;
+  static constexpr bool kChunkMin = false;
+
   template <int R>
   APEX_TARGET_AVX2 static void block(const std::byte* slab, const std::byte* area, Index b, const QuantRows& x,
                                      int v, float (*acc)[32]) {
     __m256i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
-    if constexpr (T == Dtype::q8_0) {
-      for (int q = 0; q < 8; ++q) {
-        const __m256i w = load32(slab + (q * kPanelLanes + 8 * v) * 4);
-        const __m256i aw = _mm256_sign_epi8(w, w);
-        for (int r = 0; r < R; ++r)
-          isum[r] = _mm256_add_epi32(isum[r], dot4(aw, _mm256_sign_epi8(bcast4(x.q + r * x.ldq + 32 * b + 4 * q), w)));
-      }
-    } else {
-      // int16 partial sums over `run` octs before vpmaddwd: each oct adds at
-      // most 2·2·15·127 (Q4_0, 4 octs < 2^15) or 2·2·24·127 (MXFP4, 2 octs)
-      constexpr int run = T == Dtype::mxfp4 ? 2 : 4;
-      __m256i p16[R];
-      for (int r = 0; r < R; ++r) p16[r] = _mm256_setzero_si256();
-      for (int o = 0; o < 4; ++o) {
-        const __m256i raw = load32(slab + (o * kPanelLanes + 8 * v) * 4);
-        __m256i lo = low_nibbles(raw), hi = high_nibbles(raw);
-        if constexpr (T == Dtype::mxfp4) {  // u = v2[q] + 12 ∈ [0, 24]
-          const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14,
-                                               15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
-          lo = _mm256_shuffle_epi8(lut, lo);
-          hi = _mm256_shuffle_epi8(lut, hi);
-        }
-        for (int r = 0; r < R; ++r) {
-          const std::int8_t* xq = x.q + r * x.ldq + 32 * b + 8 * o;
-          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xq)), _mm256_maddubs_epi16(hi, bcast4(xq + 4)));
-          p16[r] = _mm256_add_epi16(p16[r], p);
-          if (o % run == run - 1) {
-            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p16[r], _mm256_set1_epi16(1)));
-            p16[r] = _mm256_setzero_si256();
-          }
-        }
-      }
-      constexpr std::int32_t offset = T == Dtype::mxfp4 ? 12 : 8;
+    for (int q = 0; q < 8; ++q) {
+      const __m256i w = load32(slab + (q * kPanelLanes + 8 * v) * 4);
+      const __m256i aw = _mm256_sign_epi8(w, w);
       for (int r = 0; r < R; ++r)
-        isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(offset * x.row(r).sum32(b)));
+        isum[r] = _mm256_add_epi32(isum[r], dot4(aw, _mm256_sign_epi8(bcast4(x.q + r * x.ldq + 32 * b + 4 * q), w)));
     }
-    const __m256 dw = T == Dtype::mxfp4 ? e8m0_half8(area + 8 * v) : load_fp16x8(area + 16 * v);
+    const __m256 dw = load_fp16x8(area + 16 * v);
     for (int r = 0; r < R; ++r)
       accumulate8(acc[r] + 8 * v, isum[r], _mm256_mul_ps(dw, _mm256_set1_ps(x.d[r * x.ldd + b])));
   }
-};
-
-/// Q4_K, one super-block: Σ_j sc_j·Σ q·x and Σ_j m_j·Σ x per lane, then two fmas.
-struct Q4KAvx2 {
-  using W = WeightType<Dtype::q4_k>;
-  template <int R>
-  APEX_TARGET_AVX2 static void block(const std::byte* slab, const std::byte* area, Index b, const QuantRows& x,
-                                     int v, float (*acc)[32]) {
-    const std::byte* planes = area + W::kScalePlanes + 8 * v;  // byte plane j at planes + 32·j
-    __m256i sumi[R], mins[R];
-    for (int r = 0; r < R; ++r) sumi[r] = mins[r] = _mm256_setzero_si256();
-    const __m256i m6 = _mm256_set1_epi32(63), m4 = _mm256_set1_epi32(15);
-    __m256i m_even = _mm256_setzero_si256();
-    for (int j = 0; j < 8; ++j) {
-      __m256i sc, m;  // quant::q4_k_scale_min, 8 lanes
-      if (j < 4) {
-        sc = _mm256_and_si256(load_u8x8(planes + 32 * j), m6);
-        m = _mm256_and_si256(load_u8x8(planes + 32 * (j + 4)), m6);
-      } else {
-        const __m256i hi = load_u8x8(planes + 32 * (j + 4));
-        sc = _mm256_or_si256(_mm256_and_si256(hi, m4), _mm256_slli_epi32(_mm256_srli_epi32(load_u8x8(planes + 32 * (j - 4)), 6), 4));
-        m = _mm256_or_si256(_mm256_srli_epi32(hi, 4), _mm256_slli_epi32(_mm256_srli_epi32(load_u8x8(planes + 32 * j), 6), 4));
-      }
-      __m256i p16[R];  // ≤ 4 octs · 2 · 2 · 15 · 128 < 2^15
-      for (int r = 0; r < R; ++r) p16[r] = _mm256_setzero_si256();
-      for (int o = 4 * j; o < 4 * j + 4; ++o) {
-        const __m256i raw = load32(slab + (o * kPanelLanes + 8 * v) * 4);
-        const __m256i lo = low_nibbles(raw), hi = high_nibbles(raw);
-        for (int r = 0; r < R; ++r) {
-          const std::int8_t* xq = x.q + r * x.ldq + 256 * b + 8 * o;
-          p16[r] = _mm256_add_epi16(p16[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xq)),
-                                                             _mm256_maddubs_epi16(hi, bcast4(xq + 4))));
-        }
-      }
-      // sc_j in both int16 halves of each lane: vpmaddwd gives sc_j·Σ q·x at once
-      // (|Σ| ≤ 2·63·2^15 fits int32), the same integer as the scalar path's
-      const __m256i sc2 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
-      for (int r = 0; r < R; ++r) sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p16[r], sc2));
-      if (j % 2 == 0) {
-        m_even = m;
-        continue;
-      }
-      // m_{j−1}·Σx_{j−1} + m_j·Σx_j as one vpmaddwd of int16 pairs (|Σx| ≤ 32·128)
-      const __m256i m2 = _mm256_or_si256(m_even, _mm256_slli_epi32(m, 16));
-      for (int r = 0; r < R; ++r) {
-        const std::uint32_t lo16 = std::uint16_t(x.row(r).sum32(8 * b + j - 1));
-        const std::uint32_t pair = lo16 | (std::uint32_t(std::uint16_t(x.row(r).sum32(8 * b + j))) << 16);
-        mins[r] = _mm256_add_epi32(mins[r], _mm256_madd_epi16(m2, _mm256_set1_epi32(std::int32_t(pair))));
-      }
-    }
-    const __m256 d = load_fp16x8(area + 16 * v), dmin = load_fp16x8(area + W::kDminPlane + 16 * v);
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int r = 0; r < R; ++r) {
-      const __m256 xd = _mm256_set1_ps(x.d[r * x.ldd + b]);
-      accumulate8(acc[r] + 8 * v, sumi[r], _mm256_mul_ps(d, xd));
-      accumulate8(acc[r] + 8 * v, mins[r], _mm256_xor_ps(_mm256_mul_ps(dmin, xd), sign));
-    }
+  /// Code rows 0 … 7 of block `chunk`: the slab rows as stored.
+  APEX_TARGET_AVX2 static void code_rows(const std::byte* codes, Index chunk, Index l0, __m256i* rows) {
+    for (int r = 0; r < 8; ++r) rows[r] = slab_words8(W::slab(codes, chunk), r, l0);
+  }
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void factors8(const std::byte* scales, Index chunk, int v, __m256& lo, __m256& hi, __m256&) {
+    lo = hi = load_fp16x8(W::area(scales, chunk) + 16 * v);
   }
 };
 
-/// Q6_K, one super-block: Σ_g sc_g·(Σ u·x − 32·Σ x) per lane, then one fma.
-struct Q6KAvx2 {
-  using W = WeightType<Dtype::q6_k>;
-  template <int R>
-  APEX_TARGET_AVX2 static void block(const std::byte* slab, const std::byte* area, Index b, const QuantRows& x,
-                                     int v, float (*acc)[32]) {
-    const std::byte* high = slab + W::kHighBits;
-    const __m256i three = _mm256_set1_epi8(3);
-    __m256i sumi[R];
-    for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-    for (int g = 0; g < 16; ++g) {
-      const __m256i hraw = load32(high + (g * kPanelLanes + 8 * v) * 4);
-      __m256i isum[R];
-      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
-      for (int half = 0; half < 2; ++half) {  // octs 2g, 2g + 1: quads 4g + 2·half, +1
-        const int o = 2 * g + half;
-        const __m256i raw = load32(slab + (o * kPanelLanes + 8 * v) * 4);
-        const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(hraw, 4 * half), three);
-        const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(hraw, 4 * half + 2), three);
-        const __m256i u0 = _mm256_or_si256(low_nibbles(raw), _mm256_slli_epi16(h0, 4));
-        const __m256i u1 = _mm256_or_si256(high_nibbles(raw), _mm256_slli_epi16(h1, 4));
-        for (int r = 0; r < R; ++r) {
-          const std::int8_t* xq = x.q + r * x.ldq + 256 * b + 8 * o;
-          isum[r] = _mm256_add_epi32(isum[r], dot8(u0, bcast4(xq), u1, bcast4(xq + 4)));
-        }
-      }
-      const __m256i sc = load_i8x8(area + W::kScalePlanes + g * kPanelLanes + 8 * v);
-      for (int r = 0; r < R; ++r) {
-        const __m256i centred = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(32 * x.s16[r * x.lds + 16 * b + g]));
-        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_mullo_epi32(sc, centred));
-      }
-    }
-    const __m256 d = load_fp16x8(area + 16 * v);
-    for (int r = 0; r < R; ++r)
-      accumulate8(acc[r] + 8 * v, sumi[r], _mm256_mul_ps(d, _mm256_set1_ps(x.d[r * x.ldd + b])));
+/// Q4_0: value q − 8, so u = q; fp16 scale d. Runs of 4 octs: each adds at
+/// most 2·2·15·127, 4 of them < 2^15.
+template <>
+struct Tiles<Dtype::q4_0, Isa::avx2> : Nibble32Avx2<Dtype::q4_0> {
+  static constexpr int kRun = 4;
+  static constexpr std::int32_t kOffset = 8;
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static __m256i offset_codes(__m256i q) { return q; }
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static __m256i values(__m256i q) { return _mm256_sub_epi8(q, _mm256_set1_epi8(8)); }
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static __m256 scale(const std::byte* area, int v) {
+    return load_fp16x8(area + 16 * v);
   }
 };
 
-template <Dtype T>
-struct QuantBlockAvx2 : Block32Avx2<T> {};
+/// MXFP4: value v2[q] (the doubled E2M1 values, quant::kMxfp4Values), so
+/// u = v2[q] + 12 ∈ [0, 24] through a 16-byte table; E8M0 scale 2^(e−128).
+/// Runs of 2 octs: each adds at most 2·2·24·127.
 template <>
-struct QuantBlockAvx2<Dtype::q4_k> : Q4KAvx2 {};
-template <>
-struct QuantBlockAvx2<Dtype::q6_k> : Q6KAvx2 {};
+struct Tiles<Dtype::mxfp4, Isa::avx2> : Nibble32Avx2<Dtype::mxfp4> {
+  static constexpr int kRun = 2;
+  static constexpr std::int32_t kOffset = 12;
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static __m256i offset_codes(__m256i q) {
+    const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, 15, 16,
+                                         18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+    return _mm256_shuffle_epi8(lut, q);
+  }
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static __m256i values(__m256i q) {
+    const __m256i v2 = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3, 4, 6, 8,
+                                        12, 0, -1, -2, -3, -4, -6, -8, -12);  // quant::kMxfp4Values
+    return _mm256_shuffle_epi8(v2, q);
+  }
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static __m256 scale(const std::byte* area, int v) {
+    return e8m0_half8(area + 8 * v);
+  }
+};
 
 /// R rows (x already offset to the first) against one panel of type T.
 template <Dtype T, int R, class Epi>
@@ -257,15 +234,17 @@ APEX_TARGET_AVX2 void quant_tile_avx2(const std::byte* codes, const std::byte* s
     const std::byte* area = scales + b * area_bytes;
     prefetch_bytes(slab, slab_bytes);
     prefetch_bytes(area, area_bytes);
-    for (int v = 0; v < 4; ++v) QuantBlockAvx2<T>::template block<R>(slab, area, b, x, v, acc);
+    for (int v = 0; v < 4; ++v) Tiles<T, Isa::avx2>::template block<R>(slab, area, b, x, v, acc);
   }
   for (int r = 0; r < R; ++r) store_acc_avx2<Epi>(acc[r], out + r * ldo, ncols);
 }
 
-/// out (rows × ncols) = epilogue(x · panel) for a block format, tiles of 4 rows.
+/// out (rows × ncols) = epilogue(x · panel) for a block format, tiles of 4
+/// rows; a compile error naming T for a type without AVX2 tiles.
 template <Dtype T, class Epi>
 APEX_TARGET_AVX2 void quant_panel_avx2(const std::byte* codes, const std::byte* scales, Index K, const QuantRows& x,
                                        Index rows, float* out, Index ldo, Index ncols) {
+  static_assert(TilesOn<T, Isa::avx2>::check());
   const auto at = [&](Index r) {
     return QuantRows{x.q + r * x.ldq, x.ldq, x.d + r * x.ldd, x.ldd, x.s16 + r * x.lds, x.lds};
   };

@@ -17,6 +17,11 @@
 /// Float types. Each k's 32 lanes widened to fp32 (f32 as stored, bf16 by a
 /// shift or mask, f16 by F16C: all exact), then 8 × 8 transposes.
 ///
+/// What differs between types is the type's AVX2 tile entry
+/// (`Tiles<T, Isa::avx2>`, kernels/arch/avx2.hpp, avx2_quant.hpp,
+/// avx2_quant_k.hpp): `code_rows` and `factors8` of a block format,
+/// `lanes` of a float type; this file only moves and multiplies.
+///
 /// Everything but the factor products and Q4_K's difference is data
 /// movement or an exact conversion; those are the scalar path's IEEE
 /// operations on the same operands (fp-contract off: no fma may join
@@ -33,7 +38,8 @@
 #include <cstdint>
 
 #include "../unpack_columns.hpp"
-#include "avx2_quant.hpp"
+#include "avx2.hpp"
+#include "avx2_quant_k.hpp"
 
 #if APEX_PACKED_X86
 namespace apex::packed::detail {
@@ -61,96 +67,35 @@ APEX_TARGET_AVX2 inline void transpose8x8_epi32(__m256i* r) {
   for (int i = 0; i < 8; ++i) r[i] = t[i];
 }
 
-/// Q4_K's sc_j and m_j of 8 lanes (quant::q4_k_scale_min); planes: the 12
-/// byte planes of a super-block, offset to the first lane.
-APEX_TARGET_AVX2 inline void q4_k_scale_min8(const std::byte* planes, int j, __m256i& sc, __m256i& m) {
-  const __m256i m6 = _mm256_set1_epi32(63), m4 = _mm256_set1_epi32(15);
-  if (j < 4) {
-    sc = _mm256_and_si256(load_u8x8(planes + 32 * j), m6);
-    m = _mm256_and_si256(load_u8x8(planes + 32 * (j + 4)), m6);
-    return;
-  }
-  const __m256i hi = load_u8x8(planes + 32 * (j + 4));
-  const __m256i sc_top = _mm256_srli_epi32(load_u8x8(planes + 32 * (j - 4)), 6);  // bits 4, 5 of sc_j
-  const __m256i m_top = _mm256_srli_epi32(load_u8x8(planes + 32 * j), 6);         // bits 4, 5 of m_j
-  sc = _mm256_or_si256(_mm256_and_si256(hi, m4), _mm256_slli_epi32(sc_top, 4));
-  m = _mm256_or_si256(_mm256_srli_epi32(hi, 4), _mm256_slli_epi32(m_top, 4));
-}
-
-/// The factors of chunk `chunk` of a block-format panel, 8 lanes a step.
-/// Always inlined: GCC 12 (-O1 and -O2) dropped the call to an out-of-line
+/// The factors of chunk `chunk` of a block-format panel, 8 lanes a step
+/// (the type's `factors8`; `kChunkMin`: minus a min). Always inlined, as are
+/// the entries: GCC 12 (-O1 and -O2) dropped the call to an out-of-line
 /// copy for Q6_K as if it wrote nothing, leaving the caller's factors unset.
 template <Dtype T>
 APEX_TARGET_AVX2 APEX_KERNEL_INLINE inline void chunk_factors_avx2(const std::byte* scales, Index chunk,
                                                                    ChunkFactors& f) {
-  using W = WeightType<T>;
   for (int v = 0; v < 4; ++v) {  // lanes 8v … 8v + 7
     __m256 lo, hi, min = _mm256_setzero_ps();
-    if constexpr (T == Dtype::q4_k) {
-      const std::byte* a = W::area(scales, chunk / 8);
-      __m256i sc, m;
-      q4_k_scale_min8(a + W::kScalePlanes + 8 * v, int(chunk % 8), sc, m);
-      lo = hi = _mm256_mul_ps(load_fp16x8(a + 16 * v), _mm256_cvtepi32_ps(sc));
-      min = _mm256_mul_ps(load_fp16x8(a + W::kDminPlane + 16 * v), _mm256_cvtepi32_ps(m));
-    } else if constexpr (T == Dtype::q6_k) {
-      const std::byte* a = W::area(scales, chunk / 8);
-      const std::byte* group = a + W::kScalePlanes + 2 * (chunk % 8) * kPanelLanes + 8 * v;
-      const __m256 d = load_fp16x8(a + 16 * v);
-      lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(load_i8x8(group)));
-      hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(load_i8x8(group + kPanelLanes)));
-    } else if constexpr (T == Dtype::mxfp4) {
-      lo = hi = e8m0_half8(W::area(scales, chunk) + 8 * v);
-    } else {
-      lo = hi = load_fp16x8(W::area(scales, chunk) + 16 * v);
-    }
+    Tiles<T, Isa::avx2>::factors8(scales, chunk, v, lo, hi, min);
     _mm256_store_ps(f.lo + 8 * v, lo);
     _mm256_store_ps(f.hi + 8 * v, hi);
     _mm256_store_ps(f.min + 8 * v, min);
   }
 }
 
-/// The 32-bit words of lanes l0 … l0 + 7 in row `row` of a slab.
-APEX_TARGET_AVX2 inline __m256i slab_words8(const std::byte* slab, Index row, Index l0) {
-  return load32(slab + (row * kPanelLanes + l0) * 4);
-}
-
-/// Code rows 0 … 7 of chunk `chunk`, lanes l0 … l0 + 7 (see the file comment).
+/// Code rows 0 … 7 of chunk `chunk`, lanes l0 … l0 + 7: row r holds k = 4r …
+/// 4r + 3 of each lane, a signed byte each (the type's `code_rows`).
 template <Dtype T>
-APEX_TARGET_AVX2 void code_rows_avx2(const std::byte* codes, Index chunk, Index l0, __m256i* rows) {
-  using W = WeightType<T>;
-  if constexpr (T == Dtype::q8_0) {
-    for (int r = 0; r < 8; ++r) rows[r] = slab_words8(W::slab(codes, chunk), r, l0);
-  } else if constexpr (T == Dtype::q6_k) {
-    const std::byte* slab = W::slab(codes, chunk / 8);
-    const Index h = chunk % 8;  // octs 4h … 4h + 3, 2-bit rows 2h, 2h + 1
-    for (int r = 0; r < 8; ++r) {
-      const __m256i raw = slab_words8(slab, 4 * h + r / 2, l0);
-      const __m256i low = r % 2 ? high_nibbles(raw) : low_nibbles(raw);
-      const __m256i high = slab_words8(slab + W::kHighBits, 2 * h + r / 4, l0);
-      const __m256i two = _mm256_and_si256(_mm256_srli_epi16(high, 2 * (r % 4)), _mm256_set1_epi8(3));
-      rows[r] = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(two, 4)), _mm256_set1_epi8(32));
-    }
-  } else {  // 4-bit codes: Q4_0, MXFP4 (block = chunk), Q4_K (sub-block chunk mod 8)
-    const std::byte* slab = W::slab(codes, T == Dtype::q4_k ? chunk / 8 : chunk);
-    const Index o0 = T == Dtype::q4_k ? 4 * (chunk % 8) : 0;
-    const __m256i v2 = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3, 4, 6, 8,
-                                        12, 0, -1, -2, -3, -4, -6, -8, -12);  // quant::kMxfp4Values
-    for (int i = 0; i < 4; ++i) {
-      const __m256i raw = slab_words8(slab, o0 + i, l0);
-      for (int half = 0; half < 2; ++half) {
-        const __m256i q = half ? high_nibbles(raw) : low_nibbles(raw);
-        if constexpr (T == Dtype::q4_0) rows[2 * i + half] = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
-        else if constexpr (T == Dtype::mxfp4) rows[2 * i + half] = _mm256_shuffle_epi8(v2, q);
-        else rows[2 * i + half] = q;
-      }
-    }
-  }
+APEX_TARGET_AVX2 APEX_KERNEL_INLINE inline void code_rows_avx2(const std::byte* codes, Index chunk, Index l0,
+                                                               __m256i* rows) {
+  Tiles<T, Isa::avx2>::code_rows(codes, chunk, l0, rows);
 }
 
 /// A block-format chunk: codes per lane in k order, then the factors.
 template <Dtype T>
 APEX_TARGET_AVX2 void unpack_block_avx2(const std::byte* codes, const std::byte* scales, Index chunk, float* dst) {
   APEX_QUANT_FP_STRICT_SCOPE
+  using Tl = Tiles<T, Isa::avx2>;
   alignas(32) std::int8_t q[kPanelLanes][kChunkColumns];  // lane × k
   for (Index l0 = 0; l0 < kPanelLanes; l0 += 8) {
     __m256i rows[8];
@@ -166,24 +111,9 @@ APEX_TARGET_AVX2 void unpack_block_avx2(const std::byte* codes, const std::byte*
     for (int v = 0; v < 4; ++v) {
       const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q[l] + 8 * v));
       __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), v < 2 ? lo : hi);
-      if constexpr (T == Dtype::q4_k) w = _mm256_sub_ps(w, min);
+      if constexpr (Tl::kChunkMin) w = _mm256_sub_ps(w, min);
       _mm256_store_ps(dst + l * kChunkColumns + 8 * v, w);
     }
-  }
-}
-
-/// Lanes 8v … 8v + 7 of column k of a float-type panel, widened exactly.
-template <Dtype T>
-APEX_TARGET_AVX2 inline __m256 float_lanes_avx2(const typename WeightType<T>::Element* w, Index k, int v) {
-  constexpr Index L = kPanelLanes;
-  if constexpr (T == Dtype::f32) {
-    return _mm256_load_ps(w + k * L + 8 * v);
-  } else if constexpr (T == Dtype::f16) {
-    return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(w + k * L + 8 * v)));
-  } else {  // bf16: lane word (k even | k odd << 16) of pair k / 2
-    const __m256i pair = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + (k / 2) * 2 * L + 16 * v));
-    return _mm256_castsi256_ps(k % 2 ? _mm256_and_si256(pair, _mm256_set1_epi32(int(0xFFFF0000u)))
-                                     : _mm256_slli_epi32(pair, 16));
   }
 }
 
@@ -197,16 +127,18 @@ APEX_TARGET_AVX2 void unpack_float_avx2(const typename WeightType<T>::Element* w
     for (int v = 0; v < 4; ++v) {  // lanes 8v … 8v + 7
       __m256i r[8];
       for (int i = 0; i < 8; ++i)
-        r[i] = _mm256_castps_si256(c0 + i < n ? float_lanes_avx2<T>(w, k0 + c0 + i, v) : _mm256_setzero_ps());
+        r[i] = _mm256_castps_si256(c0 + i < n ? Tiles<T, Isa::avx2>::lanes(w, k0 + c0 + i, v) : _mm256_setzero_ps());
       transpose8x8_epi32(r);
       for (int i = 0; i < 8; ++i) _mm256_store_ps(dst + (8 * v + i) * C + c0, _mm256_castsi256_ps(r[i]));
     }
 }
 
-/// Chunk `chunk` of one panel of type T into dst: unpack_columns_scalar's bytes.
+/// Chunk `chunk` of one panel of type T into dst: unpack_columns_scalar's
+/// bytes; a compile error naming T for a type without AVX2 tiles.
 template <Dtype T>
 APEX_TARGET_AVX2 void unpack_columns_avx2(const typename WeightType<T>::Element* codes, const std::byte* scales,
                                           Index K, Index chunk, float* dst) {
+  static_assert(TilesOn<T, Isa::avx2>::check());
   if constexpr (WeightType<T>::kQuantized) unpack_block_avx2<T>(codes, scales, chunk, dst);
   else unpack_float_avx2<T>(codes, K, chunk, dst);
 }

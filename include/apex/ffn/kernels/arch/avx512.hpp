@@ -207,10 +207,11 @@ APEX_TARGET_AVX512BF16 void tile_dot_avx512(const bf16* w, const std::byte*, Ind
   }
 
 /// out (rows × ncols) = epilogue(x (rows × K) · panel), widened weights of
-/// any type with avx512 tiles.
+/// any type with avx512 tiles (a compile error naming T for one without).
 template <Dtype T, class Epi>
 APEX_TARGET_AVX512 void panel_avx512(const typename WeightType<T>::Element* w, const std::byte* scales, Index K,
                                      const float* x, Index ldx, Index rows, float* out, Index ldo, Index ncols) {
+  static_assert(TilesOn<T, Isa::avx512>::check());
 #define APEX_PACKED_TABLE_TILE(R) Tiles<T, Isa::avx512>::template tile<R, Epi>
   APEX_PACKED_ROWS_SWITCH(APEX_PACKED_TABLE_TILE, x)
 #undef APEX_PACKED_TABLE_TILE

@@ -54,6 +54,8 @@ APEX_TARGET_AVX512 void code_rows_avx512(const std::byte* codes, Index chunk, In
       rows[r] = _mm512_sub_epi8(_mm512_or_si512(low, _mm512_slli_epi16(two, 4)), _mm512_set1_epi8(32));
     }
   } else {  // 4-bit codes: Q4_0, MXFP4 (block = chunk), Q4_K (sub-block chunk mod 8)
+    static_assert(T == Dtype::q4_0 || T == Dtype::mxfp4 || T == Dtype::q4_k,
+                  "code_rows_avx512: a block type without its code rows here (docs/inference.md, a new block type)");
     const std::byte* slab = W::slab(codes, T == Dtype::q4_k ? chunk / 8 : chunk);
     const Index o0 = T == Dtype::q4_k ? 4 * (chunk % 8) : 0;
     const __m512i v2 = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12));
@@ -73,7 +75,7 @@ APEX_TARGET_AVX512 void code_rows_avx512(const std::byte* codes, Index chunk, In
 template <Dtype T>
 APEX_TARGET_AVX512 inline void store_column16(float* dst, __m512i q, __m512 factor, __m512 min) {
   __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(q), factor);
-  if constexpr (T == Dtype::q4_k) w = _mm512_sub_ps(w, min);
+  if constexpr (WeightType<T>::kChunkMin) w = _mm512_sub_ps(w, min);
   _mm512_store_ps(dst, w);
 }
 

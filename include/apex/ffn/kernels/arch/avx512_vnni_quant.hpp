@@ -13,7 +13,8 @@
 /// - Q4_0, MXFP4, Q4_K, Q6_K: the offset codes of the AVX2 tiles
 ///   (kernels/arch/avx2_quant.hpp), the offset taken off with Σ x.
 /// Loads, scales and the tile's shape are the AVX-512BW tiles'
-/// (kernels/arch/avx512_quant.hpp).
+/// (kernels/arch/avx512_quant.hpp). Each type's `Tiles<T,
+/// Isa::avx512_vnni>` entry is here.
 
 #include "avx512_quant.hpp"
 
@@ -30,41 +31,61 @@ APEX_TARGET_AVX512VNNI inline __m512i dpbusd(__m512i acc, __m512i u, __m512i s) 
   return _mm512_dpbusd_epi32(acc, u, s);
 }
 
-/// Blocks of 32 weights (Q8_0, Q4_0, MXFP4), half v of block b, R rows.
+/// Blocks of 32 4-bit codes (Q4_0, MXFP4), half v of block b, R rows: the
+/// codes, offset and scale of the type's AVX-512BW entry (Tiles<T,
+/// Isa::avx512>), the offset taken off with Σ x.
 template <Dtype T>
-struct Block32Vnni {
+struct Nibble32Vnni {
   template <int R>
-  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b, const QuantRows& x,
-                                           int v, __m512* acc) {
+  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
+                                                              const QuantRows& x, int v, __m512* acc) {
+    using C = Tiles<T, Isa::avx512>;
     __m512i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
-    if constexpr (T == Dtype::q8_0) {
-      const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-      for (int q = 0; q < 8; ++q) {
-        const __m512i u = _mm512_xor_si512(load_half512(slab, q, v), flip);  // w + 128 ∈ [0, 255]
-        for (int r = 0; r < R; ++r) isum[r] = dpbusd(isum[r], u, bcast4_512(x.q + r * x.ldq + 32 * b + 4 * q));
-      }
-    } else {
-      for (int o = 0; o < 4; ++o) {
-        const __m512i raw = load_half512(slab, o, v);
-        __m512i lo = low_nibbles512(raw), hi = high_nibbles512(raw);
-        if constexpr (T == Dtype::mxfp4) lo = mxfp4_offsets512(lo), hi = mxfp4_offsets512(hi);
-        for (int r = 0; r < R; ++r) {
-          const std::int8_t* xq = x.q + r * x.ldq + 32 * b + 8 * o;
-          isum[r] = dpbusd(dpbusd(isum[r], lo, bcast4_512(xq)), hi, bcast4_512(xq + 4));
-        }
+    for (int o = 0; o < 4; ++o) {
+      const __m512i raw = load_half512(slab, o, v);
+      const __m512i lo = C::offset_codes(low_nibbles512(raw)), hi = C::offset_codes(high_nibbles512(raw));
+      for (int r = 0; r < R; ++r) {
+        const std::int8_t* xq = x.q + r * x.ldq + 32 * b + 8 * o;
+        isum[r] = dpbusd(dpbusd(isum[r], lo, bcast4_512(xq)), hi, bcast4_512(xq + 4));
       }
     }
-    constexpr std::int32_t offset = T == Dtype::q8_0 ? 128 : T == Dtype::mxfp4 ? 12 : 8;
-    for (int r = 0; r < R; ++r) isum[r] = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(offset * x.row(r).sum32(b)));
-    const __m512 dw = block32_scale512<T>(area, v);
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(C::kOffset * x.row(r).sum32(b)));
+    const __m512 dw = C::scale(area, v);
     for (int r = 0; r < R; ++r)
       acc[r] = accumulate16(acc[r], isum[r], _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r * x.ldd + b])));
   }
 };
 
+/// Q8_0: u = w + 128 (the sign bit flipped), Σ w·x = Σ u·x − 128·Σ x; fp16 scale d.
+template <>
+struct Tiles<Dtype::q8_0, Isa::avx512_vnni> {
+  template <int R>
+  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
+                                                              const QuantRows& x, int v, __m512* acc) {
+    __m512i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int q = 0; q < 8; ++q) {
+      const __m512i u = _mm512_xor_si512(load_half512(slab, q, v), flip);  // w + 128 ∈ [0, 255]
+      for (int r = 0; r < R; ++r) isum[r] = dpbusd(isum[r], u, bcast4_512(x.q + r * x.ldq + 32 * b + 4 * q));
+    }
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(128 * x.row(r).sum32(b)));
+    const __m512 dw = load_fp16x16(area + 32 * v);
+    for (int r = 0; r < R; ++r)
+      acc[r] = accumulate16(acc[r], isum[r], _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r * x.ldd + b])));
+  }
+};
+
+/// Q4_0 and MXFP4: their AVX-512BW entries' codes and scales.
+template <>
+struct Tiles<Dtype::q4_0, Isa::avx512_vnni> : Nibble32Vnni<Dtype::q4_0> {};
+template <>
+struct Tiles<Dtype::mxfp4, Isa::avx512_vnni> : Nibble32Vnni<Dtype::mxfp4> {};
+
 /// Q4_K, one super-block: Σ_j sc_j·Σ q·x and Σ_j m_j·Σ x per lane, then two fmas.
-struct Q4KVnni {
+template <>
+struct Tiles<Dtype::q4_k, Isa::avx512_vnni> {
   using W = WeightType<Dtype::q4_k>;
   template <int R>
   APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b, const QuantRows& x,
@@ -104,7 +125,8 @@ struct Q4KVnni {
 };
 
 /// Q6_K, one super-block: Σ_g sc_g·(Σ u·x − 32·Σ x) per lane, then one fma.
-struct Q6KVnni {
+template <>
+struct Tiles<Dtype::q6_k, Isa::avx512_vnni> {
   using W = WeightType<Dtype::q6_k>;
   template <int R>
   APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b, const QuantRows& x,
@@ -135,18 +157,12 @@ struct Q6KVnni {
   }
 };
 
-template <Dtype T>
-struct QuantBlockVnni : Block32Vnni<T> {};
-template <>
-struct QuantBlockVnni<Dtype::q4_k> : Q4KVnni {};
-template <>
-struct QuantBlockVnni<Dtype::q6_k> : Q6KVnni {};
-
-/// The VNNI tiles: QuantTilesAvx512's loop on the VNNI block products.
+/// The VNNI tile loop: QuantTilesAvx512's on the VNNI block products.
 struct QuantTilesVnni {
   template <Dtype T, int R, class Epi>
   APEX_TARGET_AVX512VNNI static void tile(const std::byte* codes, const std::byte* scales, Index K, const QuantRows& x,
                                           float* out, Index ldo, Index ncols) {
+    static_assert(TilesOn<T, Isa::avx512_vnni>::check());
     using W = WeightType<T>;
     __m512 acc[2][R];  // half v of row r: acc[v][r]
     for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
@@ -156,7 +172,7 @@ struct QuantTilesVnni {
       const std::byte* area = scales + b * area_bytes;
       prefetch_bytes(slab, slab_bytes);
       prefetch_bytes(area, area_bytes);
-      for (int v = 0; v < 2; ++v) QuantBlockVnni<T>::template block<R>(slab, area, b, x, v, acc[v]);
+      for (int v = 0; v < 2; ++v) Tiles<T, Isa::avx512_vnni>::template block<R>(slab, area, b, x, v, acc[v]);
     }
     for (int r = 0; r < R; ++r) store_row_avx512<Epi>(acc[0][r], acc[1][r], out + r * ldo, ncols);
   }

@@ -21,8 +21,8 @@
 #include "../../../io/safetensors.hpp"
 #include "load_options.hpp"
 #include "../../engine/packed_moe.hpp"
-#include "save.hpp"
 #include "source.hpp"
+#include "stored.hpp"
 
 namespace apex {
 

@@ -18,6 +18,7 @@
 ///  6. gate and up share a type (ConfigError), and the layer fits in memory.
 
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -160,8 +161,8 @@ struct TensorChecks {
       if (required) missing.push_back(name);
       return t;
     }
-    if (!packed_type_of(t.info->type, t.dtype))
-      bad_type.push_back(name + " (" + type_label(t.info->type) + ")");
+    if (const std::optional<packed::Dtype> dtype = packed_type_of(t.info->type)) t.dtype = *dtype;
+    else bad_type.push_back(name + " (" + type_label(t.info->type) + ")");
     std::vector<std::uint64_t> have(t.info->ne.begin(), t.info->ne.end());
     while (have.size() > ne.size() && have.back() == 1) have.pop_back();  // ggml pads ne with 1
     if (have != ne) bad_shape.push_back(name + " is " + ne_string(have) + ", the metadata implies " + ne_string(ne));
@@ -171,7 +172,7 @@ struct TensorChecks {
     if (!missing.empty()) throw FormatError(where + ": the file has no tensor " + names(missing));
     if (!bad_type.empty())
       throw FormatError(where + ": no storage for the tensor type of " + names(bad_type) +
-                        " (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K, MXFP4)");
+                        " (supported: " + packed_type_names() + ")");
     if (!bad_shape.empty()) {
       std::string msg = where + ": shape mismatch (ggml ne order):";
       for (std::size_t i = 0; i < bad_shape.size(); ++i) msg += (i ? "; " : " ") + bad_shape[i];

@@ -26,8 +26,10 @@
 /// largest code overflows float) is a ValueError naming the expert, matrix,
 /// row and block as it moves (docs/quantized_formats.md#scale-range). The
 /// router, selection bias, shared gate and norm are decoded to float,
-/// whatever their type. A router weight or bias with NaN or Inf is a
-/// ValueError (the float layer rejects the logits it would give).
+/// whatever their type, by the table entry of the type (decode_rows), which
+/// refuses such a block the same way, naming the tensor, row and block. A
+/// router weight or bias with NaN or Inf is a ValueError (the float layer
+/// rejects the logits it would give).
 ///
 /// The MoE pipeline knows nothing of GGUF: these loaders only assemble a
 /// PackedMoE / MoEFFN from parts.
@@ -56,11 +58,15 @@ inline const std::byte* bytes_of(const gguf::File& file, const Tensor& t) {
 }
 
 /// `rows` rows × `cols` of tensor t as floats (rows × cols, row-major),
-/// starting at row `row0` of its flattened rows.
-inline Matrix<float> decode(const gguf::File& file, const Tensor& t, Index row0, Index rows, Index cols) {
+/// starting at row `row0` of its flattened rows. ValueError naming `where`,
+/// the tensor, row and block for a block whose values would not be finite
+/// (decode_rows).
+inline Matrix<float> decode(const std::string& where, const gguf::File& file, const Tensor& t, Index row0, Index rows,
+                            Index cols) {
   Matrix<float> m(rows, cols);
   const std::size_t row_bytes = std::size_t(t.info->nbytes / t.info->rows());
-  decode_rows(t.info->type, bytes_of(file, t) + std::size_t(row0) * row_bytes, rows, cols, m.data());
+  decode_rows(t.info->type, bytes_of(file, t) + std::size_t(row0) * row_bytes, rows, cols, m.data(),
+              where + ": tensor '" + t.info->name + "'", row0);
   return m;
 }
 
@@ -68,9 +74,9 @@ inline Matrix<float> decode(const gguf::File& file, const Tensor& t, Index row0,
 inline std::pair<Matrix<float>, RowVector<float>> router_and_bias(const std::string& where, const gguf::File& file,
                                                                   const Plan& p) {
   const MoEConfig& c = p.config;
-  Matrix<float> router = decode(file, p.router, 0, c.n_experts, c.d_model);
+  Matrix<float> router = decode(where, file, p.router, 0, c.n_experts, c.d_model);
   RowVector<float> bias = RowVector<float>::Zero(c.n_experts);
-  if (p.bias.info) bias = decode(file, p.bias, 0, 1, c.n_experts);
+  if (p.bias.info) bias = decode(where, file, p.bias, 0, 1, c.n_experts);
   for (const auto& [name, ok] : {std::pair<const char*, bool>{gguf::tensor_names::kRouter, router.allFinite()},
                                  {gguf::tensor_names::kProbsBias, bias.allFinite()}})
     if (!ok)
@@ -88,7 +94,7 @@ inline void check_finite_tensor(const std::string& where, const Tensor& t, const
 /// without architecture.router_bias. ValueError for NaN or Inf.
 inline RowVector<float> logit_bias(const std::string& where, const gguf::File& file, const Plan& p) {
   if (!p.router_bias.info) return {};
-  RowVector<float> b = decode(file, p.router_bias, 0, 1, p.config.n_experts);
+  RowVector<float> b = decode(where, file, p.router_bias, 0, 1, p.config.n_experts);
   check_finite_tensor(where, p.router_bias, b, "the float layer rejects the router logits it would give");
   return b;
 }
@@ -98,7 +104,7 @@ inline std::vector<RowVector<float>> extra_rows(const std::string& where, const 
   std::vector<RowVector<float>> rows;
   for (const Tensor& t : p.extras) {
     const Index cols = Index(t.info->ne[0]);
-    rows.push_back(decode(file, t, e, 1, cols));
+    rows.push_back(decode(where, file, t, e, 1, cols));
     check_finite_tensor(where, t, rows.back(), "an expert's bias must be finite");
   }
   return rows;
@@ -154,8 +160,8 @@ inline Slice slice_of(const std::string& where, const Plan& p, const std::string
 }
 
 /// Slice s decoded to float (s.rows × s.cols).
-inline Matrix<float> decode(const gguf::File& file, const Slice& s) {
-  return decode(file, *s.tensor, s.row0, s.rows, s.cols);
+inline Matrix<float> decode(const std::string& where, const gguf::File& file, const Slice& s) {
+  return decode(where, file, *s.tensor, s.row0, s.rows, s.cols);
 }
 
 /// Rows r0 … r0 + n − 1 of tensor t in file form: a pointer into the mapping.
@@ -202,7 +208,7 @@ PackedMoE<Storage, Expert> load_gguf_moe(const gguf::File& file, Index layer) {
       return g::expert(file, p.shared_gate_w, p.shared_up, p.shared_down, 0, c.d_model, c.shared_ffn());
     }));
   Matrix<float> shared_gate;  // 1 × d, or empty
-  if (c.shared_expert_gate) shared_gate = g::decode(file, p.shared_gate, 0, 1, c.d_model);
+  if (c.shared_expert_gate) shared_gate = g::decode(where, file, p.shared_gate, 0, 1, c.d_model);
   Layer out(c, router, bias, std::move(experts), std::move(extras), std::move(shared), std::move(shared_gate));
   if (c.router_bias) out.set_logit_bias(logit_bias);
   return out;
@@ -211,6 +217,8 @@ PackedMoE<Storage, Expert> load_gguf_moe(const gguf::File& file, Index layer) {
 /// The same block as a float MoEFFN<T, Expert>: every weight decoded to
 /// float (a quantized file's through ggml's dequantizers), then converted
 /// to T; a kind's options (gpt-oss's α and L) from the architecture row.
+/// A block whose values would not be finite is a ValueError naming the
+/// tensor, row and block, as load_gguf_moe refuses it.
 template <class T = float, class Expert = SwiGLU<T>>
 MoEFFN<T, Expert> load_gguf_moe_float(const gguf::File& file, Index layer) {
   namespace g = detail::gguf_moe;
@@ -226,7 +234,7 @@ MoEFFN<T, Expert> load_gguf_moe_float(const gguf::File& file, Index layer) {
   for (auto& q : out.param_values()) {  // by name: the expert-parallel loader (mpi/gguf_checkpoint.hpp) reads the same slices
     const Matrix<float> m = q.name == state_names::kRouter       ? router
                             : q.name == state_names::kRouterBias ? Matrix<float>(logit_bias)
-                                                                 : g::decode(file, g::slice_of(where, p, q.name));
+                                                                 : g::decode(where, file, g::slice_of(where, p, q.name));
     q.value() = m.cast<T>();
   }
   return out;
@@ -242,7 +250,7 @@ PackedSublayer<PackedMoE<Storage, Expert>> load_gguf_sublayer(const gguf::File& 
   const std::string where = "load_gguf_sublayer(" + file.description() + ", block " + std::to_string(layer) + ")";
   const g::Plan p = g::plan<Expert>(where, file, layer, true);
   RMSNorm<float> norm(p.config.d_model, p.rms_eps);
-  norm.gain() = g::decode(file, p.norm, 0, 1, p.config.d_model);
+  norm.gain() = g::decode(where, file, p.norm, 0, 1, p.config.d_model);
   PackedSublayer<PackedMoE<Storage, Expert>> out(p.config.d_model, load_gguf_moe<Storage, Expert>(file, layer));
   out.norm() = std::move(norm);
   out.set_mode(SublayerMode::inference);

@@ -54,21 +54,12 @@ inline constexpr const char* kPadPrefix = "__pad.";
 inline constexpr std::uint64_t kLayoutPage = 4096;
 inline constexpr std::uint64_t kLayoutAlign = 64;
 
-/// The type named `name` (packed::dtype_name's spelling), any of the table.
-inline std::optional<packed::Dtype> dtype_named(const std::string& name) {
-#define APEX_PACKED_DTYPE_NAMED(t) \
-  if (name == packed::WeightType<packed::Dtype::t>::kName) return packed::Dtype::t;
-  APEX_PACKED_WEIGHT_TYPES(APEX_PACKED_DTYPE_NAMED)
-#undef APEX_PACKED_DTYPE_NAMED
-  return std::nullopt;
-}
-
 /// The pair dtypes_name spells ("q4_k" or "q4_k/q6_k"); FormatError naming
 /// `where` and `key` for anything else.
 inline packed::ExpertDtypes parse_dtypes(const std::string& where, const std::string& key, const std::string& v) {
   const auto slash = v.find('/');
-  const auto a = dtype_named(v.substr(0, slash));
-  const auto b = slash == std::string::npos ? a : dtype_named(v.substr(slash + 1));
+  const auto a = packed::dtype_named(v.substr(0, slash));
+  const auto b = slash == std::string::npos ? a : packed::dtype_named(v.substr(slash + 1));
   if (!a || !b)
     throw FormatError(where + ": metadata " + safetensors::quote_name(key) + " is " + safetensors::quote_name(v) +
                       ", not a storage type or gate_up/down pair of them");

@@ -1,0 +1,102 @@
+#pragma once
+/// \file kernels/arch/avx512_quant_k.hpp
+/// AVX-512 (F + BW) tiles of the K-quants Q4_K and Q6_K: each type's
+/// `Tiles<T, Isa::avx512>` entry, the AVX2 tiles' arithmetic
+/// (kernels/arch/avx2_quant_k.hpp) on 16 lanes a vector; helpers, the
+/// 32-weight formats and the tile loop in kernels/arch/avx512_quant.hpp.
+
+#include <cstddef>
+#include <cstdint>
+
+#include "avx512_quant.hpp"
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+#if APEX_PACKED_X86
+namespace apex::packed::detail {
+
+/// Q4_K, one super-block: Σ_j sc_j·Σ q·x and Σ_j m_j·Σ x per lane, then two fmas.
+template <>
+struct Tiles<Dtype::q4_k, Isa::avx512> {
+  using W = WeightType<Dtype::q4_k>;
+  template <int R>
+  APEX_TARGET_AVX512 APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
+                                                          const QuantRows& x, int v, __m512* acc) {
+    const std::byte* planes = area + W::kScalePlanes + 16 * v;
+    __m512i sumi[R], mins[R], m_even = _mm512_setzero_si512();
+    for (int r = 0; r < R; ++r) sumi[r] = mins[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      __m512i sc, m;
+      q4_k_scale_min16(planes, j, sc, m);
+      __m512i p16[R];  // ≤ 4 octs · 2 · 2 · 15 · 128 < 2^15
+      for (int r = 0; r < R; ++r) p16[r] = _mm512_setzero_si512();
+      for (int o = 4 * j; o < 4 * j + 4; ++o) {
+        const __m512i raw = load_half512(slab, o, v);
+        const __m512i lo = low_nibbles512(raw), hi = high_nibbles512(raw);
+        for (int r = 0; r < R; ++r) {
+          const std::int8_t* xq = x.q + r * x.ldq + 256 * b + 8 * o;
+          p16[r] = _mm512_add_epi16(p16[r], _mm512_add_epi16(_mm512_maddubs_epi16(lo, bcast4_512(xq)),
+                                                             _mm512_maddubs_epi16(hi, bcast4_512(xq + 4))));
+        }
+      }
+      const __m512i sc2 = _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16));  // sc_j in both int16 halves
+      for (int r = 0; r < R; ++r) sumi[r] = _mm512_add_epi32(sumi[r], _mm512_madd_epi16(p16[r], sc2));
+      if (j % 2 == 0) {
+        m_even = m;
+        continue;
+      }
+      for (int r = 0; r < R; ++r) mins[r] = _mm512_add_epi32(mins[r], q4_k_min_pair16(m_even, m, x.row(r), 8 * b + j));
+    }
+    const __m512 d = load_fp16x16(area + 32 * v), dmin = load_fp16x16(area + W::kDminPlane + 32 * v);
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xd = _mm512_set1_ps(x.d[r * x.ldd + b]);
+      acc[r] = accumulate16(acc[r], sumi[r], _mm512_mul_ps(d, xd));
+      acc[r] = accumulate16(acc[r], mins[r], _mm512_castsi512_ps(_mm512_xor_si512(
+                                                 _mm512_castps_si512(_mm512_mul_ps(dmin, xd)), _mm512_castps_si512(sign))));
+    }
+  }
+};
+
+/// Q6_K, one super-block: Σ_g sc_g·(Σ u·x − 32·Σ x) per lane, then one fma.
+template <>
+struct Tiles<Dtype::q6_k, Isa::avx512> {
+  using W = WeightType<Dtype::q6_k>;
+  template <int R>
+  APEX_TARGET_AVX512 APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
+                                                          const QuantRows& x, int v, __m512* acc) {
+    __m512i sumi[R];
+    for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
+    for (int g = 0; g < 16; ++g) {
+      const __m512i hraw = load_half512(slab + W::kHighBits, g, v);
+      __m512i isum[R];
+      for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+      for (int half = 0; half < 2; ++half) {
+        const int o = 2 * g + half;
+        __m512i u0, u1;
+        q6_k_codes16(load_half512(slab, o, v), hraw, half, u0, u1);
+        for (int r = 0; r < R; ++r) {  // two pairs of 6-bit codes: ≤ 2·2·63·128 < 2^15
+          const std::int8_t* xq = x.q + r * x.ldq + 256 * b + 8 * o;
+          isum[r] = _mm512_add_epi32(isum[r], widen_pairs512(_mm512_add_epi16(_mm512_maddubs_epi16(u0, bcast4_512(xq)),
+                                                                               _mm512_maddubs_epi16(u1, bcast4_512(xq + 4)))));
+        }
+      }
+      const __m512i sc = load_i8x16(area + W::kScalePlanes + g * kPanelLanes + 16 * v);
+      for (int r = 0; r < R; ++r) {
+        const __m512i centred = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(32 * x.s16[r * x.lds + 16 * b + g]));
+        sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(sc, centred));
+      }
+    }
+    const __m512 d = load_fp16x16(area + 32 * v);
+    for (int r = 0; r < R; ++r) acc[r] = accumulate16(acc[r], sumi[r], _mm512_mul_ps(d, _mm512_set1_ps(x.d[r * x.ldd + b])));
+  }
+};
+
+}  // namespace apex::packed::detail
+#endif
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
