@@ -57,10 +57,28 @@ std::uint16_t half_scale(std::mt19937& rng, bool extreme) {
   return std::uint16_t((rng() % 2) << 15 | exponent << 10 | (rng() & 0x3FF));
 }
 
+/// The library holds finite weights only (PanelMatrix::put_row refuses a
+/// block whose values would not be: WeightType::scale_problem): a drawn
+/// fp16 scale of ±Inf or NaN becomes the largest finite half of its sign,
+/// an MXFP4 exponent too large for the block's codes the largest that fits.
+template <Dtype T, class Block>
+void keep_finite(Block& blk) {
+  using W = WeightType<T>;
+  const auto finite = [](std::uint16_t& h) {
+    if ((h & 0x7C00) == 0x7C00) h = std::uint16_t((h & 0x8000) | 0x7BFF);
+  };
+  if constexpr (T == Dtype::mxfp4) {
+    while (!W::scale_problem(blk).empty()) --blk.e;
+  } else {
+    finite(blk.d);
+    if constexpr (T == Dtype::q4_k) finite(blk.dmin);
+  }
+}
+
 /// Lane row `seed` (the blocks of a GGUF row) of a block format: random
 /// codes with every code value in each block (Q8_0's −128 and 127, all 16
 /// nibbles), scales by half_scale, MXFP4 exponents cycling through all 256
-/// across rows and blocks (or 118 … 129), Q4_K scales and mins and Q6_K
+/// across rows and blocks (the largest lowered by keep_finite) (or 118 … 129), Q4_K scales and mins and Q6_K
 /// group scales cycling through all their values.
 template <Dtype T>
 std::vector<std::byte> block_row(Index K, unsigned seed, bool extreme) {
@@ -95,6 +113,7 @@ std::vector<std::byte> block_row(Index K, unsigned seed, bool extreme) {
       blk.d = half_scale(rng, extreme);
     }
   }
+  for (auto& blk : blocks) keep_finite<T>(blk);
   std::vector<std::byte> out(blocks.size() * sizeof(blocks[0]));
   std::memcpy(out.data(), blocks.data(), out.size());
   return out;
