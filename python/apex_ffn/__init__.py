@@ -1,0 +1,17 @@
+"""apex-ffn's routed experts for PyTorch and Hugging Face transformers, on CPU.
+
+    import apex_ffn
+    apex_ffn.isa()                       # the kernel path the operations run on
+    apex_ffn.set_num_threads(2)          # default: torch.get_num_threads()
+
+The torch operators are in apex_ffn.ops, the transformers integration in
+apex_ffn.hf (experts implementation "apex_ffn", packed experts modules,
+LoRA and peft files).
+"""
+from . import _core
+from ._core import (ConfigError, Error, FormatError, PackedExperts, ShapeError, available_isas, best_isa, isa,
+                    set_isa, storage_types)
+from ._core import ValueError as ApexValueError
+from ._threads import get_num_threads, set_num_threads
+
+__version__ = _core.__version__
