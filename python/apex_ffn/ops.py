@@ -48,6 +48,14 @@ def packed_of(handle):
         raise _core.ConfigError(f"apex_ffn: no packed experts with handle {handle} (released?)") from None
 
 
+def _cpu(op, **tensors):
+    """ValueError naming the op and argument for a tensor on another device (the C++ side checks again)."""
+    for name, t in tensors.items():
+        if t is not None and t.device.type != "cpu":
+            raise _core.ValueError(f"apex_ffn::{op}: argument '{name}' is on {t.device}; apex_ffn computes on CPU "
+                                   "tensors: move it with .cpu()")
+
+
 def _empty(*shape, like):
     return torch.empty(*shape, dtype=torch.float32, device=like.device)
 
@@ -63,6 +71,8 @@ def float_experts(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up
                   gate_up_bias: Optional[Tensor], down_bias: Optional[Tensor], gate: str, transposed: bool,
                   interleaved: bool, alpha: float, limit: float, expert_parallel: bool
                   ) -> Tuple[Tensor, Tensor, Tensor]:
+    _cpu("float_experts", hidden_states=x, top_k_index=top_k_index, top_k_weights=top_k_weights,
+         gate_up_proj=gate_up, down_proj=down, gate_up_proj_bias=gate_up_bias, down_proj_bias=down_bias)
     n, d = x.shape
     k = top_k_index.shape[1]
     f = (gate_up.shape[2] if transposed else gate_up.shape[1]) // 2
@@ -137,6 +147,7 @@ float_experts.register_autograd(_float_backward, setup_context=_float_setup)
 @torch.library.custom_op("apex_ffn::packed_experts", mutates_args=())
 def packed_experts(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, handle: int, expert_parallel: bool
                    ) -> Tensor:
+    _cpu("packed_experts", hidden_states=x, top_k_index=top_k_index, top_k_weights=top_k_weights)
     p = packed_of(handle)
     n, d = x.shape
     k = top_k_index.shape[1]
@@ -162,6 +173,8 @@ packed_experts.register_autograd(_no_packed_backward)
 def packed_experts_train(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, a_gate_up: Optional[Tensor],
                          b_gate_up: Optional[Tensor], a_down: Optional[Tensor], b_down: Optional[Tensor],
                          scale: float, handle: int, expert_parallel: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    _cpu("packed_experts_train", hidden_states=x, top_k_index=top_k_index, top_k_weights=top_k_weights,
+         a_gate_up=a_gate_up, b_gate_up=b_gate_up, a_down=a_down, b_down=b_down)
     p = packed_of(handle)
     n, d = x.shape
     k = top_k_index.shape[1]
