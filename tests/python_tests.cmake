@@ -2,7 +2,8 @@
 # built here as the target apex_ffn_python (python/CMakeLists.txt), so the
 # suite needs no pip install:
 #
-#   python.<file>   tests/python/test_<file>.py, with PYTHONPATH at the built package
+#   python.<file>       tests/python/test_<file>.py, with PYTHONPATH at the built package
+#   python.example.<e>  examples/python/<e>.py, shortened (it runs to the end)
 #
 # Registered when a Python interpreter can `import torch, transformers, peft,
 # safetensors, gguf, nanobind, pytest` (APEX_FFN_TEST_PYTHON, else
@@ -43,3 +44,11 @@ foreach(_file IN LISTS _apex_py_tests)
     # pytest's exit code 5 (every test skipped or none collected) is not a failure
     SKIP_RETURN_CODE 5)
 endforeach()
+
+add_test(NAME python.example.gguf_generate
+  COMMAND "${_apex_py}" ${PROJECT_SOURCE_DIR}/examples/python/gguf_generate.py --tokens 4)
+add_test(NAME python.example.lora_finetune
+  COMMAND "${_apex_py}" ${PROJECT_SOURCE_DIR}/examples/python/lora_finetune.py --steps 6
+          --out ${CMAKE_CURRENT_BINARY_DIR}/python-tmp/lora-adapter)
+set_tests_properties(python.example.gguf_generate python.example.lora_finetune PROPERTIES LABELS python
+  ENVIRONMENT "PYTHONPATH=${CMAKE_BINARY_DIR}/python")

@@ -196,3 +196,24 @@ def test_errors_leave_the_model_unchanged(tmp_path):
         pack_experts(model, gguf=tmp_path / "not-there.gguf")
     with pytest.raises(apex_ffn.ConfigError, match="has no experts module"):
         pack_experts(torch.nn.Linear(2, 2), "f32")
+
+
+def test_transformers_gguf_load_with_packed_experts(tmp_path):
+    """A whole GGUF model file (examples/python/make_tiny_gguf.py) loaded by transformers, dequantized, against
+    the same load with the file's expert blocks swapped in: the logits to q8_0's tolerance, the greedy tokens."""
+    pytest.importorskip("gguf", reason="gguf-py is not installed")
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples", "python"))
+    from make_tiny_gguf import make_tiny_qwen3_moe_gguf
+    path = tmp_path / "tiny.gguf"
+    make_tiny_qwen3_moe_gguf(path, "Q8_0")
+    load = dict(gguf_file=path.name, moe_intermediate_size=256, dtype=torch.float32)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, **load).eval()
+    ours = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, **load).eval()
+    pack_experts(ours, gguf=path)
+    prompt = torch.tensor([[3, 14, 15, 92, 65, 35]])
+    assert rel(logits(ours, prompt), logits(ref, prompt)) <= 3e-2
+    with torch.no_grad():
+        a = ref.generate(prompt, max_new_tokens=4, do_sample=False)
+        b = ours.generate(prompt, max_new_tokens=4, do_sample=False)
+    assert torch.equal(a, b)
