@@ -19,6 +19,7 @@ Inference runs the library's packed forward, which quantizes the activations
 as ggml does for the block formats. LoRA adapters on packed experts: see
 apex_ffn.lora.
 """
+import copy
 import re
 
 import torch
@@ -56,6 +57,16 @@ class PackedExpertsModule(nn.Module):
         else:
             y = ops.packed_experts(x, ids, w, self.handle, self.layout.expert_parallel)
         return y.to(dtype)
+
+    def __deepcopy__(self, memo):
+        """A copy sharing the packed weights (never written) under a handle of its own; adapters copied."""
+        new = PackedExpertsModule(self.packed, copy.deepcopy(self.layout, memo), self.source)
+        new.train(self.training)
+        if self.lora is not None:
+            new.lora = copy.deepcopy(self.lora, memo)
+            new.lora_config = dict(self.lora_config)
+        memo[id(self)] = new
+        return new
 
     def __del__(self):
         ops.release_packed(getattr(self, "handle", None))

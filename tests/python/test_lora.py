@@ -120,8 +120,12 @@ def test_trains_with_a_torch_optimizer(tmp_path):
     assert losses[-1] < losses[0] - 0.05
     save_peft(ours, tmp_path)
     theirs = peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path)
+    twin = copy.deepcopy(ours)  # the adapters copied, the packed weights shared
     with torch.no_grad():
         assert rel(ours(tokens).logits, theirs(tokens).logits) <= 1e-5
+        assert torch.equal(twin(tokens).logits, ours(tokens).logits)
+    lora = twin.get_submodule("model.layers.0.mlp.experts").lora
+    assert lora.lora_B_down.data_ptr() != ours.get_submodule("model.layers.0.mlp.experts").lora.lora_B_down.data_ptr()
 
 
 def test_refusals_leave_the_model_unchanged(tmp_path):

@@ -92,6 +92,21 @@ def test_qwen3_moe_packed_matches_eager(types):
         assert rel(logits(ours, tokens), logits(ref, tokens)) <= 10 * tol
 
 
+def test_copies_share_the_weights_and_outlive_the_original():
+    ref = tiny_model("qwen3_moe")
+    ours = copy.deepcopy(ref)
+    pack_experts(ours, "f32")
+    twin = copy.deepcopy(ours)
+    a, b = ours.get_submodule("model.layers.0.mlp.experts"), twin.get_submodule("model.layers.0.mlp.experts")
+    assert a.packed is b.packed and a.handle != b.handle
+    ids = torch.tensor([[1, 2, 3, 4]])
+    expected = logits(ours, ids)
+    del ours, a
+    import gc
+    gc.collect()
+    assert torch.equal(logits(twin, ids), expected)
+
+
 def test_gpt_oss_packed_clamped_with_biases():
     ref = wide_model("gpt_oss")
     ours = copy.deepcopy(ref)
