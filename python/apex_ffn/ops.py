@@ -1,0 +1,235 @@
+"""The library's routed experts as torch.library custom operators.
+
+Each forward is an op whose outputs include what its backward reads (the
+experts' outputs in plan order, ``y_sorted``, and the work rows); the
+backward is an op of its own (so ``torch.compile`` traces both), registered
+with ``register_autograd``, and every op has a ``register_fake`` for
+tracing. The computation is the C++ extension's (``apex_ffn._core``, no
+libtorch link): tensors pass by DLPack, outputs are allocated here and
+written there, the GIL is released while it computes.
+
+    apex_ffn::float_experts              float experts on a module's own tensors
+    apex_ffn::float_experts_backward     ∂L/∂x, ∂L/∂g, ∂L/∂W (and biases)
+    apex_ffn::packed_experts             packed experts, inference (activations quantized as ggml does)
+    apex_ffn::packed_experts_train       packed experts with LoRA adapters (or none), exact activations
+    apex_ffn::packed_experts_train_backward  ∂L/∂x, ∂L/∂g, ∂L/∂A, ∂L/∂B
+
+Packed experts are held by the extension; an op names them by a handle
+(``register_packed``), an int the ops look up.
+"""
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _core
+from ._threads import get_num_threads
+
+_PACKED = {}
+_NEXT = [1]
+
+
+def register_packed(packed):
+    """A handle for `packed` (an _core.PackedExperts) that the ops can take."""
+    h = _NEXT[0]
+    _NEXT[0] += 1
+    _PACKED[h] = packed
+    return h
+
+
+def release_packed(handle):
+    _PACKED.pop(handle, None)
+
+
+def packed_of(handle):
+    try:
+        return _PACKED[handle]
+    except KeyError:
+        raise _core.ConfigError(f"apex_ffn: no packed experts with handle {handle} (released?)") from None
+
+
+def _cpu(op, **tensors):
+    """ValueError naming the op and argument for a tensor on another device (the C++ side checks again)."""
+    for name, t in tensors.items():
+        if t is not None and t.device.type != "cpu":
+            raise _core.ValueError(f"apex_ffn::{op}: argument '{name}' is on {t.device}; apex_ffn computes on CPU "
+                                   "tensors: move it with .cpu()")
+
+
+def _empty(*shape, like):
+    return torch.empty(*shape, dtype=torch.float32, device=like.device)
+
+
+def _none_if_empty(t):
+    return None if t is None or t.numel() == 0 and t.dim() == 1 else t
+
+
+# --- float experts ---------------------------------------------------------
+
+@torch.library.custom_op("apex_ffn::float_experts", mutates_args=())
+def float_experts(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor, down: Tensor,
+                  gate_up_bias: Optional[Tensor], down_bias: Optional[Tensor], gate: str, transposed: bool,
+                  interleaved: bool, alpha: float, limit: float, expert_parallel: bool
+                  ) -> Tuple[Tensor, Tensor, Tensor]:
+    _cpu("float_experts", hidden_states=x, top_k_index=top_k_index, top_k_weights=top_k_weights,
+         gate_up_proj=gate_up, down_proj=down, gate_up_proj_bias=gate_up_bias, down_proj_bias=down_bias)
+    n, d = x.shape
+    k = top_k_index.shape[1]
+    f = (gate_up.shape[2] if transposed else gate_up.shape[1]) // 2
+    y, ys, work = _empty(n, d, like=x), _empty(n * k, d, like=x), _empty(n * k, 3 * f, like=x)
+    _core.float_experts(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, gate, transposed,
+                        interleaved, alpha, limit, expert_parallel, y, ys, work, get_num_threads())
+    return y, ys, work
+
+
+@float_experts.register_fake
+def _(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, gate, transposed, interleaved, alpha,
+      limit, expert_parallel):
+    n, d = x.shape
+    k = top_k_index.shape[1]
+    f = (gate_up.shape[2] if transposed else gate_up.shape[1]) // 2
+    return x.new_empty(n, d), x.new_empty(n * k, d), x.new_empty(n * k, 3 * f)
+
+
+@torch.library.custom_op("apex_ffn::float_experts_backward", mutates_args=())
+def float_experts_backward(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor, down: Tensor,
+                           gate_up_bias: Optional[Tensor], down_bias: Optional[Tensor], gate: str,
+                           transposed: bool, interleaved: bool, alpha: float, limit: float, expert_parallel: bool,
+                           dy: Tensor, y_sorted: Tensor, work: Tensor, weight_grads: bool, bias_grads: bool
+                           ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    dx, dw = torch.empty_like(x), torch.empty_like(top_k_weights)
+    dgu = torch.empty_like(gate_up) if weight_grads else None
+    ddn = torch.empty_like(down) if weight_grads else None
+    dgb = torch.empty_like(gate_up_bias) if bias_grads else None
+    ddb = torch.empty_like(down_bias) if bias_grads else None
+    _core.float_experts_backward(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, gate,
+                                 transposed, interleaved, alpha, limit, expert_parallel, dy, y_sorted, work, dx, dw,
+                                 dgu, ddn, dgb, ddb, get_num_threads())
+    empty = lambda: x.new_empty(0)  # noqa: E731  (one each: outputs may not alias)
+    return dx, dw, dgu if weight_grads else empty(), ddn if weight_grads else empty(), \
+        dgb if bias_grads else empty(), ddb if bias_grads else empty()
+
+
+@float_experts_backward.register_fake
+def _(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, gate, transposed, interleaved, alpha,
+      limit, expert_parallel, dy, y_sorted, work, weight_grads, bias_grads):
+    empty = lambda: x.new_empty(0)  # noqa: E731
+    return (torch.empty_like(x), torch.empty_like(top_k_weights),
+            torch.empty_like(gate_up) if weight_grads else empty(), torch.empty_like(down) if weight_grads else empty(),
+            torch.empty_like(gate_up_bias) if bias_grads else empty(),
+            torch.empty_like(down_bias) if bias_grads else empty())
+
+
+def _float_setup(ctx, inputs, output):
+    x, ids, w, gu, dn, gb, db, gate, transposed, interleaved, alpha, limit, ep = inputs
+    _, ys, work = output
+    ctx.save_for_backward(x, ids, w, gu, dn, gb, db, ys, work)
+    ctx.flags = (gate, transposed, interleaved, alpha, limit, ep)
+    ctx.mark_non_differentiable(ys, work)
+
+
+def _float_backward(ctx, dy, _dys, _dwork):
+    x, ids, w, gu, dn, gb, db, ys, work = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    weight_grads = bool(need[3] or need[4])
+    bias_grads = gb is not None and bool(need[5] or need[6])
+    dx, dw, dgu, ddn, dgb, ddb = float_experts_backward(x, ids, w, gu, dn, gb, db, *ctx.flags, dy.contiguous(), ys,
+                                                        work, weight_grads, bias_grads)
+    return (dx, None, dw, dgu if weight_grads else None, ddn if weight_grads else None,
+            dgb if bias_grads else None, ddb if bias_grads else None, None, None, None, None, None, None)
+
+
+float_experts.register_autograd(_float_backward, setup_context=_float_setup)
+
+
+# --- packed experts --------------------------------------------------------
+
+@torch.library.custom_op("apex_ffn::packed_experts", mutates_args=())
+def packed_experts(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, handle: int, expert_parallel: bool
+                   ) -> Tensor:
+    _cpu("packed_experts", hidden_states=x, top_k_index=top_k_index, top_k_weights=top_k_weights)
+    p = packed_of(handle)
+    n, d = x.shape
+    k = top_k_index.shape[1]
+    y, ys = _empty(n, d, like=x), _empty(n * k, d, like=x)
+    p.forward(x, top_k_index, top_k_weights, expert_parallel, y, ys, get_num_threads())
+    return y
+
+
+@packed_experts.register_fake
+def _(x, top_k_index, top_k_weights, handle, expert_parallel):
+    return x.new_empty(x.shape[0], x.shape[1])
+
+
+def _no_packed_backward(ctx, dy):
+    raise RuntimeError("apex_ffn::packed_experts is the inference forward (activations quantized as ggml does); "
+                       "differentiate apex_ffn::packed_experts_train")
+
+
+packed_experts.register_autograd(_no_packed_backward)
+
+
+@torch.library.custom_op("apex_ffn::packed_experts_train", mutates_args=())
+def packed_experts_train(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, a_gate_up: Optional[Tensor],
+                         b_gate_up: Optional[Tensor], a_down: Optional[Tensor], b_down: Optional[Tensor],
+                         scale: float, handle: int, expert_parallel: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    _cpu("packed_experts_train", hidden_states=x, top_k_index=top_k_index, top_k_weights=top_k_weights,
+         a_gate_up=a_gate_up, b_gate_up=b_gate_up, a_down=a_down, b_down=b_down)
+    p = packed_of(handle)
+    n, d = x.shape
+    k = top_k_index.shape[1]
+    cols = p.train_work_cols(0 if a_gate_up is None else a_gate_up.shape[1], 0 if a_down is None else a_down.shape[1])
+    y, ys, work = _empty(n, d, like=x), _empty(n * k, d, like=x), _empty(n * k, cols, like=x)
+    p.train_forward(x, top_k_index, top_k_weights, a_gate_up, b_gate_up, a_down, b_down, scale, expert_parallel, y,
+                    ys, work, get_num_threads())
+    return y, ys, work
+
+
+@packed_experts_train.register_fake
+def _(x, top_k_index, top_k_weights, a_gate_up, b_gate_up, a_down, b_down, scale, handle, expert_parallel):
+    p = packed_of(handle)
+    n, d = x.shape
+    k = top_k_index.shape[1]
+    cols = p.train_work_cols(0 if a_gate_up is None else a_gate_up.shape[1], 0 if a_down is None else a_down.shape[1])
+    return x.new_empty(n, d), x.new_empty(n * k, d), x.new_empty(n * k, cols)
+
+
+@torch.library.custom_op("apex_ffn::packed_experts_train_backward", mutates_args=())
+def packed_experts_train_backward(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, a_gate_up: Optional[Tensor],
+                                  b_gate_up: Optional[Tensor], a_down: Optional[Tensor], b_down: Optional[Tensor],
+                                  scale: float, handle: int, expert_parallel: bool, dy: Tensor, y_sorted: Tensor,
+                                  work: Tensor) -> List[Tensor]:
+    p = packed_of(handle)
+    dx, dw = torch.empty_like(x), torch.empty_like(top_k_weights)
+    grads = [torch.empty_like(t) if t is not None else None for t in (a_gate_up, b_gate_up, a_down, b_down)]
+    p.train_backward(x, top_k_index, top_k_weights, a_gate_up, b_gate_up, a_down, b_down, scale, expert_parallel, dy,
+                     y_sorted, work, dx, dw, *grads, get_num_threads())
+    return [dx, dw] + [g if g is not None else x.new_empty(0) for g in grads]
+
+
+@packed_experts_train_backward.register_fake
+def _(x, top_k_index, top_k_weights, a_gate_up, b_gate_up, a_down, b_down, scale, handle, expert_parallel, dy,
+      y_sorted, work):
+    return [torch.empty_like(x), torch.empty_like(top_k_weights)] + [
+        torch.empty_like(t) if t is not None else x.new_empty(0) for t in (a_gate_up, b_gate_up, a_down, b_down)]
+
+
+def _packed_setup(ctx, inputs, output):
+    x, ids, w, a_gu, b_gu, a_dn, b_dn, scale, handle, ep = inputs
+    _, ys, work = output
+    ctx.save_for_backward(x, ids, w, a_gu, b_gu, a_dn, b_dn, ys, work)
+    ctx.flags = (scale, handle, ep)
+    ctx.mark_non_differentiable(ys, work)
+
+
+def _packed_backward(ctx, dy, _dys, _dwork):
+    x, ids, w, a_gu, b_gu, a_dn, b_dn, ys, work = ctx.saved_tensors
+    scale, handle, ep = ctx.flags
+    dx, dw, da_gu, db_gu, da_dn, db_dn = packed_experts_train_backward(x, ids, w, a_gu, b_gu, a_dn, b_dn, scale, handle,
+                                                                       ep, dy.contiguous(), ys, work)
+    some = lambda g, t: g if t is not None else None  # noqa: E731
+    return (dx, None, dw, some(da_gu, a_gu), some(db_gu, b_gu), some(da_dn, a_dn), some(db_dn, b_dn), None, None,
+            None)
+
+
+packed_experts_train.register_autograd(_packed_backward, setup_context=_packed_setup)

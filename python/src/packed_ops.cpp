@@ -1,0 +1,269 @@
+/// \file packed_ops.cpp
+/// PackedExperts (packed_experts.hpp) for Python: packing a module's float
+/// tensors in any storage type, the inference forward, and the training
+/// forward and backward with or without adapters.
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <apex/ffn/kernels/weight_types.hpp>
+
+#include "packed_experts.hpp"
+#include "routed_experts.hpp"
+#include "runtime.hpp"
+#include "tensor_args.hpp"
+
+namespace apex::python {
+namespace {
+
+/// A storage type by name ("q4_k"), ConfigError naming the known ones otherwise.
+packed::Dtype dtype_from_name(const std::string& name) {
+#define APEX_PY_DTYPE(n) \
+  if (name == packed::dtype_name(packed::Dtype::n)) return packed::Dtype::n;
+  APEX_PACKED_WEIGHT_TYPES(APEX_PY_DTYPE)
+#undef APEX_PY_DTYPE
+  throw ConfigError("apex_ffn: unknown storage type '" + name + "', expected one of " + packed::dtype_names());
+}
+
+/// "q4_k" (both matrices) or "q4_k/q6_k" (gate_up/down).
+packed::ExpertDtypes dtypes_from_name(const std::string& name) {
+  const auto slash = name.find('/');
+  if (slash == std::string::npos) return packed::ExpertDtypes(dtype_from_name(name));
+  return packed::ExpertDtypes{dtype_from_name(name.substr(0, slash)), dtype_from_name(name.substr(slash + 1))};
+}
+
+/// Packs a module's float tensors (float_experts.hpp's layouts) in `types`.
+PackedExperts from_float(const Array& gate_up, const Array& down, const std::optional<Array>& gu_bias,
+                         const std::optional<Array>& down_bias, const std::string& gate, bool transposed,
+                         bool interleaved, double alpha, double limit, const std::string& types, int threads) {
+  constexpr const char* where = "apex_ffn.PackedExperts.from_float";
+  const auto gu = view<const float>(where, "gate_up_proj", gate_up, Elem::f32, 3);
+  const auto dn = view<const float>(where, "down_proj", down, Elem::f32, 3);
+  const Index e = gu.dim(0), d = transposed ? gu.dim(1) : gu.dim(2), two_f = transposed ? gu.dim(2) : gu.dim(1);
+  if (two_f % 2) throw ShapeError(std::string(where) + ": argument 'gate_up_proj' has an odd gate/up width");
+  const Index f = two_f / 2;
+  expect_shape(where, "down_proj", dn, transposed ? std::initializer_list<Index>{e, f, d} : std::initializer_list<Index>{e, d, f});
+  const GateKind kind = gate == "clamped" ? GateKind::clamped : GateKind::silu;
+  if (gate != "silu" && gate != "clamped") throw ConfigError(std::string(where) + ": unknown gate '" + gate + "'");
+  const bool has_bias = gu_bias.has_value();
+  if (has_bias != down_bias.has_value()) throw ConfigError(std::string(where) + ": give both biases or neither");
+  if (kind == GateKind::silu && has_bias)
+    throw ConfigError(std::string(where) + ": packed SiLU experts with biases are not one of the library's expert "
+                      "kinds (SwiGLU has none; the clamped gpt-oss kind has them)");
+  View<const float> gb, db;
+  if (has_bias) {
+    gb = view<const float>(where, "gate_up_proj_bias", *gu_bias, Elem::f32, 2);
+    db = view<const float>(where, "down_proj_bias", *down_bias, Elem::f32, 2);
+    expect_shape(where, "gate_up_proj_bias", gb, {e, 2 * f});
+    expect_shape(where, "down_proj_bias", db, {e, d});
+  }
+  const packed::ExpertDtypes dt = dtypes_from_name(types);
+  ClampedSwiGLUOptions options{alpha, limit};
+  if (kind == GateKind::clamped) options.validate(where);
+  std::vector<std::optional<packed::PackedExpert>> slots(static_cast<std::size_t>(e));
+  std::vector<ClampedBiases> biases(kind == GateKind::clamped ? std::size_t(e) : 0);
+  {
+    nb::gil_scoped_release release;
+    apex::detail::parallel_for(e, threads, [&](Index i) {
+      Matrix<float> g(f, d), u(f, d), w_down(d, f);
+      // natural [gate; up] rows of W_gu (2f × d) from the storage order
+      const float* src = gu.data + i * 2 * f * d;
+      for (Index j = 0; j < f; ++j) {
+        const Index gj = interleaved ? 2 * j : j, uj = interleaved ? 2 * j + 1 : f + j;
+        for (Index c = 0; c < d; ++c) {
+          g(j, c) = transposed ? src[c * 2 * f + gj] : src[gj * d + c];
+          u(j, c) = transposed ? src[c * 2 * f + uj] : src[uj * d + c];
+        }
+      }
+      const float* ds = dn.data + i * d * f;
+      if (transposed) w_down = Eigen::Map<const Matrix<float>>(ds, f, d).transpose();
+      else w_down = Eigen::Map<const Matrix<float>>(ds, d, f);
+      slots[std::size_t(i)] = apex::detail::inference::for_expert(where, "expert", i, [&] {
+        return packed::PackedExpert(g, u, w_down, dt);
+      });
+      if (kind == GateKind::clamped) {
+        ClampedBiases& b = biases[std::size_t(i)];
+        b.options = options;
+        if (has_bias) {
+          b.gate.resize(f), b.up.resize(f);
+          for (Index j = 0; j < f; ++j) {
+            b.gate(j) = gb.data[i * 2 * f + (interleaved ? 2 * j : j)];
+            b.up(j) = gb.data[i * 2 * f + (interleaved ? 2 * j + 1 : f + j)];
+          }
+          b.down = Eigen::Map<const RowVector<float>>(db.data + i * d, d);
+        } else {
+          b.gate = RowVector<float>::Zero(f), b.up = RowVector<float>::Zero(f), b.down = RowVector<float>::Zero(d);
+        }
+      }
+    });
+  }
+  std::vector<packed::PackedExpert> experts;
+  experts.reserve(slots.size());
+  for (auto& s : slots) experts.push_back(std::move(*s));
+  return PackedExperts(kind, std::move(experts), std::move(biases));
+}
+
+struct Call {
+  View<const float> x;
+  View<const std::int64_t> ids;
+  View<const float> w;
+  Index n = 0, k = 0;
+};
+
+Call call_of(const char* where, const PackedExperts& p, const Array& x, const Array& ids, const Array& w) {
+  Call c;
+  c.x = view<const float>(where, "hidden_states", x, Elem::f32, 2);
+  c.ids = view<const std::int64_t>(where, "top_k_index", ids, Elem::i64, 2);
+  c.w = view<const float>(where, "top_k_weights", w, Elem::f32, 2);
+  c.n = c.x.dim(0), c.k = c.ids.dim(1);
+  expect_shape(where, "hidden_states", c.x, {-1, p.d_model()});
+  expect_shape(where, "top_k_index", c.ids, {c.n, -1});
+  expect_shape(where, "top_k_weights", c.w, {c.n, c.k});
+  return c;
+}
+
+/// The adapters' views: each pair given or neither, shapes checked against the experts.
+Adapters adapters_of(const char* where, const PackedExperts& p, const std::optional<Array>& a_gu,
+                     const std::optional<Array>& b_gu, const std::optional<Array>& a_down,
+                     const std::optional<Array>& b_down, double scale) {
+  const Index e = p.experts(), d = p.d_model(), f = p.d_ffn();
+  Adapters ad;
+  ad.scale = float(scale);
+  if (a_gu.has_value() != b_gu.has_value() || a_down.has_value() != b_down.has_value())
+    throw ConfigError(std::string(where) + ": an adapter needs both lora_A and lora_B");
+  if (a_gu) {
+    const auto a = view<const float>(where, "gate_up lora_A", *a_gu, Elem::f32, 3);
+    const auto b = view<const float>(where, "gate_up lora_B", *b_gu, Elem::f32, 3);
+    ad.r_gu = a.dim(1);
+    expect_shape(where, "gate_up lora_A", a, {e, ad.r_gu, d});
+    expect_shape(where, "gate_up lora_B", b, {e, 2 * f, ad.r_gu});
+    ad.a_gu = a.data, ad.b_gu = b.data;
+  }
+  if (a_down) {
+    const auto a = view<const float>(where, "down lora_A", *a_down, Elem::f32, 3);
+    const auto b = view<const float>(where, "down lora_B", *b_down, Elem::f32, 3);
+    ad.r_down = a.dim(1);
+    expect_shape(where, "down lora_A", a, {e, ad.r_down, f});
+    expect_shape(where, "down lora_B", b, {e, d, ad.r_down});
+    ad.a_down = a.data, ad.b_down = b.data;
+  }
+  if ((a_gu && ad.r_gu < 1) || (a_down && ad.r_down < 1)) throw ConfigError(std::string(where) + ": adapter rank 0");
+  return ad;
+}
+
+void packed_forward(const PackedExperts& p, const Array& x, const Array& ids, const Array& w, bool expert_parallel,
+             const MutArray& y, const MutArray& y_sorted, int threads) {
+  constexpr const char* where = "apex_ffn.PackedExperts.forward";
+  const Call c = call_of(where, p, x, ids, w);
+  const auto yv = view<float>(where, "y", y, Elem::f32, 2);
+  const auto ys = view<float>(where, "y_sorted", y_sorted, Elem::f32, 2);
+  expect_shape(where, "y", yv, {c.n, p.d_model()});
+  expect_shape(where, "y_sorted", ys, {c.n * c.k, p.d_model()});
+  const packed::Isa isa = current_isa();
+  nb::gil_scoped_release release;
+  const Routing r = make_routing(where, c.ids.data, c.w.data, c.n, c.k, p.experts(), expert_parallel);
+  p.forward(r, c.x.data, ys.data, yv.data, threads, isa);
+}
+
+void packed_train_forward(const PackedExperts& p, const Array& x, const Array& ids, const Array& w,
+                   const std::optional<Array>& a_gu, const std::optional<Array>& b_gu,
+                   const std::optional<Array>& a_down, const std::optional<Array>& b_down, double scale,
+                   bool expert_parallel, const MutArray& y, const MutArray& y_sorted, const MutArray& work,
+                   int threads) {
+  constexpr const char* where = "apex_ffn.PackedExperts.train_forward";
+  const Call c = call_of(where, p, x, ids, w);
+  const Adapters ad = adapters_of(where, p, a_gu, b_gu, a_down, b_down, scale);
+  const auto yv = view<float>(where, "y", y, Elem::f32, 2);
+  const auto ys = view<float>(where, "y_sorted", y_sorted, Elem::f32, 2);
+  const auto wk = view<float>(where, "work", work, Elem::f32, 2);
+  expect_shape(where, "y", yv, {c.n, p.d_model()});
+  expect_shape(where, "y_sorted", ys, {c.n * c.k, p.d_model()});
+  expect_shape(where, "work", wk, {c.n * c.k, p.train_work_cols(ad.r_gu, ad.r_down)});
+  const packed::Isa isa = current_isa();
+  nb::gil_scoped_release release;
+  const Routing r = make_routing(where, c.ids.data, c.w.data, c.n, c.k, p.experts(), expert_parallel);
+  Eigen::Map<Matrix<float>>(wk.data, c.n * c.k, wk.dim(1)).bottomRows(c.n * c.k - r.routed_rows()).setZero();
+  p.train_forward(r, c.x.data, ad, wk.data, ys.data, yv.data, threads, isa);
+}
+
+void packed_train_backward(const PackedExperts& p, const Array& x, const Array& ids, const Array& w,
+                    const std::optional<Array>& a_gu, const std::optional<Array>& b_gu,
+                    const std::optional<Array>& a_down, const std::optional<Array>& b_down, double scale,
+                    bool expert_parallel, const Array& dy, const Array& y_sorted, const Array& work,
+                    const MutArray& dx, const MutArray& d_weights, const std::optional<MutArray>& da_gu,
+                    const std::optional<MutArray>& db_gu, const std::optional<MutArray>& da_down,
+                    const std::optional<MutArray>& db_down, int threads) {
+  constexpr const char* where = "apex_ffn.PackedExperts.train_backward";
+  const Call c = call_of(where, p, x, ids, w);
+  Adapters ad = adapters_of(where, p, a_gu, b_gu, a_down, b_down, scale);
+  const Index d = p.d_model(), f = p.d_ffn(), e = p.experts();
+  const auto dyv = view<const float>(where, "dy", dy, Elem::f32, 2);
+  const auto ys = view<const float>(where, "y_sorted", y_sorted, Elem::f32, 2);
+  const auto wk = view<const float>(where, "work", work, Elem::f32, 2);
+  const auto dxv = view<float>(where, "dx", dx, Elem::f32, 2);
+  const auto dw = view<float>(where, "d_weights", d_weights, Elem::f32, 2);
+  expect_shape(where, "dy", dyv, {c.n, d});
+  expect_shape(where, "y_sorted", ys, {c.n * c.k, d});
+  expect_shape(where, "work", wk, {c.n * c.k, p.train_work_cols(ad.r_gu, ad.r_down)});
+  expect_shape(where, "dx", dxv, {c.n, d});
+  expect_shape(where, "d_weights", dw, {c.n, c.k});
+  const auto grad = [&](const std::optional<MutArray>& g, const char* name, std::initializer_list<Index> shape) {
+    if (!g) throw ConfigError(std::string(where) + ": the gradient '" + name + "' was not given");
+    const auto v = view<float>(where, name, *g, Elem::f32, 3);
+    expect_shape(where, name, v, shape);
+    return v.data;
+  };
+  if (ad.r_gu) ad.da_gu = grad(da_gu, "d gate_up lora_A", {e, ad.r_gu, d}), ad.db_gu = grad(db_gu, "d gate_up lora_B", {e, 2 * f, ad.r_gu});
+  if (ad.r_down) ad.da_down = grad(da_down, "d down lora_A", {e, ad.r_down, f}), ad.db_down = grad(db_down, "d down lora_B", {e, d, ad.r_down});
+  const packed::Isa isa = current_isa();
+  nb::gil_scoped_release release;
+  const Routing r = make_routing(where, c.ids.data, c.w.data, c.n, c.k, e, expert_parallel);
+  p.train_backward(r, c.x.data, dyv.data, wk.data, ys.data, ad, dxv.data, dw.data, threads, isa);
+}
+
+}  // namespace
+
+void bind_packed_experts(nb::module_& m) {
+  nb::class_<PackedExperts>(m, "PackedExperts", "The routed experts of one MoE block, packed")
+      .def_static("from_float", &from_float, nb::arg("gate_up_proj"), nb::arg("down_proj"),
+                  nb::arg("gate_up_proj_bias").none(), nb::arg("down_proj_bias").none(), nb::arg("gate"),
+                  nb::arg("transposed"), nb::arg("interleaved"), nb::arg("alpha"), nb::arg("limit"),
+                  nb::arg("types"), nb::arg("threads"),
+                  "Packs float expert tensors (a transformers experts module's layout) in `types` ('q4_k', 'q4_k/q6_k').")
+      .def_prop_ro("experts", &PackedExperts::experts)
+      .def_prop_ro("d_model", &PackedExperts::d_model)
+      .def_prop_ro("d_ffn", &PackedExperts::d_ffn)
+      .def_prop_ro("gate", [](const PackedExperts& p) { return std::string(p.gate() == GateKind::silu ? "silu" : "clamped"); })
+      .def_prop_ro("types", [](const PackedExperts& p) { return packed::dtypes_name(p.types()); })
+      .def_prop_ro("nbytes", &PackedExperts::bytes, "Bytes of the packed expert weights (padding included).")
+      .def_prop_ro("mapped", &PackedExperts::mapped, "True if the weights are views into a mapped pack-once file.")
+      .def("train_work_cols", &PackedExperts::train_work_cols, nb::arg("r_gate_up"), nb::arg("r_down"))
+      .def("forward", &packed_forward, nb::arg("hidden_states"), nb::arg("top_k_index"), nb::arg("top_k_weights"),
+           nb::arg("expert_parallel"), nb::arg("y"), nb::arg("y_sorted"), nb::arg("threads"))
+      .def("train_forward", &packed_train_forward, nb::arg("hidden_states"), nb::arg("top_k_index"), nb::arg("top_k_weights"),
+           nb::arg("a_gate_up").none(), nb::arg("b_gate_up").none(), nb::arg("a_down").none(), nb::arg("b_down").none(),
+           nb::arg("scale"), nb::arg("expert_parallel"), nb::arg("y"), nb::arg("y_sorted"), nb::arg("work"),
+           nb::arg("threads"))
+      .def("train_backward", &packed_train_backward, nb::arg("hidden_states"), nb::arg("top_k_index"),
+           nb::arg("top_k_weights"), nb::arg("a_gate_up").none(), nb::arg("b_gate_up").none(),
+           nb::arg("a_down").none(), nb::arg("b_down").none(), nb::arg("scale"), nb::arg("expert_parallel"),
+           nb::arg("dy"), nb::arg("y_sorted"), nb::arg("work"), nb::arg("dx"), nb::arg("d_weights"),
+           nb::arg("d_a_gate_up").none(), nb::arg("d_b_gate_up").none(), nb::arg("d_a_down").none(),
+           nb::arg("d_b_down").none(), nb::arg("threads"));
+  m.def("storage_types", [] {
+    std::vector<std::string> out;
+#define APEX_PY_NAME(n) out.push_back(packed::dtype_name(packed::Dtype::n));
+    APEX_PACKED_WEIGHT_TYPES(APEX_PY_NAME)
+#undef APEX_PY_NAME
+    return out;
+  }, "The storage types of packed experts.");
+}
+
+}  // namespace apex::python

@@ -1,0 +1,102 @@
+"""The "apex_ffn" experts implementation in every family: outputs and
+gradients against transformers' eager experts, and the refusals."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+import apex_ffn.hf  # noqa: E402,F401  (registers "apex_ffn")
+from families import FAMILIES, experts_modules, tiny_model  # noqa: E402
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def forward_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    emb = model.get_input_embeddings()(ids).detach().requires_grad_()
+    out = model(inputs_embeds=emb).logits
+    out.pow(2).mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), emb.grad.clone(), grads
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_matches_eager(family):
+    ref = tiny_model(family)
+    ours = copy.deepcopy(ref)
+    ours.set_experts_implementation("apex_ffn")
+    ids = torch.randint(0, ref.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    y_ref, dx_ref, g_ref = forward_and_grads(ref, ids)
+    y, dx, g = forward_and_grads(ours, ids)
+    assert rel(y, y_ref) <= 1e-5
+    assert rel(dx, dx_ref) <= 1e-5
+    assert set(g) == set(g_ref)
+    checked = [n for n in g if "experts" in n or "router" in n or n.endswith("gate.weight")]
+    assert any("experts" in n for n in checked) and len(checked) >= 4
+    for n in g:  # every parameter: the experts' weights (and biases), the routers, the rest
+        assert rel(g[n], g_ref[n]) <= 2e-5, n
+
+
+def test_from_pretrained_and_generate(tmp_path):
+    from transformers import AutoModelForCausalLM
+    model = tiny_model("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="apex_ffn")
+    assert ours.config._experts_implementation == "apex_ffn"
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        a = model.generate(ids, max_new_tokens=6, do_sample=False)
+        b = ours.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_bf16_model(family):
+    ref = tiny_model(family, dtype=torch.bfloat16)
+    ours = copy.deepcopy(ref)
+    ours.set_experts_implementation("apex_ffn")
+    ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        a, b = ref(ids).logits.float(), ours(ids).logits.float()
+    assert rel(b, a) <= 3e-2  # bf16 rounding of the activations on either side
+
+
+def test_expert_parallel_empty_slots():
+    model = tiny_model("qwen3_moe")
+    _, experts = experts_modules(model)[0]
+    e = experts.num_experts
+    x = torch.randn(5, 32)
+    ids = torch.tensor([[0, e], [1, 2], [e + 3, 4], [5, e], [e, e + 1]])
+    w = torch.rand(5, 2)
+    w = w.masked_fill(ids >= e, 0.0)
+    experts._is_expert_parallel = True
+    y_ref = transformers.integrations.moe.batched_mm_experts_forward(experts, x, ids, w)
+    y = apex_ffn.hf.apex_experts_forward(experts, x, ids, w)
+    assert rel(y, y_ref) <= 1e-5
+    experts._is_expert_parallel = False
+    with pytest.raises(ValueError, match="expert id 6 at \\(0, 1\\).*only in an expert-parallel module"):
+        apex_ffn.hf.apex_experts_forward(experts, x, ids, w)
+
+
+def test_unsupported_activation_is_named():
+    model = tiny_model("qwen3_moe")
+    _, experts = experts_modules(model)[0]
+    experts.act_fn = torch.nn.GELU()
+    x, ids, w = torch.randn(3, 32), torch.zeros(3, 2, dtype=torch.long), torch.rand(3, 2)
+    with pytest.raises(apex_ffn.ConfigError, match="Qwen3MoeExperts: its gated activation \\(GELU.*not one the library has"):
+        apex_ffn.hf.apex_experts_forward(experts, x, ids, w)
+
+
+def test_no_gate_and_post_norm_refused():
+    class Fake(torch.nn.Module):
+        has_gate = False
+    with pytest.raises(apex_ffn.ConfigError, match="has_gate=False"):
+        apex_ffn.hf.apex_experts_forward(Fake(), torch.randn(1, 4), torch.zeros(1, 1, dtype=torch.long),
+                                         torch.ones(1, 1))
+    Fake.has_gate, Fake.has_post_expert_norm = True, True
+    with pytest.raises(apex_ffn.ConfigError, match="has_post_expert_norm"):
+        apex_ffn.hf.apex_experts_forward(Fake(), torch.randn(1, 4), torch.zeros(1, 1, dtype=torch.long),
+                                         torch.ones(1, 1))

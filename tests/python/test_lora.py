@@ -1,0 +1,159 @@
+"""LoRA on packed experts (apex_ffn.lora) against peft's LoRA on the float
+model's fused experts: outputs and gradients, peft's files both ways, a
+torch optimizer's steps, and the refusals."""
+import copy
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+peft = pytest.importorskip("peft", reason="peft is not installed")
+pytest.importorskip("safetensors", reason="safetensors is not installed")
+import apex_ffn  # noqa: E402
+from apex_ffn.lora import add_lora, load_peft, peft_tensors, save_peft  # noqa: E402
+from apex_ffn.packed import pack_experts  # noqa: E402
+from families import tiny_model  # noqa: E402
+
+TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def peft_model(base, r=4, alpha=8, targets=TARGETS, rslora=False):
+    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_parameters=targets, init_lora_weights=False,
+                          use_rslora=rslora)
+    return peft.get_peft_model(copy.deepcopy(base), cfg)
+
+
+def packed_with_random_lora(base, r=4, alpha=8, targets=("gate_up_proj", "down_proj"), rslora=False):
+    ours = copy.deepcopy(base)
+    pack_experts(ours, "f32")
+    add_lora(ours, r, alpha, targets, use_rslora=rslora, seed=3)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return ours
+
+
+def loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    emb = model.get_input_embeddings()(ids).detach().requires_grad_()
+    out = model(inputs_embeds=emb).logits
+    out.pow(2).mean().backward()
+    return out.detach(), emb.grad.clone()
+
+
+IDS = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_saved_adapter_loads_in_peft_with_equal_outputs_and_gradients(family, tmp_path):
+    base = tiny_model(family)
+    ours = packed_with_random_lora(base, rslora=family == "mixtral")
+    save_peft(ours, tmp_path)
+    cfg = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert cfg["target_parameters"] == TARGETS and cfg["r"] == 4 and cfg["lora_alpha"] == 8
+    theirs = peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path, is_trainable=True)
+    y, dx = loss_and_grads(ours, IDS)
+    y_ref, dx_ref = loss_and_grads(theirs, IDS)
+    assert rel(y, y_ref) <= 1e-5
+    assert rel(dx, dx_ref) <= 1e-5
+    # every adapter's gradient, compared in peft's layout
+    grads = {}
+    for n, m in ours.named_modules():
+        if getattr(m, "lora", None) is not None and hasattr(m, "packed"):
+            for p in m.lora.parameters():
+                p.data, p.grad = p.grad, None  # peft_tensors writes the values: put the gradients there
+    grads = peft_tensors(ours)
+    theirs_grads = {k.replace(".default", ""): p.grad for k, p in theirs.named_parameters() if p.grad is not None}
+    assert set(grads) == set(theirs_grads) and len(grads) == 8  # 2 layers x (A, B) x 2 targets
+    for k in grads:
+        assert rel(grads[k], theirs_grads[k]) <= 1e-5, k
+
+
+def test_peft_saved_adapter_loads_here(tmp_path):
+    base = tiny_model("qwen3_moe")
+    theirs = peft_model(base, r=3, alpha=5)
+    theirs.save_pretrained(tmp_path)
+    ours = copy.deepcopy(base)
+    pack_experts(ours, "f32")
+    load_peft(ours, tmp_path)
+    with torch.no_grad():
+        assert rel(ours(IDS).logits, theirs(IDS).logits) <= 1e-5
+    m = ours.get_submodule("model.layers.1.mlp.experts")
+    assert m.lora.r == 3 and m.lora.scale == pytest.approx(5 / 3)
+
+
+def test_one_target_and_a_quantized_base(tmp_path):
+    base = tiny_model("qwen3_moe")
+    theirs = peft_model(base, targets=["mlp.experts.down_proj"])
+    theirs.save_pretrained(tmp_path)
+    ours = copy.deepcopy(base)
+    pack_experts(ours, "bf16")  # a packed base other than f32: the adapters ride on the packed weights
+    load_peft(ours, tmp_path)
+    assert ours.get_submodule("model.layers.0.mlp.experts").lora.lora_A_gate_up is None
+    with torch.no_grad():
+        assert rel(ours(IDS).logits, theirs(IDS).logits) <= 2e-2
+
+
+def test_trains_with_a_torch_optimizer(tmp_path):
+    base = tiny_model("qwen3_moe")
+    ours = copy.deepcopy(base)
+    pack_experts(ours, "f32")
+    add_lora(ours, 4, 8)
+    trainable = [p for p in ours.parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n, p in ours.named_parameters() if p.requires_grad)
+    opt = torch.optim.AdamW(trainable, lr=1e-2)
+    tokens = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(6))
+    losses = []
+    for _ in range(8):
+        opt.zero_grad()
+        loss = ours(tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.05
+    save_peft(ours, tmp_path)
+    theirs = peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path)
+    twin = copy.deepcopy(ours)  # the adapters copied, the packed weights shared
+    with torch.no_grad():
+        assert rel(ours(tokens).logits, theirs(tokens).logits) <= 1e-5
+        assert torch.equal(twin(tokens).logits, ours(tokens).logits)
+    lora = twin.get_submodule("model.layers.0.mlp.experts").lora
+    assert lora.lora_B_down.data_ptr() != ours.get_submodule("model.layers.0.mlp.experts").lora.lora_B_down.data_ptr()
+
+
+def test_refusals_leave_the_model_unchanged(tmp_path):
+    base = tiny_model("qwen3_moe")
+    with pytest.raises(apex_ffn.ConfigError, match="has no packed experts"):
+        add_lora(copy.deepcopy(base), 4, 8)
+    ours = copy.deepcopy(base)
+    pack_experts(ours, "f32")
+    with pytest.raises(apex_ffn.ConfigError, match="has no adapters \\(add_lora first\\)"):
+        save_peft(ours, tmp_path / "none")
+    # an adapter of another model (more experts): ShapeError naming the tensor, nothing attached
+    from families import BASE, FAMILIES
+    cfg = transformers.AutoConfig.for_model("qwen3_moe", **{**BASE, **FAMILIES["qwen3_moe"], "num_experts": 8})
+    bigger = transformers.AutoModelForCausalLM.from_config(cfg)
+    peft_model(bigger).save_pretrained(tmp_path / "bigger")
+    with pytest.raises(apex_ffn.ShapeError, match="lora_A.weight' has shape \\(32, 32\\), expected \\(24, 32\\)"):
+        load_peft(ours, tmp_path / "bigger")
+    assert all(getattr(m, "lora", None) is None for _, m in ours.named_modules())
+    # attention adapters too: not read
+    peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=2, target_modules=["q_proj"], target_parameters=TARGETS)
+                        ).save_pretrained(tmp_path / "attn")
+    with pytest.raises(apex_ffn.ConfigError, match="besides the experts' gate_up_proj and down_proj"):
+        load_peft(ours, tmp_path / "attn")
+    # DoRA: refused by the library's config reader
+    peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True)
+                        ).save_pretrained(tmp_path / "dora")
+    with pytest.raises(apex_ffn.ConfigError, match="use_dora"):
+        load_peft(ours, tmp_path / "dora")
+    assert all(getattr(m, "lora", None) is None for _, m in ours.named_modules())
+    with pytest.raises(apex_ffn.ConfigError, match="rank 0, expected >= 1"):
+        add_lora(ours, 0, 8)

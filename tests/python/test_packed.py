@@ -1,0 +1,234 @@
+"""Packed experts in transformers models (apex_ffn.packed.pack_experts): outputs
+against eager to each storage type's tolerance, from the model's weights and
+from a GGUF file, generate, and the refusals (nothing half-replaced)."""
+import copy
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+import apex_ffn  # noqa: E402
+from apex_ffn.packed import PackedExpertsModule, experts_modules, pack_experts  # noqa: E402
+from families import experts_modules as float_experts_modules, tiny_model  # noqa: E402
+
+# hidden and intermediate widths of 256: every block format holds whole blocks (K-quants: 256)
+WIDE = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256, num_attention_heads=4, head_dim=64)
+
+# Storage type → (tolerance of one experts module's output, reference): "dequantized" compares with eager on the
+# weights gguf-py quantizes and dequantizes (ggml's rounding), so the tolerance is that of the activations'
+# quantization; "float" with eager on the float weights (the K-quants have no quantizer in gguf-py).
+TYPES = {"f32": (1e-5, "float"), "bf16": (1e-2, "float"), "f16": (2e-3, "float"), "q8_0": (2e-2, "dequantized"),
+         "q4_0": (3e-2, "dequantized"), "mxfp4": (3e-2, "dequantized"), "q4_k": (0.2, "float"),
+         "q6_k": (0.08, "float"), "q4_k/q6_k": (0.2, "float")}
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def wide_model(family="qwen3_moe", seed=0):
+    from families import BASE, FAMILIES
+    from transformers import AutoConfig, AutoModelForCausalLM
+    torch.manual_seed(seed)
+    extra = dict(FAMILIES[family])
+    extra.update({k: v for k, v in WIDE.items() if k in ("hidden_size", "num_attention_heads", "head_dim")})
+    for k in ("moe_intermediate_size", "intermediate_size"):
+        if k in extra:
+            extra[k] = 256
+    cfg = AutoConfig.for_model(family, **{**BASE, **extra})
+    model = AutoModelForCausalLM.from_config(cfg, experts_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name or "router" in name or name.endswith("gate.weight"):
+                p.normal_(0.0, 0.05)
+    return model.eval()
+
+
+def gguf_roundtrip(t, qname):
+    """t quantized to ggml type qname by gguf-py and dequantized (float32, same shape)."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize, quantize
+    q = quantize(t.detach().numpy().reshape(-1, t.shape[-1]), Q[qname.upper()])
+    return torch.from_numpy(dequantize(q, Q[qname.upper()]).reshape(t.shape).copy())
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def routed_inputs(model, tokens=40, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    c = model.config
+    x = torch.randn(tokens, c.hidden_size, generator=g)
+    ids = torch.stack([torch.randperm(c.num_experts, generator=g)[:c.num_experts_per_tok] for _ in range(tokens)])
+    return x, ids, torch.rand(tokens, c.num_experts_per_tok, generator=g)
+
+
+@pytest.mark.parametrize("types", sorted(TYPES))
+def test_qwen3_moe_packed_matches_eager(types):
+    tol, against = TYPES[types]
+    ref = wide_model()
+    ours = copy.deepcopy(ref)
+    names = pack_experts(ours, types)
+    assert names == [n for n, _ in float_experts_modules(ref)] and len(names) == 2
+    assert all(isinstance(ours.get_submodule(n), PackedExpertsModule) for n in names)
+    assert not any("experts" in n for n, _ in ours.named_parameters())  # the float weights are gone
+    if against == "dequantized":
+        pytest.importorskip("gguf", reason="gguf-py is not installed")
+        with torch.no_grad():
+            for _, m in float_experts_modules(ref):
+                m.gate_up_proj.copy_(gguf_roundtrip(m.gate_up_proj, types))
+                m.down_proj.copy_(gguf_roundtrip(m.down_proj, types))
+    x, ids, w = routed_inputs(ref)
+    for n in names:
+        packed = ours.get_submodule(n)
+        assert packed.packed.types == types
+        with torch.no_grad():
+            assert rel(packed(x, ids, w), ref.get_submodule(n)(x, ids, w)) <= tol, n
+    if types in ("f32", "bf16", "q8_0"):  # the whole model: routing may flip on a coarser type
+        tokens = torch.randint(0, ref.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
+        assert rel(logits(ours, tokens), logits(ref, tokens)) <= 10 * tol
+
+
+def test_copies_share_the_weights_and_outlive_the_original():
+    ref = tiny_model("qwen3_moe")
+    ours = copy.deepcopy(ref)
+    pack_experts(ours, "f32")
+    twin = copy.deepcopy(ours)
+    a, b = ours.get_submodule("model.layers.0.mlp.experts"), twin.get_submodule("model.layers.0.mlp.experts")
+    assert a.packed is b.packed and a.handle != b.handle
+    ids = torch.tensor([[1, 2, 3, 4]])
+    expected = logits(ours, ids)
+    del ours, a
+    import gc
+    gc.collect()
+    assert torch.equal(logits(twin, ids), expected)
+
+
+def test_gpt_oss_packed_clamped_with_biases():
+    ref = wide_model("gpt_oss")
+    ours = copy.deepcopy(ref)
+    pack_experts(ours, "f32")
+    ids = torch.randint(0, ref.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
+    assert rel(logits(ours, ids), logits(ref, ids)) <= 1e-5
+    assert ours.get_submodule("model.layers.0.mlp.experts").layout.gate == "clamped"
+
+
+def test_bf16_model_and_generate():
+    ref = tiny_model("qwen3_moe")
+    ours = copy.deepcopy(ref)
+    pack_experts(ours, "f32")
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        a = ref.generate(ids, max_new_tokens=8, do_sample=False)
+        b = ours.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(a, b)
+    half = tiny_model("qwen3_moe", dtype=torch.bfloat16)
+    ref16 = copy.deepcopy(half)
+    pack_experts(half, "bf16")
+    assert rel(logits(half, ids).float(), logits(ref16, ids).float()) <= 2e-2
+
+
+def write_gguf(model, path, qname):
+    """The model's routers and experts as a GGUF file (arch qwen3moe), quantized by gguf-py."""
+    gguf = pytest.importorskip("gguf", reason="gguf-py is not installed")
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quantize
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_embedding_length(c.hidden_size)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_expert_count(c.num_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    f = c.moe_intermediate_size
+    for i, layer in enumerate(model.model.layers):
+        mlp = layer.mlp
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", mlp.gate.weight.detach().numpy())
+        gu, dn = mlp.experts.gate_up_proj.detach(), mlp.experts.down_proj.detach()
+        for tensor, t in (("ffn_gate_exps", gu[:, :f]), ("ffn_up_exps", gu[:, f:]), ("ffn_down_exps", dn)):
+            q = quantize(t.contiguous().numpy().reshape(-1, t.shape[-1]), Q[qname])
+            w.add_tensor(f"blk.{i}.{tensor}.weight", q.reshape(t.shape[0], t.shape[1], -1), raw_dtype=Q[qname])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_experts_equal_the_library_quantization(tmp_path):
+    """gguf-py's Q8_0 bytes are ggml's, as are the library's: the file's experts and the model's own weights
+    packed as q8_0 give the same bits; a meta-initialised model runs from the file alone."""
+    ref = wide_model()
+    path = tmp_path / "tiny-q8_0.gguf"
+    write_gguf(ref, path, "Q8_0")
+    from_file, from_weights = copy.deepcopy(ref), copy.deepcopy(ref)
+    pack_experts(from_file, gguf=path)
+    pack_experts(from_weights, "q8_0")
+    ids = torch.randint(0, ref.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(logits(from_file, ids), logits(from_weights, ids))
+    with torch.no_grad():
+        a = from_file.generate(ids[:1, :4], max_new_tokens=6, do_sample=False)
+        b = from_weights.generate(ids[:1, :4], max_new_tokens=6, do_sample=False)
+    assert a.shape == (1, 10) and torch.equal(a, b)
+    m = from_file.get_submodule("model.layers.1.mlp.experts")
+    assert m.packed.types == "q8_0" and "block 1" in m.source
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(ref.config)
+    with pytest.raises(apex_ffn.ConfigError, match="has no weights \\(a meta-initialised model\\)"):
+        pack_experts(meta, "q8_0")
+    pack_experts(meta, gguf=path)
+    assert isinstance(meta.get_submodule("model.layers.0.mlp.experts"), PackedExpertsModule)
+
+
+def test_errors_leave_the_model_unchanged(tmp_path):
+    model = wide_model()
+    before = [type(m) for _, m in float_experts_modules(model)]
+    with pytest.raises(apex_ffn.ConfigError, match="unknown storage type 'q3_k'"):
+        pack_experts(model, "q3_k")
+    with pytest.raises(apex_ffn.ConfigError, match="give either types .* or gguf"):
+        pack_experts(model)
+    small = tiny_model("qwen3_moe")  # widths 32 and 16: not whole q8_0 blocks, found at the first module
+    with pytest.raises(apex_ffn.ConfigError, match="reduction length 16 is not a multiple of 32"):
+        pack_experts(small, "q8_0")
+    assert all(not isinstance(m, PackedExpertsModule) for _, m in float_experts_modules(small))
+    path = tmp_path / "other.gguf"
+    write_gguf(small, path, "F32")
+    with pytest.raises(apex_ffn.ShapeError, match="model.layers.0.mlp.experts has 6 experts of 256 x 256"):
+        pack_experts(model, gguf=path)
+    # the last layer's block is missing from the file: the first layer stays as it was too
+    one = tmp_path / "one-block.gguf"
+    cut = copy.deepcopy(model)
+    cut.model.layers = cut.model.layers[:1]
+    cut.config.num_hidden_layers = 1
+    write_gguf(cut, one, "Q8_0")
+    with pytest.raises(apex_ffn.ConfigError, match="block 1 does not exist \\(qwen3moe.block_count = 1\\)"):
+        pack_experts(model, gguf=one)
+    assert [type(m) for _, m in float_experts_modules(model)] == before
+    with pytest.raises(apex_ffn.FormatError, match="not-there.gguf"):
+        pack_experts(model, gguf=tmp_path / "not-there.gguf")
+    with pytest.raises(apex_ffn.ConfigError, match="has no experts module"):
+        pack_experts(torch.nn.Linear(2, 2), "f32")
+
+
+def test_transformers_gguf_load_with_packed_experts(tmp_path):
+    """A whole GGUF model file (examples/python/make_tiny_gguf.py) loaded by transformers, dequantized, against
+    the same load with the file's expert blocks swapped in: the logits to q8_0's tolerance, the greedy tokens."""
+    pytest.importorskip("gguf", reason="gguf-py is not installed")
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples", "python"))
+    from make_tiny_gguf import make_tiny_qwen3_moe_gguf
+    path = tmp_path / "tiny.gguf"
+    make_tiny_qwen3_moe_gguf(path, "Q8_0")
+    load = dict(gguf_file=path.name, moe_intermediate_size=256, dtype=torch.float32)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, **load).eval()
+    ours = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, **load).eval()
+    pack_experts(ours, gguf=path)
+    prompt = torch.tensor([[3, 14, 15, 92, 65, 35]])
+    assert rel(logits(ours, prompt), logits(ref, prompt)) <= 3e-2
+    with torch.no_grad():
+        a = ref.generate(prompt, max_new_tokens=4, do_sample=False)
+        b = ours.generate(prompt, max_new_tokens=4, do_sample=False)
+    assert torch.equal(a, b)

@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""apex_ffn's experts against transformers' own, one MoE block, on CPU.
+
+    python tools/bench_python.py                 # Qwen3-30B-A3B-shaped: E 128, K 8, d 2048, f 768
+    python tools/bench_python.py --experts 32    # smaller, same widths
+    python tools/bench_python.py --lora-only / --no-lora
+
+One Qwen3MoeExperts module of transformers, given routing (random top-K ids,
+softmax weights), at N = 1, 16, 512 tokens and 1 and 2 threads, in float32
+and bf16:
+
+  eager, grouped_mm     transformers' experts implementations
+  apex_ffn              the same module through the "apex_ffn" experts implementation (apex_ffn.hf):
+                        float32 weights run float; bf16 weights packed once as bf16
+  packed <type>         apex_ffn.packed.PackedExpertsModule (q8_0, q4_k; the model's dtype at its edges)
+
+and the LoRA training step of the block (forward + backward, N = 512, r = 8):
+peft's LoRA on the fused experts (target_parameters) in bf16 and float32
+against apex_ffn.lora on the experts packed as bf16. Each cell: the median
+of --reps timed calls after one warm-up; ratios within the same run; the
+kernel path (ISA) printed first.
+"""
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+
+import apex_ffn
+import apex_ffn.hf  # noqa: F401  (registers "apex_ffn")
+from apex_ffn.lora import add_lora
+from apex_ffn.packed import pack_experts
+
+
+def block(experts, d, f, k, dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.for_model("qwen3_moe", hidden_size=d, moe_intermediate_size=f, num_experts=experts,
+                               num_experts_per_tok=k, num_hidden_layers=1, num_attention_heads=4,
+                               num_key_value_heads=1, head_dim=64, vocab_size=32, intermediate_size=f)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    experts_module = model.model.layers[0].mlp.experts.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in experts_module.parameters():
+            p.normal_(0.0, 0.02)
+    return model, experts_module
+
+
+def routing(n, experts, k, d, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(n)])
+    w = torch.softmax(torch.randn(n, k, generator=g), -1).to(dtype)
+    return x, ids, w
+
+
+def timed(fn, reps):
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def forward_cells(args, dtype):
+    model, module = block(args.experts, args.d, args.f, args.k, dtype)
+    impls = {}
+    for name in ("eager", "grouped_mm", "apex_ffn"):
+        m = copy.copy(module)
+        m.config = copy.copy(module.config)
+        m.config._experts_implementation = name
+        impls[name] = m
+    for types in args.types:
+        holder = torch.nn.Module()
+        holder.experts = copy.deepcopy(module)
+        holder.experts.config = module.config
+        pack_experts(holder, types)
+        impls[f"packed {types}"] = holder.experts
+    rows = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for n in (1, 16, 512):
+            x, ids, w = routing(n, args.experts, args.k, args.d, dtype)
+            reps = args.reps if n < 512 else max(3, args.reps // 4)
+            cell = {}
+            with torch.no_grad():
+                for name, m in impls.items():
+                    if name == "eager" and n == 512 and args.skip_slow:
+                        continue
+                    cell[name] = timed(lambda: m(x, ids, w), reps)
+            rows.append((threads, n, cell))
+            base = cell["grouped_mm"]
+            print(f"{str(dtype)[6:]:8s} threads {threads} N {n:3d}  " + "  ".join(
+                f"{name} {t * 1e3:8.2f} ms ({base / t:4.2f}x)" for name, t in cell.items()), flush=True)
+    return rows
+
+
+def lora_cells(args):
+    import peft
+    n, r = 512, 8
+    torch.set_num_threads(args.lora_threads)
+    out = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        model, _ = block(args.experts, args.d, args.f, args.k, dtype)
+        pm = peft.get_peft_model(model, peft.LoraConfig(r=r, lora_alpha=16, init_lora_weights=False,
+                                                        target_parameters=["mlp.experts.gate_up_proj",
+                                                                           "mlp.experts.down_proj"]))
+        experts = pm.base_model.model.model.layers[0].mlp.experts
+        x, ids, w = routing(n, args.experts, args.k, args.d, dtype)
+        x.requires_grad_()
+
+        def step():
+            y = experts(x, ids, w)
+            y.float().pow(2).mean().backward()
+        out[f"peft {str(dtype)[6:]}"] = timed(step, max(2, args.reps // 4))
+    model, _ = block(args.experts, args.d, args.f, args.k, torch.bfloat16)
+    pack_experts(model, "bf16")
+    add_lora(model, r, 16)
+    experts = model.model.layers[0].mlp.experts
+    x, ids, w = routing(n, args.experts, args.k, args.d, torch.bfloat16)
+    x.requires_grad_()
+
+    def ours():
+        y = experts(x, ids, w)
+        y.float().pow(2).mean().backward()
+    out["apex_ffn packed bf16"] = timed(ours, max(2, args.reps // 4))
+    base = out["peft bfloat16"]
+    print(f"LoRA step N {n} r {r} threads {args.lora_threads}  " + "  ".join(
+        f"{k} {t * 1e3:9.1f} ms ({base / t:4.2f}x vs peft bf16)" for k, t in out.items()), flush=True)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--d", type=int, default=2048)
+    ap.add_argument("--f", type=int, default=768)
+    ap.add_argument("--reps", type=int, default=12)
+    ap.add_argument("--types", nargs="*", default=["q8_0", "q4_k"])
+    ap.add_argument("--lora-threads", type=int, default=2)
+    ap.add_argument("--skip-slow", action="store_true", help="leave out eager at N = 512")
+    ap.add_argument("--no-lora", action="store_true")
+    ap.add_argument("--lora-only", action="store_true")
+    args = ap.parse_args()
+    print(f"apex_ffn {apex_ffn.__version__}, kernel path {apex_ffn.isa()} (best {apex_ffn.best_isa()}), "
+          f"torch {torch.__version__}; block E {args.experts} K {args.k} d {args.d} f {args.f}", flush=True)
+    if not args.lora_only:
+        for dtype in (torch.float32, torch.bfloat16):
+            forward_cells(args, dtype)
+    if not args.no_lora:
+        lora_cells(args)
+
+
+if __name__ == "__main__":
+    main()
