@@ -21,6 +21,7 @@
 /// converter. Qwen3-MoE and OLMoE use the same names: their files cannot be
 /// told apart by names, only the routing (renormalised or not) differs.
 
+#include <algorithm>
 #include <functional>
 #include <string>
 #include <vector>
@@ -120,16 +121,25 @@ inline const char* common_file_kind() {
     if (own_name_starts(family_traits(f)).empty()) return family_traits(f).names.file_kind;
   return "";
 }
+
+/// The families' rows in the order detect_family tries them (their detection_rank).
+inline std::vector<const FamilyTraits*> rows_in_detection_order() {
+  std::vector<const FamilyTraits*> rows;
+  for (MoEFamily f : kAllFamilies) rows.push_back(&family_traits(f));
+  std::stable_sort(rows.begin(), rows.end(),
+                   [](const FamilyTraits* a, const FamilyTraits* b) { return a->detection_rank < b->detection_rank; });
+  return rows;
+}
 }  // namespace detail
 
 /// Which family a file's tensor names under `prefix` belong to, as the
-/// FamilyTensorNames::file_kind of the first family (in table order) whose
-/// own names the file holds, else of the families with the common names if
-/// it has their router (`<block>gate.weight`), else "".
+/// FamilyTensorNames::file_kind of the first family (in detection_rank
+/// order) whose own names the file holds, else of the families with the
+/// common names if it has their router (`<block>gate.weight`), else "".
 inline std::string detect_family(const NamePrefixQuery& has_name_starting, const std::string& prefix = "") {
-  for (MoEFamily f : kAllFamilies)
-    for (const std::string& start : detail::own_name_starts(family_traits(f)))
-      if (has_name_starting(prefix + start)) return family_traits(f).names.file_kind;
+  for (const FamilyTraits* row : detail::rows_in_detection_order())
+    for (const std::string& start : detail::own_name_starts(*row))
+      if (has_name_starting(prefix + start)) return row->names.file_kind;
   for (MoEFamily f : kAllFamilies) {
     const FamilyTraits& row = family_traits(f);
     if (detail::own_name_starts(row).empty() && has_name_starting(prefix + row.names.block + "gate.weight"))

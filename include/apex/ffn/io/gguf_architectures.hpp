@@ -94,7 +94,9 @@ inline constexpr const char* kRmsEps = "attention.layer_norm_rms_epsilon";
 enum class GatingFunc : unsigned { none = 0, softmax = 1, sigmoid = 2, softmax_weight = 3 };
 
 /// gpt-oss's experts (LLM_FFN_SWIGLU_OAI_MOE): ExpertKind<ClampedSwiGLU<T>>.
-inline constexpr ExpertKindName kClampedSwiGLUExperts{"clamped_swiglu", "clamped-SwiGLU (with biases)"};
+inline constexpr ExpertKindName kClampedSwiGLUExperts{
+    "clamped_swiglu", "clamped-SwiGLU (with biases)",
+    "a ClampedSwiGLU layer (GptOssMoE / PackedMoE<S, ClampedSwiGLU<float>>)"};
 
 /// How one architecture's MoE block is laid out and routed. The fields
 /// after `probs_bias` have the plain SwiGLU blocks' values by default.
@@ -179,6 +181,16 @@ inline std::vector<const Architecture*> architectures_of_kind(const ExpertKindNa
     if (std::string(rows[i].experts.name) == kind.name) out.push_back(&rows[i]);
   if (out.empty()) throw ConfigError(where + ": no architecture has " + kind.label + " experts");
   return out;
+}
+
+/// How the rows call the experts of kind `name` (ExpertKind<E>::kName): the
+/// first row's of that kind, else `name` labelled `label`.
+inline ExpertKindName experts_named(const char* name, const char* label) {
+  std::size_t n = 0;
+  const Architecture* rows = detail::architecture_rows(n);
+  for (std::size_t i = 0; i < n; ++i)
+    if (std::string(rows[i].experts.name) == name) return rows[i].experts;
+  return {name, label, label};
 }
 
 }  // namespace apex::gguf

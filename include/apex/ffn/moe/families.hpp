@@ -99,6 +99,7 @@ inline FamilyTraits deepseek_v3_row() {
   k.fixed[1] = {"topk_method", "noaux_tc", "bias-based selection"};
   k.first_moe_layer = "first_k_dense_replace";
   k.moe_every = "moe_layer_freq", k.moe_every_from_zero = true;
+  f.detection_rank = 2;
   return f;
 }
 inline FamilyTraits mixtral_row() {
@@ -108,6 +109,7 @@ inline FamilyTraits mixtral_row() {
                  {"block_sparse_moe.", "w1.weight", "w3.weight", "w2.weight", nullptr, nullptr, nullptr, "mixtral"},
                  {}, "llama", kSwiGLUExperts};
   f.config.d_ffn = "intermediate_size", f.config.n_experts = "num_local_experts";
+  f.detection_rank = 0;  // its block's own name first
   return f;
 }
 inline FamilyTraits qwen2_moe_row() {
@@ -117,13 +119,14 @@ inline FamilyTraits qwen2_moe_row() {
                  mlp_names("mlp.shared_expert.", "mlp.shared_expert_gate.weight", nullptr, "qwen2_moe"), qwen_keys(),
                  "qwen2moe", kSwiGLUExperts};
   f.config.shared_width = "shared_expert_intermediate_size";
+  f.detection_rank = 1;
   return f;
 }
 inline FamilyTraits qwen3_moe_row() {
   const RoutingConfig r = softmax_routing(true);  // norm_topk_prob = true
   return {MoEFamily::Qwen3MoE, "qwen3_moe", "Qwen3-MoE", r, family_shapes(r, 2048, 768, 128, 8),
           FamilySharedLayout::None, mlp_names(nullptr, nullptr, nullptr, "qwen3_moe or olmoe"), qwen_keys(),
-          "qwen3moe", kSwiGLUExperts};
+          "qwen3moe", kSwiGLUExperts, 3};
 }
 inline FamilyTraits olmoe_row() {
   const RoutingConfig r = softmax_routing(false);  // norm_topk_prob = false
@@ -131,6 +134,7 @@ inline FamilyTraits olmoe_row() {
                  mlp_names(nullptr, nullptr, nullptr, "qwen3_moe or olmoe"), {}, "olmoe", kSwiGLUExperts};
   f.config.d_ffn = "intermediate_size", f.config.n_experts = "num_experts";
   f.config.renormalize = "norm_topk_prob", f.config.renormalize_default = false;
+  f.detection_rank = 4;
   return f;
 }
 

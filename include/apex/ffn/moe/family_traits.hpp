@@ -21,9 +21,10 @@ enum class MoEFamily { DeepSeekV3, Mixtral, Qwen2MoE, Qwen3MoE, OLMoE };
 struct ExpertKindName {
   const char* name;   ///< "swiglu"
   const char* label;  ///< "SwiGLU"
+  const char* layer;  ///< how to load such a block, for messages: "a SwiGLU layer (the default expert type)"
 };
 /// Plain SwiGLU experts: every family's.
-inline constexpr ExpertKindName kSwiGLUExperts{"swiglu", "SwiGLU"};
+inline constexpr ExpertKindName kSwiGLUExperts{"swiglu", "SwiGLU", "a SwiGLU layer (the default expert type)"};
 
 /// How a family's Hugging Face checkpoints name the tensors of one MoE block,
 /// relative to the layer's prefix (e.g. "model.layers.3."). nullptr: the
@@ -86,6 +87,9 @@ struct FamilyTraits {
   FamilyConfigKeys config;         ///< its config.json
   const char* gguf_architecture;   ///< llama.cpp's `general.architecture` (io/gguf_architectures.hpp)
   ExpertKindName experts;          ///< the expert kind of its blocks
+  /// detect_family tries the families in increasing rank: a file holding
+  /// several families' own names is the lowest-ranked one's (io/family_names.hpp).
+  int detection_rank = 0;
 };
 
 }  // namespace apex

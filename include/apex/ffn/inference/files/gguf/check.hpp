@@ -199,8 +199,8 @@ void check_expert_kind(const std::string& where, const gguf::Architecture& a) {
                 "GGUF MoE blocks: this expert kind has no llama.cpp form (its ExpertKind row's Gguf is NoGgufForm)");
   if (std::string(a.experts.name) != Kind::kName)
     throw ConfigError(where + ": architecture '" + a.name + "' has " + a.experts.label +
-                      " experts, the layer asked for has " + Kind::kLabel + " experts: load it as a layer of " +
-                      a.experts.label + " experts");
+                      " experts, the layer asked for has " + gguf::experts_named(Kind::kName, Kind::kLabel).label +
+                      " experts: load it as " + a.experts.layer);
 }
 
 /// Every check of the file comment for a layer of `Expert` experts (the

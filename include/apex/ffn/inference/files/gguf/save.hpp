@@ -233,7 +233,8 @@ void save_gguf_moe(const std::string& path, const PackedMoE<Storage, Expert>& la
   const std::string where_s = "save_gguf_moe(" + path + ")";
   const char* where = where_s.c_str();
   const MoEConfig& c = layer.config();
-  const gguf::Architecture& a = g::choose(where, c, layer.bias(), options.family, {Kind::kName, Kind::kLabel});
+  const ExpertKindName kind = gguf::experts_named(Kind::kName, Kind::kLabel);
+  const gguf::Architecture& a = g::choose(where, c, layer.bias(), options.family, kind);
   g::check_expressible(where, a, c, layer.bias());
   Kind::Gguf::check_extras(where, layer.extras(), a);
   g::check_options(where, options, c);
