@@ -58,15 +58,17 @@ void check_peft_layer(const std::string& where, const Layer& layer, const PeftNa
   using Expert = PeftExpertOf<Layer>;
   using T = typename Layer::Scalar;
   using Kind = ExpertKind<Expert>;
+  // peft's layouts call gpt-oss's experts by the model's layout
+  const char* kind = std::is_same_v<Expert, GptOssExpert<T>> ? "clamped SwiGLU (gpt-oss)" : Kind::kLabel;
   if (n.layout == PeftLayout::family) {
     const FamilyTraits& row = family_traits(n.family, where.c_str());
     require_config(std::string(row.experts.name) == Kind::kName, where.c_str(),
                    std::string("the ") + row.model_type + " layout holds " + row.experts.label +
-                       " experts, this layer's are " + Kind::kLabel + " (PeftNames::apex() names any kind)");
+                       " experts, this layer's are " + kind + " (PeftNames::apex() names any kind)");
     check_family_fit(where.c_str(), layer.config(), n.family);
   } else if (n.layout == PeftLayout::gpt_oss) {
     require_config(std::is_same_v<Expert, GptOssExpert<T>>, where.c_str(),
-                   std::string("the gpt_oss layout holds clamped SwiGLU experts, this layer's are ") + Kind::kLabel);
+                   std::string("the gpt_oss layout holds clamped SwiGLU experts, this layer's are ") + kind);
     check_gpt_oss_config(where.c_str(), layer.config());
   } else {
     return;
