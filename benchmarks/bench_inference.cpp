@@ -451,7 +451,7 @@ void register_block_formats() {
       }
 }
 
-// gpt-oss's experts (the clamped kind, inference/engine/packed_clamped.hpp) against
+// gpt-oss's experts (the clamped kind, inference/engine/kinds/clamped_swiglu.hpp) against
 // SwiGLU experts on the same packed weights, decode (cold caches): what the
 // kind's extra pass (biases and clamped activation between the gate/up and
 // down passes) costs where time is bytes of weights over bandwidth. One MoE
@@ -497,7 +497,7 @@ void BM_ExpertKinds(benchmark::State& state) {
   Routing<float> r;
   swiglu.router().route(x, swiglu.bias(), false, r);
   const std::set<Index> used(r.experts.data(), r.experts.data() + r.experts.size());
-  const double extra = double(detail::inference::kind_extra_bytes<PackedExpertKind<ClampedSwiGLU<float>>>(
+  const double extra = double(detail::inference::kind_extra_bytes<ExpertKind<ClampedSwiGLU<float>>>(
       "bench", 2880, 2880));
   double bytes = 4.0 * 8 * 2880;  // the router
   for (Index e : used) bytes += double(swiglu.experts()[std::size_t(e)].bytes());

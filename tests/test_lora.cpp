@@ -150,7 +150,7 @@ namespace {
 template <class Expert>
 MoEFFN<float, Expert> dequantized(MoEFFN<float, Expert> trained, const PackedMoE<float, Expert>& packed) {
   for (std::size_t e = 0; e < trained.experts().size(); ++e) {
-    auto& w = const_cast<SwiGLU<float>&>(detail::gated_weights(trained.experts()[e]));
+    auto& w = ExpertKind<Expert>::weights(trained.experts()[e]);
     w.w_gate() = packed.experts()[e].w_gate();
     w.w_up() = packed.experts()[e].w_up();
     w.w_down() = packed.experts()[e].w_down();

@@ -117,7 +117,7 @@ TEST_CASE("odd widths and kappa experts map with the owned layer's bits", "[mapp
     auto owned = PackedMoE<float, KappaSwiGLU<float>>::from(kmoe, t);
     save_packed_layout(dir / "k.safetensors", owned);
     PackedLoadOptions o;
-    o.kappa = kmoe.experts()[0].options();
+    o.expert_options.of<KappaSwiGLU<float>>() = kmoe.experts()[0].options();
     auto mapped = map_packed_moe<float, KappaSwiGLU<float>>(dir / "k.safetensors", c, o);
     check_all_paths(mapped, owned, test::rnd<float>(5, c.d_model, 3));
     // A plain SwiGLU map of a κ file is refused by its recorded shape.

@@ -1,5 +1,5 @@
 // gpt-oss's experts on the packed engine, through the expert-kind table
-// (inference/engine/packed_clamped.hpp): PackedMoE<Storage, ClampedSwiGLU<float>> on
+// (inference/engine/kinds/clamped_swiglu.hpp): PackedMoE<Storage, ClampedSwiGLU<float>> on
 // every storage type against the float layer (the same routing, the output
 // within the type's bound) and against the float layer on the packed
 // weights dequantized, the same bits on every kernel path and thread count,

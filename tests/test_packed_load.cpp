@@ -197,7 +197,7 @@ TEST_CASE("a rejected packed kappa MoE load leaves the layer as it was, before p
   check_rejections("load_packed_moe<kappa>", spoils(ts, "experts.0.kappa_alpha", {"router.weight"}), dst, load);
   for (double u : {0.5, test::kNaN, 1e39}) {
     INFO("kappa U = " << u);
-    o.kappa.U = u;
+    o.expert_options.of<KappaSwiGLU<float>>().U = u;
     const std::vector<Spoil> bad_options{{"kappa U " + std::to_string(u), ts, "ConfigError", {"load_packed_moe", "U"}}};
     check_rejections("load_packed_moe<kappa>", bad_options, dst, load);
   }

@@ -518,7 +518,7 @@ PackedMoE<float, SwiGLU<float>> peft_fixture_packed(const std::string& root, Ind
 PackedMoE<float, ClampedSwiGLU<float>> peft_fixture_packed_gpt_oss(const std::string& root, Index L) {
   const GptOssModelConfig gc = read_gpt_oss_config(root + "/model");
   PackedLoadOptions po;
-  po.prefix = peft_layer_prefix(L), po.clamped = gc.experts, po.allow_unexpected = true;
+  po.prefix = peft_layer_prefix(L), po.expert_options.of<ClampedSwiGLU<float>>() = gc.experts, po.allow_unexpected = true;
   return load_packed_gpt_oss<float>(root + "/model/model.safetensors", gc.moe, po);
 }
 

@@ -9,9 +9,8 @@
 
 #include "core/memory_budget.hpp"
 #include "inference/engine/packed_types.hpp"
-#include "inference/engine/packed_clamped.hpp"
-#include "inference/engine/packed_expert_kind.hpp"
-#include "inference/engine/packed_kappa.hpp"
+#include "inference/engine/expert_kind.hpp"
+#include "inference/engine/expert_kinds.hpp"
 #include "inference/engine/packed_moe.hpp"
 #include "inference/engine/packed_runner.hpp"
 #include "inference/engine/packed_sublayer.hpp"

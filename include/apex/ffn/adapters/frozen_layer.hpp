@@ -4,8 +4,9 @@
 /// `FrozenLayer<Base>` gives the scalar, the expert type, one expert's frozen
 /// weights (as the products of adapters/frozen_dense.hpp or
 /// adapters/frozen_packed.hpp run them) and its activation with the frozen
-/// float parts (adapters/gated_activation.hpp), and the routing parts the
-/// adapted layer starts from (router, balancing bias, shared gate).
+/// float parts (the expert kind's `Activation`, inference/engine/expert_kind.hpp),
+/// and the routing parts the adapted layer starts from (router, balancing
+/// bias, shared gate).
 ///
 ///  - `MoEFFN<T, Expert>`: a training layer's weights in T, never updated
 ///    (the reference of the packed form, and in double the layer of the
@@ -16,29 +17,18 @@
 #include <type_traits>
 
 #include "../core/types.hpp"
+#include "../inference/engine/expert_kind.hpp"
+#include "../inference/engine/expert_kinds.hpp"
 #include "../inference/engine/packed_moe.hpp"
 #include "../kernels/epilogue.hpp"
 #include "../moe/moe_ffn.hpp"
 #include "frozen_dense.hpp"
 #include "frozen_packed.hpp"
-#include "gated_activation.hpp"
 
 namespace apex {
 
 template <class Base>
 struct FrozenLayer;
-
-namespace detail {
-/// The SwiGLU that holds an expert's three projections.
-template <class T>
-const SwiGLU<T>& gated_weights(const SwiGLU<T>& e) {
-  return e;
-}
-template <class E>
-const auto& gated_weights(const E& e) {
-  return e.swiglu();
-}
-}  // namespace detail
 
 /// A float or double training layer, frozen.
 template <class T, class Expert>
@@ -46,19 +36,17 @@ struct FrozenLayer<MoEFFN<T, Expert>> {
   using Base = MoEFFN<T, Expert>;
   using Scalar = T;
   using ExpertType = Expert;
+  using Kind = ExpertKind<Expert>;
   using Routed = FrozenDenseExpert<T>;
   using Shared = FrozenDenseExpert<T>;
 
-  static Routed routed(const Base& b, Index e, packed::Isa) { return {&detail::gated_weights(b.experts()[std::size_t(e)])}; }
+  static Routed routed(const Base& b, Index e, packed::Isa) { return {&Kind::weights(b.experts()[std::size_t(e)])}; }
   static Shared shared(const Base& b, Index s, packed::Isa) { return {&b.shared_experts()[std::size_t(s)]}; }
-  static GatedActivation<Expert> activation(const Base& b, Index e) {
-    return GatedActivation<Expert>::of(b.experts()[std::size_t(e)]);
+  static typename Kind::Activation activation(const Base& b, Index e) {
+    return Kind::Activation::of(b.experts()[std::size_t(e)]);
   }
-  /// Expert e's frozen float parts as a packed layer keeps them (float layers only).
-  template <class K = PackedExpertKind<Expert>>
-  static typename K::Extra packed_extra(const Base& b, Index e) {
-    return K::extra(b.experts()[std::size_t(e)]);
-  }
+  /// Expert e's frozen float parts as a packed layer keeps them.
+  static typename Kind::Extra packed_extra(const Base& b, Index e) { return Kind::extra(b.experts()[std::size_t(e)]); }
   static const Router<T>& router(const Base& b) { return b.router(); }
   static const RowVector<T>& bias(const Base& b) { return b.balancer().bias(); }
   static const Matrix<T>& shared_gate(const Base& b) { return b.shared_gate_weight(); }
@@ -73,14 +61,15 @@ struct FrozenLayer<PackedMoE<Storage, Expert, Act>> {
   using Base = PackedMoE<Storage, Expert, Act>;
   using Scalar = float;
   using ExpertType = Expert;
+  using Kind = ExpertKind<Expert>;
   using Routed = FrozenPackedExpert;
   using Shared = FrozenPackedExpert;
 
   static Routed routed(const Base& b, Index e, packed::Isa isa) { return {&b.experts()[std::size_t(e)], isa}; }
   static Shared shared(const Base& b, Index s, packed::Isa isa) { return {&b.shared_experts()[std::size_t(s)], isa}; }
-  static GatedActivation<Expert> activation(const Base& b, Index e) {
-    if constexpr (Base::kHasExtra) return GatedActivation<Expert>::of(b.extras()[std::size_t(e)]);
-    else return GatedActivation<Expert>::of(NoExpertExtra{});
+  static typename Kind::Activation activation(const Base& b, Index e) {
+    if constexpr (Base::kHasExtra) return Kind::Activation::of(b.extras()[std::size_t(e)]);
+    else return Kind::Activation::of(NoExpertExtra{});
   }
   static const typename Base::Extra& packed_extra(const Base& b, Index e) { return b.extras()[std::size_t(e)]; }
   static const Router<float>& router(const Base& b) { return b.router(); }

@@ -6,7 +6,7 @@
 /// s·(z·A_Pᵀ)·B_Pᵀ the low-rank term of projection P (adapters/lora_adapter.hpp):
 ///
 ///     [G | U] = x·W_guᵀ + Δ_gate_up(x)          (or Δ_gate(x) on G, Δ_up(x) on U)
-///     A       = act(G, U)                         (the kind's activation, adapters/gated_activation.hpp)
+///     A       = act(G, U)                         (the kind's Activation, inference/engine/expert_kind.hpp)
 ///     y       = A·W_downᵀ + Δ_down(A)  (+ b_down)
 ///
 /// and the backward, the forward in reverse:

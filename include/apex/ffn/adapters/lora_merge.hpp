@@ -71,7 +71,7 @@ auto merged_float(const LoraMoE<Base>& layer) {
     Expert& x = out.experts()[std::size_t(e)];
     Frozen::activation(layer.base(), e).apply_to(x);
     detail::merge_expert(Frozen::routed(layer.base(), e, layer.isa()), layer.routed_adapters().values(e), s,
-                         const_cast<SwiGLU<T>&>(detail::gated_weights(x)));
+                         ExpertKind<Expert>::weights(x));
   }
   const LoraAdapterSet<T>& shared = layer.shared_adapters();
   for (Index j = 0; j < cfg.n_shared; ++j)

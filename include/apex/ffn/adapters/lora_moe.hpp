@@ -47,8 +47,8 @@ class LoraMoE {
   using Scalar = typename Frozen::Scalar;
   using T = Scalar;
   using BaseType = Base;
-  using Activation = GatedActivation<typename Frozen::ExpertType>;
-  using SharedActivation = GatedActivation<SwiGLU<T>>;
+  using Activation = typename ExpertKind<typename Frozen::ExpertType>::Activation;
+  using SharedActivation = typename ExpertKind<SwiGLU<T>>::Activation;
   using RoutedBlock = LoraBlock<typename Frozen::Routed, Activation>;
   using SharedBlock = LoraBlock<typename Frozen::Shared, SharedActivation>;
   using Cache = MoECache<T>;

@@ -20,12 +20,12 @@
 
 #include "../core/parallel.hpp"
 #include "../core/types.hpp"
+#include "../inference/engine/kinds/swiglu.hpp"
 #include "../inference/engine/packed_swiglu.hpp"
 #include "../layers/swiglu.hpp"
 #include "../moe/expert_tasks.hpp"
 #include "frozen_dense.hpp"
 #include "frozen_packed.hpp"
-#include "gated_activation.hpp"
 #include "lora_adapter_set.hpp"
 #include "lora_block.hpp"
 #include "lora_options.hpp"
@@ -57,7 +57,8 @@ class LoraSwiGLU {
  public:
   using Scalar = typename Frozen::Scalar;
   using T = Scalar;
-  using Block = LoraBlock<typename Frozen::Frozen, GatedActivation<SwiGLU<T>>>;
+  using Activation = typename ExpertKind<SwiGLU<T>>::Activation;
+  using Block = LoraBlock<typename Frozen::Frozen, Activation>;
 
   struct Cache {
     Matrix<T> x;     ///< N × d: the input
@@ -135,7 +136,7 @@ class LoraSwiGLU {
   Base base_;
   LoraOptions opt_;
   LoraAdapterSet<T> adapters_;
-  GatedActivation<SwiGLU<T>> act_;
+  Activation act_;
   packed::Isa isa_ = packed::kDefaultIsa;
   int threads_ = 0;
 };

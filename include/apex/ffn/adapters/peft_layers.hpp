@@ -14,11 +14,10 @@
 #include <vector>
 
 #include "../core/errors.hpp"
+#include "../inference/engine/expert_kind.hpp"
 #include "../io/family_names.hpp"
 #include "../io/gpt_oss_layout.hpp"
-#include "../layers/clamped_swiglu.hpp"
-#include "../layers/kappa_swiglu.hpp"
-#include "../layers/swiglu.hpp"
+#include "../moe/gpt_oss.hpp"
 #include "frozen_layer.hpp"
 #include "lora_adapter.hpp"
 #include "lora_moe.hpp"
@@ -43,14 +42,6 @@ namespace detail {
 template <class Layer>
 using PeftExpertOf = typename FrozenLayer<typename Layer::BaseType>::ExpertType;
 
-template <class Expert>
-constexpr const char* peft_kind_name() {
-  using T = typename Expert::Scalar;
-  if constexpr (std::is_same_v<Expert, SwiGLU<T>>) return "SwiGLU";
-  else if constexpr (std::is_same_v<Expert, KappaSwiGLU<T>>) return "kappa-SwiGLU";
-  else return "clamped SwiGLU (gpt-oss)";
-}
-
 /// The adapted slots of one expert's adapters, in slot order.
 template <class T>
 std::vector<LoraSlot> peft_slots(const LoraExpertAdapters<T>& v) {
@@ -66,14 +57,17 @@ template <class Layer>
 void check_peft_layer(const std::string& where, const Layer& layer, const PeftNames& n) {
   using Expert = PeftExpertOf<Layer>;
   using T = typename Layer::Scalar;
-  const char* kind = peft_kind_name<Expert>();
+  using Kind = ExpertKind<Expert>;
+  // peft's layouts call gpt-oss's experts by the model's layout
+  const char* kind = std::is_same_v<Expert, GptOssExpert<T>> ? "clamped SwiGLU (gpt-oss)" : Kind::kLabel;
   if (n.layout == PeftLayout::family) {
-    require_config(std::is_same_v<Expert, SwiGLU<T>>, where.c_str(),
-                   std::string("the ") + family_name(n.family) + " layout holds SwiGLU experts, this layer's are " +
-                       kind + " (PeftNames::apex() names any kind)");
+    const FamilyTraits& row = family_traits(n.family, where.c_str());
+    require_config(std::string(row.experts.name) == Kind::kName, where.c_str(),
+                   std::string("the ") + row.model_type + " layout holds " + row.experts.label +
+                       " experts, this layer's are " + kind + " (PeftNames::apex() names any kind)");
     check_family_fit(where.c_str(), layer.config(), n.family);
   } else if (n.layout == PeftLayout::gpt_oss) {
-    require_config(std::is_same_v<Expert, ClampedSwiGLU<T>>, where.c_str(),
+    require_config(std::is_same_v<Expert, GptOssExpert<T>>, where.c_str(),
                    std::string("the gpt_oss layout holds clamped SwiGLU experts, this layer's are ") + kind);
     check_gpt_oss_config(where.c_str(), layer.config());
   } else {

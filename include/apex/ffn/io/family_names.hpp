@@ -21,8 +21,10 @@
 /// converter. Qwen3-MoE and OLMoE use the same names: their files cannot be
 /// told apart by names, only the routing (renormalised or not) differs.
 
+#include <algorithm>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "../core/errors.hpp"
 #include "../core/state_names.hpp"
@@ -90,23 +92,59 @@ inline void check_family_fit(const char* where, const MoEConfig& c, MoEFamily f)
 /// family detection asks of a file, a shard index or a GGUF header alike.
 using NamePrefixQuery = std::function<bool(const std::string& start)>;
 
+namespace detail {
+/// "mlp.shared_expert_gate." of "mlp.shared_expert_gate.weight": a name's module.
+inline std::string module_of(const char* name) {
+  const std::string s = name;
+  return s.substr(0, s.rfind('.') + 1);
+}
+
+/// The name starts only a family's files hold: its block when no other
+/// family's has the same, its shared experts', its shared gate's module, its
+/// bias. None for a family with the common names only (Qwen3-MoE, OLMoE).
+inline std::vector<std::string> own_name_starts(const FamilyTraits& row) {
+  std::vector<std::string> out;
+  bool unique_block = true;
+  for (MoEFamily f : kAllFamilies)
+    unique_block &= f == row.family || std::string(family_traits(f).names.block) != row.names.block;
+  if (unique_block) out.push_back(row.names.block);
+  if (row.names.shared_block) out.push_back(row.names.shared_block);
+  if (row.names.shared_gate) out.push_back(module_of(row.names.shared_gate));
+  if (row.names.bias) out.push_back(row.names.bias);
+  return out;
+}
+
+/// The file_kind of files with only the common names: the first family
+/// that has no names of its own.
+inline const char* common_file_kind() {
+  for (MoEFamily f : kAllFamilies)
+    if (own_name_starts(family_traits(f)).empty()) return family_traits(f).names.file_kind;
+  return "";
+}
+
+/// The families' rows in the order detect_family tries them (their detection_rank).
+inline std::vector<const FamilyTraits*> rows_in_detection_order() {
+  std::vector<const FamilyTraits*> rows;
+  for (MoEFamily f : kAllFamilies) rows.push_back(&family_traits(f));
+  std::stable_sort(rows.begin(), rows.end(),
+                   [](const FamilyTraits* a, const FamilyTraits* b) { return a->detection_rank < b->detection_rank; });
+  return rows;
+}
+}  // namespace detail
+
 /// Which family a file's tensor names under `prefix` belong to, as the
-/// FamilyTensorNames::file_kind of the first family whose own names it holds
-/// ("" if none of the signatures is present).
+/// FamilyTensorNames::file_kind of the first family (in detection_rank
+/// order) whose own names the file holds, else of the families with the
+/// common names if it has their router (`<block>gate.weight`), else "".
 inline std::string detect_family(const NamePrefixQuery& has_name_starting, const std::string& prefix = "") {
-  auto has = [&](const std::string& start) { return has_name_starting(prefix + start); };
-  auto stem = [](const char* name) {  // "mlp.shared_expert_gate." of "mlp.shared_expert_gate.weight"
-    const std::string s = name;
-    return s.substr(0, s.rfind('.') + 1);
-  };
-  const FamilyTensorNames& mixtral = family_traits(MoEFamily::Mixtral).names;
-  const FamilyTensorNames& qwen2 = family_traits(MoEFamily::Qwen2MoE).names;
-  const FamilyTensorNames& deepseek = family_traits(MoEFamily::DeepSeekV3).names;
-  const FamilyTensorNames& plain = family_traits(MoEFamily::Qwen3MoE).names;  // names only the common ones
-  if (has(mixtral.block)) return mixtral.file_kind;
-  if (has(qwen2.shared_block) || has(stem(qwen2.shared_gate))) return qwen2.file_kind;
-  if (has(deepseek.bias) || has(deepseek.shared_block)) return deepseek.file_kind;
-  if (has(std::string(plain.block) + "gate.weight")) return plain.file_kind;
+  for (const FamilyTraits* row : detail::rows_in_detection_order())
+    for (const std::string& start : detail::own_name_starts(*row))
+      if (has_name_starting(prefix + start)) return row->names.file_kind;
+  for (MoEFamily f : kAllFamilies) {
+    const FamilyTraits& row = family_traits(f);
+    if (detail::own_name_starts(row).empty() && has_name_starting(prefix + row.names.block + "gate.weight"))
+      return row.names.file_kind;
+  }
   return "";
 }
 
@@ -124,8 +162,7 @@ inline void check_family_names(const std::string& where, const NamePrefixQuery& 
   const std::string detected = detect_family(has_name_starting, prefix);
   const std::string bias_name = family_bias_name(f, prefix);
   // A file of the family's own kind, or one with only the common names, must hold the bias.
-  const bool own_or_plain = detected == family_traits(f).names.file_kind ||
-                            detected == family_traits(MoEFamily::Qwen3MoE).names.file_kind;
+  const bool own_or_plain = detected == family_traits(f).names.file_kind || detected == common_file_kind();
   if (!bias_name.empty() && own_or_plain && !has_tensor(bias_name))
     throw FormatError(where + ": the sigmoid router of " + family_name(f) + " needs its correction bias '" + bias_name +
                       "', which the checkpoint lacks");

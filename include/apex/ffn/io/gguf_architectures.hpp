@@ -2,7 +2,9 @@
 /// \file io/gguf_architectures.hpp
 /// The llama.cpp architectures whose MoE layers the library reads from and
 /// writes to GGUF files (docs/model_files.md#moe-layers-from-gguf-files): one
-/// row per architecture, so supporting another is one more row.
+/// row per architecture, so supporting another is one more row. A family's
+/// row (moe/families.hpp) names its architecture; an architecture names the
+/// expert kind of its blocks (`experts`, the kind's ExpertKind<E>::kName).
 ///
 ///     general.architecture  family       width key                   shared                    routing
 ///     qwen3moe              Qwen3-MoE    expert_feed_forward_length  —                         softmax, renorm
@@ -31,8 +33,8 @@
 
 #include <cstddef>
 #include <iterator>
-#include <optional>
 #include <string>
+#include <vector>
 
 #include "../core/errors.hpp"
 #include "../core/types.hpp"
@@ -91,19 +93,15 @@ inline constexpr const char* kRmsEps = "attention.layer_norm_rms_epsilon";
 /// llama.cpp's `expert_gating_func` values (llama-hparams.h).
 enum class GatingFunc : unsigned { none = 0, softmax = 1, sigmoid = 2, softmax_weight = 3 };
 
-/// What a block's routed experts compute: the loaders' and savers' expert
-/// type must be this one (inference/files/gguf/expert_kind.hpp maps the types).
-enum class ExpertKind { SwiGLU, ClampedSwiGLU };
-
-inline const char* expert_kind_name(ExpertKind k) {
-  return k == ExpertKind::SwiGLU ? "SwiGLU" : "clamped-SwiGLU (with biases)";
-}
+/// gpt-oss's experts (LLM_FFN_SWIGLU_OAI_MOE): ExpertKind<ClampedSwiGLU<T>>.
+inline constexpr ExpertKindName kClampedSwiGLUExperts{
+    "clamped_swiglu", "clamped-SwiGLU (with biases)",
+    "a ClampedSwiGLU layer (GptOssMoE / PackedMoE<S, ClampedSwiGLU<float>>)"};
 
 /// How one architecture's MoE block is laid out and routed. The fields
 /// after `probs_bias` have the plain SwiGLU blocks' values by default.
 struct Architecture {
   const char* name;    ///< `general.architecture`
-  std::optional<MoEFamily> family;  ///< the library family whose block this computes (moe/families.hpp); none for gpt-oss
   const char* width_key;  ///< the routed experts' width f
   bool width_per_layer;   ///< the width key may be an array over blocks (llama's feed_forward_length)
   FamilySharedLayout shared;  ///< None; OneGated (qwen2moe); OneMLP: count × f wide (deepseek2)
@@ -112,7 +110,9 @@ struct Architecture {
   bool leading_dense;       ///< blocks below `leading_dense_block_count` are dense
   bool probs_bias;          ///< `exp_probs_b.bias` may be present (optional)
   Scoring scoring = Scoring::SoftmaxAll;  ///< the fixed scoring (deepseek2 reads its own)
-  ExpertKind expert_kind = ExpertKind::SwiGLU;  ///< clamped SwiGLU: with its three bias tensors (required)
+  /// What its routed experts compute: the loaders' and savers' expert kind
+  /// must be this one (the kind's GGUF form reads and writes its float parts).
+  ExpertKindName experts = kSwiGLUExperts;
   bool router_bias = false;    ///< `ffn_gate_inp.bias` (required): the router's logit bias
   const char* norm_tensor = tensor_names::kNorm;  ///< the FFN's RMSNorm gain
   double clamp_alpha = 1.702;  ///< clamped SwiGLU's α (llama.cpp's constant)
@@ -125,14 +125,14 @@ namespace detail {
 inline const Architecture* architecture_rows(std::size_t& n) {
   using L = FamilySharedLayout;
   static const Architecture rows[] = {
-      {"qwen3moe", MoEFamily::Qwen3MoE, keys::kExpertFeedForward, false, L::None, true, false, false, false},
-      {"qwen2moe", MoEFamily::Qwen2MoE, keys::kExpertFeedForward, false, L::OneGated, false, false, false, false},
-      {"olmoe", MoEFamily::OLMoE, keys::kFeedForward, false, L::None, false, false, false, false},
-      {"llama", MoEFamily::Mixtral, keys::kFeedForward, true, L::None, true, false, false, false},
-      {"deepseek2", MoEFamily::DeepSeekV3, keys::kExpertFeedForward, false, L::OneMLP, false, true, true, true},
+      {"qwen3moe", keys::kExpertFeedForward, false, L::None, true, false, false, false},
+      {"qwen2moe", keys::kExpertFeedForward, false, L::OneGated, false, false, false, false},
+      {"olmoe", keys::kFeedForward, false, L::None, false, false, false, false},
+      {"llama", keys::kFeedForward, true, L::None, true, false, false, false},
+      {"deepseek2", keys::kExpertFeedForward, false, L::OneMLP, false, true, true, true},
       // llama.cpp's gating SOFTMAX_WEIGHT: top-K of ℓ + b_r, softmax over the K (no renormalisation)
-      {"gpt-oss", std::nullopt, keys::kExpertFeedForward, false, L::None, false, false, false, false,
-       Scoring::SoftmaxSelected, ExpertKind::ClampedSwiGLU, true, tensor_names::kPostAttnNorm},
+      {"gpt-oss", keys::kExpertFeedForward, false, L::None, false, false, false, false, Scoring::SoftmaxSelected,
+       kClampedSwiGLUExperts, true, tensor_names::kPostAttnNorm},
   };
   n = std::size(rows);
   return rows;
@@ -164,28 +164,33 @@ inline const Architecture& architecture(const std::string& name, const std::stri
                     architecture_names() + ")");
 }
 
-/// The row that writes `family` (each family has exactly one).
-inline const Architecture& architecture_of(MoEFamily family) {
-  std::size_t n = 0;
-  const Architecture* rows = detail::architecture_rows(n);
-  for (std::size_t i = 0; i < n; ++i)
-    if (rows[i].family == family) return rows[i];
-  throw ConfigError(std::string("gguf::architecture_of: no architecture for family ") + family_name(family));
+/// The architecture of `family`'s row (moe/families.hpp); ConfigError for a
+/// value that is no family, or a row naming no architecture of this table.
+inline const Architecture& architecture_of(MoEFamily family, const std::string& where = "gguf::architecture_of") {
+  return architecture(family_traits(family, where.c_str()).gguf_architecture, where);
 }
 
-/// The one row whose experts are of `kind`, other than SwiGLU (whose rows
-/// the savers choose among by routing); ConfigError if none or several.
-inline const Architecture& architecture_of(ExpertKind kind, const std::string& where = "gguf::architecture_of") {
+/// The rows whose experts are of kind `kind` (ExpertKind<E>::kName), in
+/// table order; ConfigError naming it if none.
+inline std::vector<const Architecture*> architectures_of_kind(const ExpertKindName& kind,
+                                                              const std::string& where = "gguf::architectures_of_kind") {
   std::size_t n = 0;
   const Architecture* rows = detail::architecture_rows(n);
-  const Architecture* found = nullptr;
+  std::vector<const Architecture*> out;
   for (std::size_t i = 0; i < n; ++i)
-    if (rows[i].expert_kind == kind) {
-      if (found) throw ConfigError(where + ": several architectures have " + expert_kind_name(kind) + " experts");
-      found = &rows[i];
-    }
-  if (!found) throw ConfigError(where + ": no architecture has " + expert_kind_name(kind) + " experts");
-  return *found;
+    if (std::string(rows[i].experts.name) == kind.name) out.push_back(&rows[i]);
+  if (out.empty()) throw ConfigError(where + ": no architecture has " + kind.label + " experts");
+  return out;
+}
+
+/// How the rows call the experts of kind `name` (ExpertKind<E>::kName): the
+/// first row's of that kind, else `name` labelled `label`.
+inline ExpertKindName experts_named(const char* name, const char* label) {
+  std::size_t n = 0;
+  const Architecture* rows = detail::architecture_rows(n);
+  for (std::size_t i = 0; i < n; ++i)
+    if (std::string(rows[i].experts.name) == name) return rows[i].experts;
+  return {name, label, label};
 }
 
 }  // namespace apex::gguf

@@ -23,8 +23,10 @@
 ///                                                                     decoder_sparse_step, mlp_only_layers
 ///     ε                              rms_norm_eps (all)
 ///
-/// Everything else of the family's block (scoring, group score, the bias)
-/// is the family's row (moe/families.hpp). A config the library cannot
+/// The table is the families' rows (moe/families.hpp): each row's `config`
+/// (FamilyConfigKeys) names its keys, and one function reads any row's, so
+/// a new family's keys are data in its row. Everything else of the family's
+/// block (scoring, group score, the bias) is the row's too. A config the library cannot
 /// compute exactly is a ConfigError naming the key: DeepSeek-V3 with a
 /// `scoring_func` other than sigmoid or a `topk_method` other than
 /// noaux_tc, a Qwen2-MoE block without its shared expert, an ε, scale, α
@@ -75,7 +77,8 @@ struct HfModelConfig {
     if (layer < 0 || layer >= n_layers || layer < first_moe_layer) return false;
     for (Index d : dense_layers)
       if (d == layer) return false;
-    return family == MoEFamily::DeepSeekV3 ? layer % moe_every == 0 : (layer + 1) % moe_every == 0;
+    const FamilyTraits* row = detail::find_family(family);
+    return row && row->config.moe_every_from_zero ? layer % moe_every == 0 : (layer + 1) % moe_every == 0;
   }
 };
 
@@ -131,58 +134,45 @@ struct HfKeys {
   }
 };
 
-/// The family-specific keys of `k` into `out` (the table in the file comment).
+/// The family's keys (its row's FamilyConfigKeys, moe/family_traits.hpp) of
+/// `k` into `out`, in the order the row lists them.
 inline void read_family_keys(const HfKeys& k, HfModelConfig& out) {
+  const FamilyTraits& row = family_traits(out.family, k.where.c_str());
+  const FamilyConfigKeys& key = row.config;
   MoEConfig& c = out.moe;
   const char* where = k.where.c_str();
-  switch (out.family) {
-    case MoEFamily::DeepSeekV3: {
-      c.d_ffn = k.count("moe_intermediate_size");
-      c.n_experts = k.count("n_routed_experts");
-      const Index shared = k.count_or("n_shared_experts", 0);
-      c.n_shared = shared > 0 ? 1 : 0;  // DeepSeek-V3 holds them as one MLP of the summed width
-      c.d_shared_ffn =
-          checked_product(where, "the shared MLP's width n_shared_experts x moe_intermediate_size", {shared, c.d_ffn});
-      c.routing.n_groups = k.count_or("n_group", c.routing.n_groups);
-      c.routing.topk_group = k.count_or("topk_group", c.routing.topk_group);
-      c.routing.routed_scale = k.positive_float_or("routed_scaling_factor", c.routing.routed_scale);
-      c.routing.renormalize = k.flag_or("norm_topk_prob", true);
-      detail::require_config(k.text_or("scoring_func", "sigmoid") == "sigmoid", where,
-                             "config.json's 'scoring_func' must be \"sigmoid\" (DeepSeek-V3's router)");
-      detail::require_config(k.text_or("topk_method", "noaux_tc") == "noaux_tc", where,
-                             "config.json's 'topk_method' must be \"noaux_tc\" (bias-based selection)");
-      out.first_moe_layer = k.count_or("first_k_dense_replace", 0);
-      out.moe_every = k.count_or("moe_layer_freq", 1);
-      break;
+  c.d_ffn = k.count(key.d_ffn);
+  c.n_experts = key.n_experts_alt && !k.find(key.n_experts) && k.find(key.n_experts_alt) ? k.count(key.n_experts_alt)
+                                                                                          : k.count(key.n_experts);
+  if (key.shared_count) {
+    const Index shared = k.count_or(key.shared_count, 0);
+    c.n_shared = shared > 0 ? 1 : 0;  // the shared experts as one MLP of the summed width
+    c.d_shared_ffn = checked_product(
+        where, (std::string("the shared MLP's width ") + key.shared_count + " x " + key.d_ffn).c_str(), {shared, c.d_ffn});
+  }
+  if (key.groups) {
+    c.routing.n_groups = k.count_or("n_group", c.routing.n_groups);
+    c.routing.topk_group = k.count_or("topk_group", c.routing.topk_group);
+    c.routing.routed_scale = k.positive_float_or("routed_scaling_factor", c.routing.routed_scale);
+  }
+  if (key.renormalize) c.routing.renormalize = k.flag_or(key.renormalize, key.renormalize_default);
+  for (const FamilyFixedKey& fixed : key.fixed)
+    if (fixed.key)
+      detail::require_config(k.text_or(fixed.key, fixed.value) == fixed.value, where,
+                             std::string("config.json's '") + fixed.key + "' must be \"" + fixed.value + "\" (" +
+                                 fixed.why + ")");
+  if (key.first_moe_layer) out.first_moe_layer = k.count_or(key.first_moe_layer, 0);
+  if (key.moe_every) out.moe_every = k.count_or(key.moe_every, 1);
+  if (key.dense_layers)
+    if (const nlohmann::json* dense = k.find(key.dense_layers)) {
+      if (!dense->is_array()) throw FormatError(k.where + ": config.json's '" + key.dense_layers + "' is not a list");
+      for (const auto& v : *dense) out.dense_layers.push_back(k.count_of(key.dense_layers, v));
     }
-    case MoEFamily::Mixtral:
-      c.d_ffn = k.count("intermediate_size");
-      c.n_experts = k.count("num_local_experts");
-      break;
-    case MoEFamily::Qwen2MoE:
-    case MoEFamily::Qwen3MoE:
-      c.d_ffn = k.count("moe_intermediate_size");
-      // transformers 5's Qwen3MoeConfig maps num_experts to num_local_experts and saves that name
-      c.n_experts = k.find("num_experts") || !k.find("num_local_experts") ? k.count("num_experts")
-                                                                          : k.count("num_local_experts");
-      c.routing.renormalize = k.flag_or("norm_topk_prob", false);
-      out.moe_every = k.count_or("decoder_sparse_step", 1);
-      if (const nlohmann::json* dense = k.find("mlp_only_layers")) {
-        if (!dense->is_array()) throw FormatError(k.where + ": config.json's 'mlp_only_layers' is not a list");
-        for (const auto& v : *dense) out.dense_layers.push_back(k.count_of("mlp_only_layers", v));
-      }
-      if (out.family == MoEFamily::Qwen2MoE) {
-        c.d_shared_ffn = k.count("shared_expert_intermediate_size");
-        detail::require_config(c.d_shared_ffn > 0, where,
-                               "config.json's 'shared_expert_intermediate_size' is 0: the library's Qwen2-MoE block "
-                               "has its gated shared expert");
-      }
-      break;
-    case MoEFamily::OLMoE:
-      c.d_ffn = k.count("intermediate_size");
-      c.n_experts = k.count("num_experts");
-      c.routing.renormalize = k.flag_or("norm_topk_prob", false);
-      break;
+  if (key.shared_width) {
+    c.d_shared_ffn = k.count(key.shared_width);
+    detail::require_config(c.d_shared_ffn > 0, where,
+                           std::string("config.json's '") + key.shared_width + "' is 0: the library's " + row.title +
+                               " block has its gated shared expert");
   }
   detail::require_config(out.moe_every >= 1, where, "config.json's MoE block frequency must be at least 1");
 }

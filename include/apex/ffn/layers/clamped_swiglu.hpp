@@ -58,7 +58,7 @@ struct ClampedWorkTag;  ///< workspace of a cacheless forward: [G̃ | Ũ | A]
 
 /// A = (clamp(u, −L, L) + 1) ⊙ min(g, L)·σ(α·min(g, L)) for arrays of one
 /// shape (g, u: biased pre-activations). The float layer and the packed
-/// kernels' epilogue (inference/engine/packed_clamped.hpp) both call this, so they
+/// kernels' epilogue (inference/engine/kinds/clamped_swiglu.hpp) both call this, so they
 /// apply the same operations.
 template <class G, class U, class A, class T>
 void clamped_glu(const G& g, const U& u, A&& a, T alpha, T limit) {

@@ -2,7 +2,7 @@
 /// \file layers/kappa_row.hpp
 /// κ of one token row (docs/math.md#kappa-swiglu), the one implementation
 /// that κ-SwiGLU's training forward and backward (layers/kappa_swiglu.hpp)
-/// and the packed inference forward (inference/engine/packed_kappa.hpp) both call,
+/// and the packed inference forward (inference/engine/kinds/kappa_swiglu.hpp) both call,
 /// so the two layers' κ are the same bits by construction:
 ///
 ///     s = c·ℓ (saturated),   τ = tanh(b + α·s),   κ = clamp(exp(ln U·τ), 1/U, U)      (1 × f)

@@ -1,7 +1,12 @@
 #pragma once
 /// \file moe/families.hpp
-/// MoE layer configurations of the open MoE families (docs/routing.md), each
-/// with the shapes of one published checkpoint's `config.json`:
+/// The open MoE families (docs/routing.md), one row each: what the library
+/// knows of a family is its row, and every reader of families looks it up
+/// there — the presets and routing below, the Hugging Face tensor names
+/// (io/family_names.hpp, io/name_maps.hpp, the packed loaders, peft's
+/// adapter names), the config.json keys (io/hf_config.hpp), the llama.cpp
+/// architecture (io/gguf_architectures.hpp and the GGUF savers) and the
+/// expert kind of its blocks. A new family is one enumerator and one row.
 ///
 ///     family        published config           scoring       groups  K/E    renorm  scale  shared
 ///     DeepSeek-V3   deepseek-ai/DeepSeek-V3    sigmoid+bias  8 / 4   8/256  yes     2.5    1 (2048)
@@ -19,50 +24,16 @@
 #include <string>
 
 #include "../core/errors.hpp"
-#include "config.hpp"
-#include "routing_config.hpp"
 #include "../core/types.hpp"
+#include "config.hpp"
+#include "family_traits.hpp"
+#include "routing_config.hpp"
 
 namespace apex {
 
-/// The MoE families whose FFN block MoEFFN computes exactly.
-enum class MoEFamily { DeepSeekV3, Mixtral, Qwen2MoE, Qwen3MoE, OLMoE };
-
-/// Every MoEFamily, in the order of the table below.
+/// Every MoEFamily, in the order of the table above.
 inline constexpr MoEFamily kAllFamilies[] = {MoEFamily::DeepSeekV3, MoEFamily::Mixtral, MoEFamily::Qwen2MoE,
                                              MoEFamily::Qwen3MoE, MoEFamily::OLMoE};
-
-/// How a family's Hugging Face checkpoints name the tensors of one MoE block,
-/// relative to the layer's prefix (e.g. "model.layers.3."). nullptr: the
-/// family's block has no such tensor.
-struct FamilyTensorNames {
-  const char* block;         ///< "mlp." or "block_sparse_moe."; router `<block>gate.weight`, experts `<block>experts.e.`
-  const char* gate_proj;     ///< the expert's gate projection, e.g. "gate_proj.weight" (Mixtral "w1.weight")
-  const char* up_proj;       ///< up projection ("up_proj.weight", Mixtral "w3.weight")
-  const char* down_proj;     ///< down projection ("down_proj.weight", Mixtral "w2.weight")
-  const char* shared_block;  ///< the one shared MLP, e.g. "mlp.shared_experts."
-  const char* shared_gate;   ///< the shared experts' sigmoid gate weight
-  const char* bias;          ///< the selection bias, shape [E] (DeepSeek-V3's e_score_correction_bias)
-  const char* file_kind;     ///< what detect_family reports for such a file (Qwen3-MoE and OLMoE share names)
-};
-
-/// Which shared experts a family's block holds.
-enum class FamilySharedLayout {
-  None,       ///< no shared experts
-  OneMLP,     ///< at most one shared MLP of width d_shared_ffn, ungated (DeepSeek-V3)
-  OneGated,   ///< exactly one shared expert behind a sigmoid gate (Qwen2-MoE)
-};
-
-/// One family: its name, routing, published layer shapes and tensor names.
-/// Everything the library knows of a family is one row of family_table().
-struct FamilyTraits {
-  MoEFamily family;
-  const char* model_type;  ///< Hugging Face `model_type`
-  RoutingConfig routing;   ///< for any shapes
-  MoEConfig preset;        ///< one MoE layer of the published configuration (table in this file's header)
-  FamilySharedLayout shared_layout;
-  FamilyTensorNames names;
-};
 
 namespace detail {
 inline RoutingConfig softmax_routing(bool renormalize) {
@@ -96,37 +67,104 @@ inline MoEConfig family_shapes(const RoutingConfig& routing, Index d_model, Inde
   return c;
 }
 
+/// The names of transformers' `mlp` blocks (gate_proj, up_proj, down_proj),
+/// with the shared experts and bias of `FamilyTensorNames`' fields.
+inline FamilyTensorNames mlp_names(const char* shared_block, const char* shared_gate, const char* bias,
+                                   const char* file_kind) {
+  return {"mlp.", "gate_proj.weight", "up_proj.weight", "down_proj.weight", shared_block, shared_gate, bias, file_kind};
+}
+
+/// Qwen2-MoE's and Qwen3-MoE's config.json keys (Qwen2-MoE adds its shared width).
+inline FamilyConfigKeys qwen_keys() {
+  FamilyConfigKeys k;
+  k.d_ffn = "moe_intermediate_size";
+  k.n_experts = "num_experts", k.n_experts_alt = "num_local_experts";  // transformers 5 saves the latter
+  k.renormalize = "norm_topk_prob", k.renormalize_default = false;
+  k.moe_every = "decoder_sparse_step", k.dense_layers = "mlp_only_layers";
+  return k;
+}
+
+inline FamilyTraits deepseek_v3_row() {
+  const RoutingConfig r = deepseek_routing();
+  FamilyTraits f{MoEFamily::DeepSeekV3, "deepseek_v3", "DeepSeek-V3", r, family_shapes(r, 7168, 2048, 256, 8, 1, 2048),
+                 FamilySharedLayout::OneMLP,
+                 mlp_names("mlp.shared_experts.", nullptr, "mlp.gate.e_score_correction_bias", "deepseek_v3"),
+                 {}, "deepseek2", kSwiGLUExperts};
+  FamilyConfigKeys& k = f.config;
+  k.d_ffn = "moe_intermediate_size", k.n_experts = "n_routed_experts";
+  k.shared_count = "n_shared_experts";  // held as one MLP of the summed width
+  k.groups = true;
+  k.renormalize = "norm_topk_prob", k.renormalize_default = true;
+  k.fixed[0] = {"scoring_func", "sigmoid", "DeepSeek-V3's router"};
+  k.fixed[1] = {"topk_method", "noaux_tc", "bias-based selection"};
+  k.first_moe_layer = "first_k_dense_replace";
+  k.moe_every = "moe_layer_freq", k.moe_every_from_zero = true;
+  f.detection_rank = 2;
+  return f;
+}
+inline FamilyTraits mixtral_row() {
+  const RoutingConfig r = softmax_routing(true);  // always renormalised
+  FamilyTraits f{MoEFamily::Mixtral, "mixtral", "Mixtral", r, family_shapes(r, 4096, 14336, 8, 2),
+                 FamilySharedLayout::None,
+                 {"block_sparse_moe.", "w1.weight", "w3.weight", "w2.weight", nullptr, nullptr, nullptr, "mixtral"},
+                 {}, "llama", kSwiGLUExperts};
+  f.config.d_ffn = "intermediate_size", f.config.n_experts = "num_local_experts";
+  f.detection_rank = 0;  // its block's own name first
+  return f;
+}
+inline FamilyTraits qwen2_moe_row() {
+  const RoutingConfig r = softmax_routing(false);  // norm_topk_prob = false
+  FamilyTraits f{MoEFamily::Qwen2MoE, "qwen2_moe", "Qwen2-MoE", r, family_shapes(r, 2048, 1408, 60, 4, 1, 5632, true),
+                 FamilySharedLayout::OneGated,
+                 mlp_names("mlp.shared_expert.", "mlp.shared_expert_gate.weight", nullptr, "qwen2_moe"), qwen_keys(),
+                 "qwen2moe", kSwiGLUExperts};
+  f.config.shared_width = "shared_expert_intermediate_size";
+  f.detection_rank = 1;
+  return f;
+}
+inline FamilyTraits qwen3_moe_row() {
+  const RoutingConfig r = softmax_routing(true);  // norm_topk_prob = true
+  return {MoEFamily::Qwen3MoE, "qwen3_moe", "Qwen3-MoE", r, family_shapes(r, 2048, 768, 128, 8),
+          FamilySharedLayout::None, mlp_names(nullptr, nullptr, nullptr, "qwen3_moe or olmoe"), qwen_keys(),
+          "qwen3moe", kSwiGLUExperts, 3};
+}
+inline FamilyTraits olmoe_row() {
+  const RoutingConfig r = softmax_routing(false);  // norm_topk_prob = false
+  FamilyTraits f{MoEFamily::OLMoE, "olmoe", "OLMoE", r, family_shapes(r, 2048, 1024, 64, 8), FamilySharedLayout::None,
+                 mlp_names(nullptr, nullptr, nullptr, "qwen3_moe or olmoe"), {}, "olmoe", kSwiGLUExperts};
+  f.config.d_ffn = "intermediate_size", f.config.n_experts = "num_experts";
+  f.config.renormalize = "norm_topk_prob", f.config.renormalize_default = false;
+  f.detection_rank = 4;
+  return f;
+}
+
+/// The rows, in kAllFamilies order.
 inline const FamilyTraits* family_rows() {
-  constexpr FamilyTensorNames mlp_names{"mlp.", "gate_proj.weight", "up_proj.weight", "down_proj.weight",
-                                        nullptr, nullptr, nullptr, "qwen3_moe or olmoe"};
-  auto names_with = [&](const char* shared_block, const char* shared_gate, const char* bias, const char* kind) {
-    FamilyTensorNames n = mlp_names;
-    n.shared_block = shared_block, n.shared_gate = shared_gate, n.bias = bias, n.file_kind = kind;
-    return n;
-  };
-  using L = FamilySharedLayout;
-  const RoutingConfig renorm = softmax_routing(true), plain = softmax_routing(false), ds = deepseek_routing();
-  // Mixtral and Qwen3-MoE: norm_topk_prob = true; Qwen2-MoE and OLMoE: false.
-  static const FamilyTraits rows[] = {
-      {MoEFamily::DeepSeekV3, "deepseek_v3", ds, family_shapes(ds, 7168, 2048, 256, 8, 1, 2048), L::OneMLP,
-       names_with("mlp.shared_experts.", nullptr, "mlp.gate.e_score_correction_bias", "deepseek_v3")},
-      {MoEFamily::Mixtral, "mixtral", renorm, family_shapes(renorm, 4096, 14336, 8, 2), L::None,
-       {"block_sparse_moe.", "w1.weight", "w3.weight", "w2.weight", nullptr, nullptr, nullptr, "mixtral"}},
-      {MoEFamily::Qwen2MoE, "qwen2_moe", plain, family_shapes(plain, 2048, 1408, 60, 4, 1, 5632, true), L::OneGated,
-       names_with("mlp.shared_expert.", "mlp.shared_expert_gate.weight", nullptr, "qwen2_moe")},
-      {MoEFamily::Qwen3MoE, "qwen3_moe", renorm, family_shapes(renorm, 2048, 768, 128, 8), L::None, mlp_names},
-      {MoEFamily::OLMoE, "olmoe", plain, family_shapes(plain, 2048, 1024, 64, 8), L::None, mlp_names},
-  };
+  static const FamilyTraits rows[] = {deepseek_v3_row(), mixtral_row(), qwen2_moe_row(), qwen3_moe_row(), olmoe_row()};
+  static_assert(std::size(rows) == std::size(kAllFamilies), "one row per MoEFamily");
   return rows;
+}
+
+/// The row of `f`, or nullptr if `f` is not one of the enumerators.
+inline const FamilyTraits* find_family(MoEFamily f) {
+  for (std::size_t i = 0; i < std::size(kAllFamilies); ++i)
+    if (f == kAllFamilies[i]) return &family_rows()[i];
+  return nullptr;
+}
+
+/// "deepseek_v3, mixtral, qwen2_moe, qwen3_moe, olmoe": the model_types, for messages.
+inline std::string family_names_list() {
+  std::string s;
+  for (MoEFamily f : kAllFamilies) s += (s.empty() ? "" : ", ") + std::string(find_family(f)->model_type);
+  return s;
 }
 }  // namespace detail
 
 /// The row of `f`; ConfigError (naming `where`) unless `f` is one of the
 /// enumerators: a value cast from an integer must not be read as some family.
 inline const FamilyTraits& family_traits(MoEFamily f, const char* where = "family_traits") {
-  for (std::size_t i = 0; i < std::size(kAllFamilies); ++i)
-    if (f == kAllFamilies[i]) return detail::family_rows()[i];
-  throw ConfigError(std::string(where) + ": family must be one of deepseek_v3, mixtral, qwen2_moe, qwen3_moe, olmoe, got " +
+  if (const FamilyTraits* row = detail::find_family(f)) return *row;
+  throw ConfigError(std::string(where) + ": family must be one of " + detail::family_names_list() + ", got " +
                     std::to_string(int(f)));
 }
 
@@ -134,19 +172,18 @@ namespace detail {
 inline void check_family(const char* where, MoEFamily f) { (void)family_traits(f, where); }
 }  // namespace detail
 
-/// "deepseek_v3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe" (Hugging Face `model_type`).
+/// "deepseek_v3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe" (Hugging Face
+/// `model_type`); "?" for a value that is no family (for messages).
 inline const char* family_name(MoEFamily f) {
-  for (std::size_t i = 0; i < std::size(kAllFamilies); ++i)
-    if (f == kAllFamilies[i]) return detail::family_rows()[i].model_type;
-  return "?";
+  const FamilyTraits* row = detail::find_family(f);
+  return row ? row->model_type : "?";
 }
 
 /// Family by its `model_type` name; ConfigError otherwise.
 inline MoEFamily family_by_name(const std::string& name) {
   for (MoEFamily f : kAllFamilies)
     if (name == family_name(f)) return f;
-  throw ConfigError("family_by_name: unknown MoE family '" + name +
-                    "' (deepseek_v3, mixtral, qwen2_moe, qwen3_moe, olmoe)");
+  throw ConfigError("family_by_name: unknown MoE family '" + name + "' (" + detail::family_names_list() + ")");
 }
 
 /// The routing of a family, for any shapes (used by the presets and by

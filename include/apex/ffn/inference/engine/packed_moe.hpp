@@ -31,17 +31,15 @@
 #include "../../core/memory_budget.hpp"
 #include "../../core/types.hpp"
 #include "../../kernels/fused_expert.hpp"
-#include "../../layers/kappa_swiglu.hpp"
 #include "../../layers/swiglu.hpp"
 #include "../../moe/config.hpp"
 #include "../../moe/moe_cache.hpp"
 #include "../../moe/moe_ffn.hpp"
 #include "../../moe/pipeline.hpp"
 #include "../../moe/router.hpp"
+#include "expert_kind.hpp"
+#include "expert_kinds.hpp"
 #include "packed_types.hpp"
-#include "packed_clamped.hpp"
-#include "packed_expert_kind.hpp"
-#include "packed_kappa.hpp"
 #include "packed_runner.hpp"
 #include "packed_shared.hpp"
 
@@ -50,7 +48,7 @@ namespace apex {
 /// Inference MoE on packed `Storage` weights (float, packed::bf16 or a block
 /// format such as packed::q4_k: the default of from() and the loaders, which
 /// take other types per matrix and for the shared experts). Expert: any float
-/// expert type with a row in the expert-kind table (packed_expert_kind.hpp):
+/// expert type with a row in the expert-kind table (expert_kind.hpp):
 /// SwiGLU<float>, KappaSwiGLU<float>, ClampedSwiGLU<float> (gpt-oss), or a
 /// user's; shared experts are SwiGLU, of width config.shared_ffn().
 /// Activation: the routed SwiGLU experts' gated activation, a policy of the
@@ -58,10 +56,10 @@ namespace apex {
 /// over the same weights (a GEGLU model's experts, say); other kinds have their own.
 template <class Storage, class Expert = SwiGLU<float>, class Activation = packed::SiluGate>
 class PackedMoE {
-  static_assert(detail::inference::has_packed_kind<Expert>::value,
+  static_assert(detail::inference::has_expert_kind<Expert>::value,
                 "PackedMoE<Storage, Expert>: Expert needs a row in the expert-kind table, a specialisation of "
-                "PackedExpertKind<Expert> (inference/engine/packed_expert_kind.hpp)");
-  static_assert(PackedExpertKind<Expert>::kCustomActivation || std::is_same_v<Activation, packed::SiluGate>,
+                "ExpertKind<Expert> (inference/engine/expert_kind.hpp)");
+  static_assert(ExpertKind<Expert>::kCustomActivation || std::is_same_v<Activation, packed::SiluGate>,
                 "PackedMoE<Storage, Expert, Activation>: this expert kind has its own activation");
 
  public:
@@ -71,7 +69,7 @@ class PackedMoE {
   using ActivationType = Activation;
   using Source = MoEFFN<float, Expert>;
   /// How this layer packs, stores and runs its routed experts.
-  using Kind = PackedExpertKind<Expert>;
+  using Kind = ExpertKind<Expert>;
   /// The float parts one routed expert keeps (κ's α and b, gpt-oss's biases; none for SwiGLU).
   using Extra = typename Kind::Extra;
   static constexpr bool kHasExtra = detail::inference::kind_has_extra<Kind>;
@@ -153,11 +151,6 @@ class PackedMoE {
   const Matrix<float>& shared_gate_weight() const { return shared_.gate_weight(); }
   /// Each routed expert's float parts (Kind::Extra): E of them, or none.
   const std::vector<Extra>& extras() const { return extras_; }
-  /// κ experts' α, b and options (extras() of a κ layer).
-  template <class K = Kind, class = std::enable_if_t<std::is_same_v<typename K::Extra, KappaGate>>>
-  const std::vector<KappaGate>& kappa_gates() const {
-    return extras_;
-  }
   /// Sets the router's trained logit bias b_r (config.router_bias, gpt-oss):
   /// 1 × E. ShapeError for another shape, ConfigError without router_bias,
   /// ValueError if not finite; the layer is unchanged then.

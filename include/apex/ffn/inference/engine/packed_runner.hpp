@@ -30,7 +30,7 @@
 #include "../../moe/pipeline.hpp"
 #include "../../moe/router.hpp"
 #include "packed_types.hpp"
-#include "packed_expert_kind.hpp"
+#include "expert_kind.hpp"
 
 namespace apex::detail::inference {
 
@@ -88,7 +88,7 @@ struct PackedRunner : InProcessSteps<PackedRunner<Layer>> {
         shared.forward(id, x, b, m, c.shared_y[std::size_t(id)], kernel);
         return;
       }
-      // The expert's kind runs it (inference/engine/packed_expert_kind.hpp), with
+      // The expert's kind runs it (inference/engine/expert_kind.hpp), with
       // its float parts and the rows' side input when it reads one.
       const float* side = expert_side_cols<ExpertType> ? c.side_sorted.data() + b : nullptr;
       Layer::Kind::template forward<typename Layer::ActivationType>(layer.experts_[std::size_t(id)], extra_of(id),

@@ -27,7 +27,7 @@
 /// anything but F32, F64, BF16 and a quantized checkpoint's U8), shapes
 /// (ShapeError; FormatError for a U8 tensor that is not [rows, row bytes]),
 /// a quantized checkpoint's metadata (FormatError for a missing or unknown
-/// type or version; ConfigError if options.types differ), memory and κ options
+/// type or version; ConfigError if options.types differ), memory and the kind's options
 /// (ConfigError, core/memory_budget.hpp). Then, as the float layer would reject
 /// them: a non-finite router weight or balancing bias is a ValueError (the
 /// float layer's forward rejects the non-finite logits every call would
@@ -39,8 +39,8 @@
 /// optional tensor `expert_bias` (docs/checkpoints.md). Without it the bias
 /// is zero. Under a family's names it is DeepSeek-V3's required
 /// `mlp.gate.e_score_correction_bias`, and no other family has one — as
-/// load_family_checkpoint reads them. κ's options (U, c) are not in
-/// checkpoints: pass them.
+/// load_family_checkpoint reads them. An expert kind's options (κ's U, c) are
+/// not in checkpoints: pass them (`options.expert_options`).
 ///
 /// Needs the `apex::checkpoint` target (nlohmann_json), like io/checkpoint.hpp;
 /// the layers themselves (inference.hpp) need only Eigen.
@@ -95,7 +95,7 @@ Layer load_packed_moe_from(const PackedSource& file, const MoEConfig& config, co
 }  // namespace detail::inference
 
 /// A PackedMoE of `config` from `file` (see the file comment). Every check
-/// (names, dtypes, shapes, memory, κ options, a non-finite router weight or
+/// (names, dtypes, shapes, memory, the kind's options, a non-finite router weight or
 /// bias) runs before the first expert is read and packed. The layer's
 /// fingerprint is that of the values read, so check_source(src) passes for
 /// the float layer that saved an F32 file (or loaded the same file) and has

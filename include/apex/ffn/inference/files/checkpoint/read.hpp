@@ -3,7 +3,7 @@
 /// How the packed loaders (inference/files/checkpoint/load.hpp) read a checkpoint: the
 /// tensor list a layer needs under the library's or a family's
 /// names, the checks that all run before the first weight is read (names,
-/// dtypes, shapes, a quantized checkpoint's types, memory, κ options), and
+/// dtypes, shapes, a quantized checkpoint's types, memory, the kind's options), and
 /// the expert-by-expert read into a reused staging buffer: floats packed at
 /// once, or a quantized checkpoint's blocks moved into the panels as they are.
 
@@ -175,8 +175,20 @@ inline std::vector<Expected> moe_tensors(const MoEConfig& config, const FileName
   return want;
 }
 
+/// ConfigError unless the family's blocks hold experts of `Kind` (its row's
+/// `experts`): the family's names name no other kind's float parts.
+template <class Kind>
+void check_family_kind(const std::string& where, const FamilyTraits& row, const MoEConfig& config) {
+  if (std::string(row.experts.name) == Kind::kName) return;
+  std::string names;
+  for (const ExpertExtraTensor& t : Kind::extra_tensors(config.d_model, config.d_ffn))
+    names += (names.empty() ? "" : ", ") + std::string(t.name);
+  throw ConfigError(where + ": the " + row.model_type + " name map has no names for " + Kind::kName +
+                    " experts' parameters (" + names + ")");
+}
+
 /// Every check of load_packed_moe, in the order it reports them: the
-/// configuration, the family and κ options, names, dtypes and shapes, and
+/// configuration, the family and the kind's options, names, dtypes and shapes, and
 /// memory. Reads no tensor.
 template <class Layer>
 MoEPlan plan_moe(const std::string& where, const PackedSource& file, const MoEConfig& config,
@@ -186,20 +198,14 @@ MoEPlan plan_moe(const std::string& where, const PackedSource& file, const MoECo
   const std::string& p = options.prefix;
   if (options.family) {
     const MoEFamily f = *options.family;
-    if constexpr (Layer::kHasExtra) {
-      std::string names;
-      for (const ExpertExtraTensor& t : Layer::Kind::extra_tensors(config.d_model, config.d_ffn))
-        names += (names.empty() ? "" : ", ") + std::string(t.name);
-      throw ConfigError(where + ": the " + family_name(f) + " name map has no names for " + Layer::Kind::kName +
-                        " experts' parameters (" + names + ")");
-    }
+    check_family_kind<typename Layer::Kind>(where, family_traits(f, where.c_str()), config);
     apex::check_family_fit(where.c_str(), config, f);
     file.check_family(where, f, p);
     plan.bias_name = apex::family_bias_name(f, p);  // required by DeepSeek-V3's names
   } else if (!options.bias_name.empty() && file.find(p + options.bias_name)) {
     plan.bias_name = p + options.bias_name;  // optional under the library's names
   }
-  Layer::Kind::options_of(options).template validate_for<float>(where.c_str());
+  options.expert_options.template get<typename Layer::ExpertType>().template validate_for<float>(where.c_str());
   plan.want = moe_tensors(config, plan.name, Layer::Kind::extra_tensors(config.d_model, config.d_ffn));
   if (!plan.bias_name.empty()) plan.want.push_back({plan.bias_name, 1, config.n_experts});
   plan.file_types = file_types(where, file, plan.want);
@@ -243,6 +249,7 @@ Layer build_moe(const std::string& where, const PackedSource& file, const MoECon
     }
   };
   using Kind = typename Layer::Kind;
+  const typename Kind::Options kind_options = options.expert_options.template get<typename Layer::ExpertType>();
   std::vector<packed::PackedExpert> experts, shared;
   std::vector<typename Layer::Extra> extras;
   experts.reserve(std::size_t(config.n_experts));
@@ -256,7 +263,7 @@ Layer build_moe(const std::string& where, const PackedSource& file, const MoECon
         read_into(where, file, plan.name(q + t.name), rows.back(), false);
         fingerprint_add(fp, rows.back().data(), t.cols);
       }
-      extras.push_back(Kind::make_extra(std::move(rows), Kind::options_of(options)));
+      extras.push_back(Kind::make_extra(std::move(rows), kind_options));
     }
   }
   for (Index s = 0; s < config.n_shared; ++s) shared.push_back(next(state_names::shared_expert(s), fs, types.shared));

@@ -22,10 +22,12 @@
 #include <string>
 #include <vector>
 
+#include "../../../io/gguf_architectures.hpp"
 #include "../../../moe/config.hpp"
-#include "expert_kind.hpp"
-#include "plan.hpp"
+#include "../../engine/expert_kind.hpp"
+#include "../../engine/expert_kinds.hpp"
 #include "../../engine/packed_moe.hpp"
+#include "plan.hpp"
 
 namespace apex::detail::gguf_moe {
 
@@ -189,13 +191,26 @@ inline packed::ExpertDtypes expert_types(const std::string& where, const Tensor&
   return {g.dtype, d.dtype};
 }
 
+/// ConfigError unless the file's architecture `a` has experts of `Expert`'s
+/// kind, naming the architecture, its experts and the kind asked for.
+template <class Expert>
+void check_expert_kind(const std::string& where, const gguf::Architecture& a) {
+  using Kind = ExpertKind<Expert>;
+  static_assert(inference::kind_has_gguf<Kind>,
+                "GGUF MoE blocks: this expert kind has no llama.cpp form (its ExpertKind row's Gguf is NoGgufForm)");
+  if (std::string(a.experts.name) != Kind::kName)
+    throw ConfigError(where + ": architecture '" + a.name + "' has " + a.experts.label +
+                      " experts, the layer asked for has " + gguf::experts_named(Kind::kName, Kind::kLabel).label +
+                      " experts: load it as " + a.experts.layer);
+}
+
 /// Every check of the file comment for a layer of `Expert` experts (the
-/// float expert type; GgufExpertKind); reads metadata and tensor infos only.
+/// expert type, any scalar; its kind's Gguf form); reads metadata and tensor infos only.
 /// `whole_layer` false skips the memory check of step 6: an expert-parallel
 /// rank holds only its experts (mpi/gguf_checkpoint.hpp).
 template <class Expert = SwiGLU<float>>
 Plan plan(const std::string& where, const gguf::File& file, Index layer, bool need_norm, bool whole_layer = true) {
-  using GKind = GgufExpertKind<Expert>;
+  using Kind = ExpertKind<Expert>;
   Plan p;
   check_expert_kind<Expert>(where, gguf::architecture(file.architecture(), where));
   plan_config(where, file, layer, p);
@@ -216,10 +231,9 @@ Plan plan(const std::string& where, const gguf::File& file, Index layer, bool ne
   if (c.shared_expert_gate) p.shared_gate = t.want(tn::kSharedGate, {d});
   if (p.arch->probs_bias) p.bias = t.want(tn::kProbsBias, {e}, false);
   if (p.arch->router_bias) p.router_bias = t.want(tn::kRouterBias, {e});
-  for (const ExpertExtraTensor& x : GKind::extra_tensors(c.d_model, c.d_ffn))  // ne [cols, E]: row e is expert e's
+  for (const ExpertExtraTensor& x : Kind::Gguf::extra_tensors(c.d_model, c.d_ffn))  // ne [cols, E]: row e is expert e's
     p.extras.push_back(t.want(x.name, {std::uint64_t(x.cols), e}));
-  for (const ExpertExtraTensor& x : PackedExpertKind<typename GKind::Packed>::extra_tensors(c.d_model, c.d_ffn))
-    p.extra_names.emplace_back(x.name);
+  for (const ExpertExtraTensor& x : Kind::extra_tensors(c.d_model, c.d_ffn)) p.extra_names.emplace_back(x.name);
   if (need_norm) p.norm = t.want(p.arch->norm_tensor, {d});
   t.report(where);
   if (need_norm && !(p.rms_eps > 0))
@@ -230,7 +244,7 @@ Plan plan(const std::string& where, const gguf::File& file, Index layer, bool ne
   if (!whole_layer) return p;
   // The rows move from the mapping into the panels: no staging. Also refuses
   // widths that are not whole blocks of their type.
-  PackedMoE<float, typename GKind::Packed>::check_fits(where.c_str(), c, 0, p.types);
+  PackedMoE<float, typename Kind::Packed>::check_fits(where.c_str(), c, 0, p.types);
   return p;
 }
 

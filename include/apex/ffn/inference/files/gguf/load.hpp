@@ -10,9 +10,10 @@
 ///     auto oss = apex::load_gguf_moe<float, ClampedSwiGLU<float>>(gpt_oss_file, 7);
 ///     auto oss_ref = apex::load_gguf_moe_float<float, ClampedSwiGLU<float>>(gpt_oss_file, 7);  // GptOssMoE
 ///
-/// The expert type is a template parameter (SwiGLU by default); it must be
-/// the architecture's (io/gguf_architectures.hpp `expert_kind`: gpt-oss's
-/// are ClampedSwiGLU), else ConfigError naming both. A kind's float parts
+/// The expert type is a template parameter (SwiGLU by default); its kind
+/// (inference/engine/expert_kind.hpp) must be the architecture's
+/// (io/gguf_architectures.hpp `experts`: gpt-oss's are ClampedSwiGLU), else
+/// ConfigError naming both. A kind's float parts
 /// (gpt-oss's `ffn_{gate,up,down}_exps.bias`) and the router's logit bias
 /// (`ffn_gate_inp.bias`) are decoded to float, α and L come from the row.
 ///
@@ -43,7 +44,6 @@
 #include "../../../core/state_names.hpp"
 #include "../../../layers/ffn_sublayer.hpp"
 #include "../../../moe/moe_ffn.hpp"
-#include "expert_kind.hpp"
 #include "check.hpp"
 #include "../../engine/packed_moe.hpp"
 #include "../../engine/packed_sublayer.hpp"
@@ -201,7 +201,7 @@ PackedMoE<Storage, Expert> load_gguf_moe(const gguf::File& file, Index layer) {
       return g::expert(file, p.gate, p.up, p.down, e, c.d_model, c.d_ffn);
     }));
     if constexpr (Layer::kHasExtra)
-      extras.push_back(Layer::Kind::make_extra(g::extra_rows(where, file, p, e), GgufExpertKind<Expert>::options(*p.arch)));
+      extras.push_back(Layer::Kind::make_extra(g::extra_rows(where, file, p, e), Layer::Kind::Gguf::options(*p.arch)));
   }
   if (c.n_shared > 0)
     shared.push_back(detail::inference::for_expert(where, "shared expert", 0, [&] {
@@ -229,7 +229,7 @@ MoEFFN<T, Expert> load_gguf_moe_float(const gguf::File& file, Index layer) {
   const RowVector<float> logit_bias = g::logit_bias(where, file, p);
   for (Index e = 0; e < c.n_experts && !p.extras.empty(); ++e) (void)g::extra_rows(where, file, p, e);  // finite
   MoEFFN<T, Expert> out(c);
-  GgufExpertKind<Expert>::configure(out, *p.arch);
+  ExpertKind<Expert>::Gguf::configure(out, *p.arch);
   out.balancer().set_bias(bias.cast<T>());
   for (auto& q : out.param_values()) {  // by name: the expert-parallel loader (mpi/gguf_checkpoint.hpp) reads the same slices
     const Matrix<float> m = q.name == state_names::kRouter       ? router

@@ -140,7 +140,7 @@ struct Plan {
   double rms_eps = 0;  ///< 0: the file has no `attention.layer_norm_rms_epsilon`
   Tensor router, gate, up, down, shared_gate_w, shared_up, shared_down, shared_gate, bias, norm;
   Tensor router_bias;          ///< `ffn_gate_inp.bias` (architecture.router_bias), else absent
-  std::vector<Tensor> extras;  ///< the experts' float parts (GgufExpertKind::extra_tensors order)
+  std::vector<Tensor> extras;  ///< the experts' float parts (the kind's Gguf::extra_tensors order)
   std::vector<std::string> extra_names;  ///< their parameter names under `experts.{e}.` (the same order)
   PackedTypes types = packed::Dtype::f32;
 };

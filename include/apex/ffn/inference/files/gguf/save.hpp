@@ -25,7 +25,7 @@
 ///
 /// gpt-oss: a layer of ClampedSwiGLU experts (PackedMoE<S, ClampedSwiGLU<float>>,
 /// GptOssMoE<float>) is written as the row of its expert kind, `gpt-oss`
-/// (inference/files/gguf/expert_kind.hpp): gate and up as ffn_gate_exps /
+/// (the kind's GGUF form, inference/engine/kinds/clamped_swiglu.hpp): gate and up as ffn_gate_exps /
 /// ffn_up_exps with their biases `ffn_{gate,up,down}_exps.bias` (F32, ne
 /// [f, E], [f, E], [d, E]), the router's logit bias as `ffn_gate_inp.bias`
 /// (zeros for a layer without one), the norm as `post_attention_norm`.
@@ -46,9 +46,10 @@
 #include "../../../core/errors.hpp"
 #include "../../../core/scalar_range.hpp"
 #include "../../../moe/moe_ffn.hpp"
-#include "expert_kind.hpp"
-#include "plan.hpp"
+#include "../../../io/gguf_architectures.hpp"
+#include "../../engine/expert_kind.hpp"
 #include "../../engine/packed_moe.hpp"
+#include "plan.hpp"
 #include "../../engine/packed_sublayer.hpp"
 
 namespace apex {
@@ -110,23 +111,38 @@ inline void check_options(const char* where, const GgufSaveOptions& o, const MoE
   if (o.norm_gain) apex::detail::check_shape(where, "options.norm_gain", *o.norm_gain, 1, c.d_model);
 }
 
-/// The architecture a layer of `kind` experts is written as (file comment).
+/// Whether architecture `a` has a fixed block (no routing keys) that routes
+/// as `c` does with selection bias `bias`: its scoring and renormalisation,
+/// no groups, routed scale or bias, and its shared experts.
+inline bool fixed_block_fits(const gguf::Architecture& a, const MoEConfig& c, const RowVector<float>& bias) {
+  const RoutingConfig& r = c.routing;
+  const bool shared = a.shared == FamilySharedLayout::OneGated ? c.n_shared == 1 && c.shared_expert_gate
+                                                                : c.n_shared == 0 && !c.shared_expert_gate;
+  return !a.reads_routing_keys && r.scoring == a.scoring &&
+         (r.scoring == Scoring::SoftmaxSelected || r.renormalize == a.renormalize) && r.n_groups == 1 &&
+         r.routed_scale == 1.0 && all_zero(bias) && shared;
+}
+
+/// The architecture a layer of `kind` experts is written as (file comment):
+/// the named family's row's; else, among the architectures of the layer's
+/// kind in table order, the first whose fixed block routes as the layer
+/// does, else the first that reads its routing from the keys (deepseek2),
+/// else the kind's first, whose checks then name what differs.
 inline const gguf::Architecture& choose(const char* where, const MoEConfig& c, const RowVector<float>& bias,
-                                        const std::optional<MoEFamily>& family, gguf::ExpertKind kind) {
+                                        const std::optional<MoEFamily>& family, const ExpertKindName& kind) {
   if (family) {
     const gguf::Architecture& a = gguf::architecture_of(*family);
-    apex::detail::require_config(a.expert_kind == kind, where,
+    apex::detail::require_config(std::string(a.experts.name) == kind.name, where,
                                  std::string("family ") + family_name(*family) + "'s architecture " + a.name + " has " +
-                                     gguf::expert_kind_name(a.expert_kind) + " experts, the layer's are " +
-                                     gguf::expert_kind_name(kind));
+                                     a.experts.label + " experts, the layer's are " + kind.label);
     return a;
   }
-  if (kind != gguf::ExpertKind::SwiGLU) return gguf::architecture_of(kind, where);
-  const RoutingConfig& r = c.routing;
-  const bool plain = r.scoring == Scoring::SoftmaxAll && r.n_groups == 1 && r.routed_scale == 1.0 && all_zero(bias);
-  if (plain && c.n_shared == 0 && !c.shared_expert_gate) return gguf::architecture(r.renormalize ? "qwen3moe" : "olmoe", where);
-  if (plain && c.n_shared == 1 && c.shared_expert_gate && !r.renormalize) return gguf::architecture("qwen2moe", where);
-  return gguf::architecture("deepseek2", where);
+  const std::vector<const gguf::Architecture*> rows = gguf::architectures_of_kind(kind, where);
+  for (const gguf::Architecture* a : rows)
+    if (fixed_block_fits(*a, c, bias)) return *a;
+  for (const gguf::Architecture* a : rows)
+    if (a->reads_routing_keys) return *a;
+  return *rows.front();
 }
 
 /// deepseek2's `expert_shared_count`: the S shared experts side by side,
@@ -211,17 +227,16 @@ template <class Storage, class Expert>
 void save_gguf_moe(const std::string& path, const PackedMoE<Storage, Expert>& layer, const GgufSaveOptions& options = {}) {
   namespace g = detail::gguf_moe;
   namespace tn = gguf::tensor_names;
-  static_assert(g::has_gguf_kind<Expert>::value,
-                "save_gguf_moe: this expert type has no llama.cpp form (no GgufExpertKind<Expert>, "
-                "inference/files/gguf/expert_kind.hpp)");
-  using GKind = GgufExpertKind<Expert>;
   using Kind = typename PackedMoE<Storage, Expert>::Kind;
+  static_assert(detail::inference::kind_has_gguf<Kind>,
+                "save_gguf_moe: this expert kind has no llama.cpp form (its ExpertKind row's Gguf is NoGgufForm)");
   const std::string where_s = "save_gguf_moe(" + path + ")";
   const char* where = where_s.c_str();
   const MoEConfig& c = layer.config();
-  const gguf::Architecture& a = g::choose(where, c, layer.bias(), options.family, GKind::kKind);
+  const ExpertKindName kind = gguf::experts_named(Kind::kName, Kind::kLabel);
+  const gguf::Architecture& a = g::choose(where, c, layer.bias(), options.family, kind);
   g::check_expressible(where, a, c, layer.bias());
-  GKind::check_extras(where, layer.extras(), a);
+  Kind::Gguf::check_extras(where, layer.extras(), a);
   g::check_options(where, options, c);
   gguf::Writer w;
   g::write_keys(w, a, c, options);
@@ -241,7 +256,7 @@ void save_gguf_moe(const std::string& path, const PackedMoE<Storage, Expert>& la
   w.add_tensor(name(tn::kGateExps), g::file_type_of(rt.gate_up), {d, f, e}, routed.gate.data(), routed.gate.size());
   w.add_tensor(name(tn::kUpExps), g::file_type_of(rt.gate_up), {d, f, e}, routed.up.data(), routed.up.size());
   w.add_tensor(name(tn::kDownExps), g::file_type_of(rt.down), {f, d, e}, routed.down.data(), routed.down.size());
-  const std::vector<ExpertExtraTensor> extra = GKind::extra_tensors(c.d_model, c.d_ffn);
+  const std::vector<ExpertExtraTensor> extra = Kind::Gguf::extra_tensors(c.d_model, c.d_ffn);
   std::vector<std::vector<float>> columns;  // kept alive until w.save
   for (std::size_t i = 0; i < extra.size(); ++i) {  // ne [cols, E]: row e is expert e's
     columns.push_back(g::extra_column<Kind>(layer.extras(), i));

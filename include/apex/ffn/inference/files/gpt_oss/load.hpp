@@ -31,7 +31,7 @@
 #include "../../../core/errors.hpp"
 #include "../../../io/gpt_oss_layout.hpp"
 #include "../../../quant/mxfp4_openai.hpp"
-#include "../../engine/packed_clamped.hpp"
+#include "../../engine/kinds/clamped_swiglu.hpp"
 #include "../checkpoint/load_options.hpp"
 #include "../../engine/packed_moe.hpp"
 
@@ -124,7 +124,8 @@ inline packed::PackedExpert read_expert(const GptOssSource& s, const std::string
 /// A gpt-oss block from the Hugging Face checkpoint in `source` (see the
 /// file comment) under `options.prefix` (e.g. "model.layers.3."), experts
 /// in `options.types` or else Storage. Of `options`: prefix, allow_unexpected,
-/// clamped (α and L, which files do not store), types and limits; a family
+/// the clamped kind's expert_options (α and L, which files do not store),
+/// types and limits; a family
 /// is a ConfigError. Throws ConfigError for a config that is not a gpt-oss
 /// block (router_bias, no shared experts) or does not fit in memory,
 /// FormatError/ShapeError naming the tensor, ValueError for NaN/Inf or an
@@ -150,7 +151,8 @@ PackedMoE<Storage, ClampedSwiGLU<float>> load_packed_gpt_oss(const std::string& 
   const char* where = s.where.c_str();
   detail::require_config(!options.family, where, "a gpt-oss checkpoint has its own names; options.family does not apply");
   detail::check_gpt_oss_config(where, config);
-  options.clamped.template validate_for<float>(where);
+  const ClampedSwiGLUOptions kind_options = options.expert_options.get<ClampedSwiGLU<float>>();
+  kind_options.validate_for<float>(where);
   const Index d = config.d_model, f = config.d_ffn, E = config.n_experts;
   const std::uint64_t ud = std::uint64_t(d), uf = std::uint64_t(f), uE = std::uint64_t(E);
   std::set<std::string> used{p + nm::kRouterWeight, p + nm::kRouterBias, p + nm::kGateUpBias, p + nm::kDownBias};
@@ -177,7 +179,7 @@ PackedMoE<Storage, ClampedSwiGLU<float>> load_packed_gpt_oss(const std::string& 
   std::vector<ClampedBiases> extras;
   for (Index e = 0; e < E; ++e) {
     experts.push_back(detail::gpt_oss::read_expert(s, p, gu_mx, e, d, f, types.routed));
-    ClampedBiases b{RowVector<float>(f), RowVector<float>(f), RowVector<float>(d), options.clamped};
+    ClampedBiases b{RowVector<float>(f), RowVector<float>(f), RowVector<float>(d), kind_options};
     for (Index j = 0; j < f; ++j) {
       b.gate(j) = gu_b[std::size_t(e * 2 * f + 2 * j)];
       b.up(j) = gu_b[std::size_t(e * 2 * f + 2 * j + 1)];

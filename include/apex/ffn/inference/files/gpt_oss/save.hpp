@@ -22,7 +22,7 @@
 #include "../../../io/gpt_oss_layout.hpp"
 #include "../../../io/safetensors.hpp"
 #include "../../../quant/mxfp4_openai.hpp"
-#include "../../engine/packed_clamped.hpp"
+#include "../../engine/kinds/clamped_swiglu.hpp"
 #include "../../engine/packed_moe.hpp"
 
 namespace apex {

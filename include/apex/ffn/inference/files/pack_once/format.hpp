@@ -110,7 +110,7 @@ inline PackedTypes file_layout_types(const std::string& where, const safetensors
 }
 
 /// The layer shape a pack-once file records ("apex.layout.shape"), which a
-/// map must match: expert kind (PackedExpertKind::kName), d, f, E, S, the
+/// map must match: expert kind (ExpertKind::kName), d, f, E, S, the
 /// shared width and gate, and a router bias.
 inline constexpr const char* kLayoutShapeKey = "apex.layout.shape";
 inline std::string layout_shape(const apex::MoEConfig& c, const char* kind) {

@@ -105,7 +105,7 @@ inline std::vector<packed::PackedExpert> layout_experts(const std::string& where
 /// A PackedMoE of `config` over the pack-once file at `path`, its expert
 /// weights views into a read-only mapping of the file (see
 /// inference/files/pack_once/file.hpp). Of `options`, the expert kind's
-/// options (`kappa`, `clamped`), `types` (must equal the file's if set) and `limits` apply; a
+/// options (`expert_options`), `types` (must equal the file's if set) and `limits` apply; a
 /// prefix or family is a ConfigError (a pack-once file holds one layer
 /// under the library's names). No memory-fit check: the weights are the
 /// page cache's, paged in and out by the kernel. The layer has no float
@@ -147,7 +147,7 @@ PackedMoE<Storage, Expert, Activation> map_packed_moe(const std::string& path, c
       std::vector<RowVector<float>> rows;
       for (const ExpertExtraTensor& t : Kind::extra_tensors(d, config.d_ffn))
         rows.push_back(file.matrix<float>(state_names::routed_expert(e) + t.name));
-      extras.push_back(Kind::make_extra(std::move(rows), Kind::options_of(options)));
+      extras.push_back(Kind::make_extra(std::move(rows), options.expert_options.template get<Expert>()));
     }
   Matrix<float> gate = config.shared_expert_gate ? file.matrix<float>(state_names::kSharedGate) : Matrix<float>();
   Layer out(config, router, bias, std::move(experts), std::move(extras), std::move(shared), std::move(gate));

@@ -1,6 +1,7 @@
 #pragma once
-/// \file inference/engine/packed_kappa.hpp
-/// κ-SwiGLU's forward on packed weights (docs/math.md#kappa-swiglu):
+/// \file inference/engine/kinds/kappa_swiglu.hpp
+/// κ-SwiGLU as an expert kind (inference/engine/expert_kind.hpp): its row,
+/// and its forward on packed weights (docs/math.md#kappa-swiglu):
 ///
 ///     Y = (G·σ(κ ⊙ G) ⊙ U)·W_downᵀ,   [G | U] = X·[W_gate; W_up]ᵀ,
 ///     κ_tj = exp(ln U_max · tanh(b_j + α_j·s_t)) ∈ [1/U_max, U_max],   s_t = c·ℓ_t
@@ -20,18 +21,22 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
+#include <vector>
 
-#include "../../layers/activations.hpp"
-#include "../../core/checked_size.hpp"
-#include "../../core/errors.hpp"
-#include "../../layers/kappa_options.hpp"
-#include "../../layers/kappa_row.hpp"
-#include "../../layers/kappa_swiglu.hpp"
-#include "../../kernels/fused_expert.hpp"
-#include "../../core/state_names.hpp"
-#include "../../core/types.hpp"
-#include "packed_expert_kind.hpp"
-#include "packed_two_pass.hpp"
+#include "../../../core/checked_size.hpp"
+#include "../../../core/errors.hpp"
+#include "../../../core/state_names.hpp"
+#include "../../../core/types.hpp"
+#include "../../../kernels/fused_expert.hpp"
+#include "../../../layers/activations.hpp"
+#include "../../../layers/kappa_activation.hpp"
+#include "../../../layers/kappa_options.hpp"
+#include "../../../layers/kappa_row.hpp"
+#include "../../../layers/kappa_swiglu.hpp"
+#include "../../../moe/expert_contract.hpp"
+#include "../expert_kind.hpp"
+#include "../packed_two_pass.hpp"
 
 namespace apex {
 
@@ -77,8 +82,7 @@ inline void kappa_block(packed::Isa isa, const packed::PackedExpert& e, const Ka
 inline void kappa_forward(const packed::PackedExpert& e, const KappaGate& k, const float* x, Index ldx,
                           const float* logit, Index m, float* y, Index ldy, const packed::ForwardOptions& opt = {}) {
   constexpr const char* where = "kappa_forward";
-  detail::require_config(opt.bf16_products != packed::Bf16Products::paired, where,
-                 "bf16_products = paired is not supported for kappa-SwiGLU experts");
+  detail::inference::require_unpaired(where, opt, "kappa-SwiGLU");
   if (k.options.U == 1.0) return packed::forward(e, x, ldx, m, y, ldy, opt);  // κ ≡ 1: SwiGLU
   detail::inference::two_pass_forward(
       where, "kappa-SwiGLU", e, x, ldx, m, y, ldy, opt,
@@ -87,17 +91,23 @@ inline void kappa_forward(const packed::PackedExpert& e, const KappaGate& k, con
       });
 }
 
-/// κ-SwiGLU's row of the expert-kind table (inference/engine/packed_expert_kind.hpp):
-/// its α and b kept as float, κ from each row's router logit (the side input).
-template <>
-struct PackedExpertKind<KappaSwiGLU<float>> {
+/// κ-SwiGLU's row: α and b kept as float, κ from each row's router logit
+/// (the side input); no GGUF form.
+template <class T>
+struct ExpertKind<KappaSwiGLU<T>> {
+  using Expert = KappaSwiGLU<T>;
   static constexpr const char* kName = "kappa_swiglu";
-  static constexpr bool kCustomActivation = false;  // SiLU_κ is its own activation
+  static constexpr const char* kLabel = "kappa-SwiGLU";
   using Options = KappaOptions;
-  using Extra = KappaGate;
+  using Packed = KappaSwiGLU<float>;
 
-  static const SwiGLU<float>& weights(const KappaSwiGLU<float>& e) { return e.swiglu(); }
-  static Extra extra(const KappaSwiGLU<float>& e) { return {e.kappa_alpha(), e.kappa_bias(), e.options()}; }
+  // ---- frozen float parts: α, b (1 × f each) and the options
+  using Extra = KappaGate;
+  static const SwiGLU<T>& weights(const Expert& e) { return e.swiglu(); }
+  static SwiGLU<T>& weights(Expert& e) { return e.swiglu(); }
+  static Extra extra(const Expert& e) {
+    return {e.kappa_alpha().template cast<float>(), e.kappa_bias().template cast<float>(), e.options()};
+  }
   static std::vector<ExpertExtraTensor> extra_tensors(Index, Index f) {
     return {{state_names::kKappaAlpha, f}, {state_names::kKappaBias, f}};
   }
@@ -105,23 +115,55 @@ struct PackedExpertKind<KappaSwiGLU<float>> {
   static Extra make_extra(std::vector<RowVector<float>> rows, const Options& o) {
     return {std::move(rows.at(0)), std::move(rows.at(1)), o};
   }
-  template <class LoadOptions>
-  static const Options& options_of(const LoadOptions& o) {
-    return o.kappa;
-  }
   static void check_extra(const char* where, const Extra& g, Index d, Index f) {
-    detail::inference::check_extra_shapes<PackedExpertKind>(where, g, d, f);
+    detail::inference::check_extra_shapes<ExpertKind>(where, g, d, f);
     g.options.template validate_for<float>(where);
   }
+
+  // ---- packed forward: two passes, SiLU_κ between them (its own activation)
+  static constexpr bool kCustomActivation = false;
   static void check_kernel_options(const char* where, const packed::ForwardOptions& opt) {
-    detail::require_config(opt.bf16_products != packed::Bf16Products::paired, where,
-                           "bf16_products = paired is not supported for kappa-SwiGLU experts");
+    detail::inference::require_unpaired(where, opt, kLabel);
   }
   template <class Act>
   static void forward(const packed::PackedExpert& e, const Extra& g, const float* x, Index ldx, const float* logit,
                       Index m, float* y, Index ldy, const packed::ForwardOptions& opt) {
     kappa_forward(e, g, x, ldx, logit, m, y, ldy, opt);
   }
+
+  using Gguf = NoGgufForm;  // llama.cpp has no κ experts
+
+  // ---- under adapters: A = G·σ(κG) ⊙ U, α, b and the options frozen
+  struct Activation {
+    using SideInput = RouterLogitInput;
+    KappaOptions options;
+    RowVector<T> alpha, bias;  ///< 1 × f each
+
+    static Activation of(const Expert& e) { return {e.options(), e.kappa_alpha(), e.kappa_bias()}; }
+    static Activation of(const Extra& g) { return {g.options, g.alpha.template cast<T>(), g.bias.template cast<T>()}; }
+
+    /// logit: n; g, u: n × f arrays; a: n × f (written).
+    template <class G, class U, class A>
+    void forward(const ConstVectorRef<T>& logit, G&& g, U&& u, A&& a) const {
+      detail::kappa_activation_forward(options, alpha, bias, logit, g, u, a);
+    }
+    /// ds = ρ·∂L/∂ℓ (KappaSwiGLU's convention); the α, b gradients are discarded.
+    template <class Work, class DH>
+    void backward(const ConstVectorRef<T>& logit, const Work& work, DH& dh, VectorRef<T> ds) const {
+      thread_local RowVector<T> discard_a, discard_b;  // 1 × f: where the frozen α, b gradients go
+      discard_a.resize(alpha.size());
+      discard_b.resize(alpha.size());
+      const ConstMatrixRef<T> w(work);
+      detail::kappa_activation_backward(options, alpha, bias, logit, w, dh, discard_a, discard_b, ds);
+    }
+    template <class Y>
+    void finish(Y&&) const {}
+    void apply_to(Expert& e) const {
+      e.set_options(options);
+      e.kappa_alpha() = alpha;
+      e.kappa_bias() = bias;
+    }
+  };
 };
 
 }  // namespace apex
