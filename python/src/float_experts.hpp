@@ -31,7 +31,7 @@
 #include <cstring>
 #include <string>
 
-#include <apex/ffn/adapters/gated_activation.hpp>
+#include <apex/ffn/inference/engine/expert_kinds.hpp>
 #include <apex/ffn/kernels/packed_products.hpp>
 #include <apex/ffn/layers/clamped_swiglu.hpp>
 #include <apex/ffn/layers/gated_products.hpp>
@@ -115,7 +115,7 @@ struct FloatExperts {
     auto g = work.leftCols(f).array();
     auto u = work.middleCols(f, f).array();
     auto a = work.rightCols(f).array();
-    if (l.gate == GateKind::silu) GatedActivation<SwiGLU<float>>{}.forward(ConstVectorRef<float>(Vector<float>()), g, u, a);
+    if (l.gate == GateKind::silu) ExpertKind<SwiGLU<float>>::Activation{}.forward(ConstVectorRef<float>(Vector<float>()), g, u, a);
     else apex::detail::clamped_glu(g, u, a, l.alpha, l.limit);
     if (l.transposed) detail_float::product_nn(work.rightCols(f), down_t(e), y);
     else apex::detail::train_linear_nt(work.rightCols(f), down_nt(e), y);

@@ -5,7 +5,7 @@
 /// routing given by the caller (routed_experts.hpp):
 ///
 ///  - inference: each expert through its kind's packed forward
-///    (inference/engine/packed_expert_kind.hpp) — the PackedMoE forward,
+///    (inference/engine/expert_kind.hpp) — the PackedMoE forward,
 ///    whose block formats quantize the activations as ggml does;
 ///  - training: each expert as the adapters' LoraBlock over its frozen packed
 ///    weights (adapters/lora_block.hpp, adapters/frozen_packed.hpp), with
@@ -26,11 +26,9 @@
 #include <vector>
 
 #include <apex/ffn/adapters/frozen_packed.hpp>
-#include <apex/ffn/adapters/gated_activation.hpp>
+#include <apex/ffn/inference/engine/expert_kinds.hpp>
 #include <apex/ffn/adapters/lora_adapter.hpp>
 #include <apex/ffn/adapters/lora_block.hpp>
-#include <apex/ffn/inference/engine/packed_clamped.hpp>
-#include <apex/ffn/inference/engine/packed_expert_kind.hpp>
 #include <apex/ffn/inference/engine/packed_types.hpp>
 #include <apex/ffn/layers/clamped_swiglu.hpp>
 
@@ -64,7 +62,7 @@ class PackedExperts {
       if (biases_.size() != experts_.size())
         throw ShapeError(std::string(where) + ": clamped experts need " + std::to_string(experts_.size()) +
                          " bias sets, got " + std::to_string(biases_.size()));
-      for (const auto& b : biases_) PackedExpertKind<ClampedSwiGLU<float>>::check_extra(where, b, d_, f_);
+      for (const auto& b : biases_) ExpertKind<ClampedSwiGLU<float>>::check_extra(where, b, d_, f_);
     } else if (!biases_.empty()) {
       throw ConfigError(std::string(where) + ": SiLU-gated experts have no biases in the library's expert kinds");
     }
@@ -93,9 +91,9 @@ class PackedExperts {
     python::forward(r, x, d_, y_sorted, y, threads, [&](const apex::detail::ExpertTask& t, const auto& xs, auto&& ys) {
       const auto& e = experts_[std::size_t(t.id)];
       if (gate_ == GateKind::silu)
-        PackedExpertKind<SwiGLU<float>>::forward<packed::SiluGate>(e, {}, xs.data(), d_, nullptr, t.rows, ys.data(), d_, opt);
+        ExpertKind<SwiGLU<float>>::forward<packed::SiluGate>(e, {}, xs.data(), d_, nullptr, t.rows, ys.data(), d_, opt);
       else
-        PackedExpertKind<ClampedSwiGLU<float>>::forward<packed::SiluGate>(e, biases_[std::size_t(t.id)], xs.data(), d_,
+        ExpertKind<ClampedSwiGLU<float>>::forward<packed::SiluGate>(e, biases_[std::size_t(t.id)], xs.data(), d_,
                                                                           nullptr, t.rows, ys.data(), d_, opt);
     });
   }
@@ -131,7 +129,7 @@ class PackedExperts {
  private:
   template <class Expert>
   struct Kind {
-    using Act = GatedActivation<Expert>;
+    using Act = typename ExpertKind<Expert>::Activation;
     using Block = LoraBlock<FrozenPackedExpert, Act>;
   };
 
@@ -181,7 +179,7 @@ class PackedExperts {
       return p;
     };
     for (Index e = 0; e < n; ++e) {
-      if constexpr (std::is_same_v<typename K::Act, GatedActivation<SwiGLU<float>>>) b.acts.push_back({});
+      if constexpr (std::is_same_v<typename K::Act, ExpertKind<SwiGLU<float>>::Activation>) b.acts.push_back({});
       else b.acts.push_back(K::Act::of(biases_[std::size_t(e)]));
       auto& v = b.values[std::size_t(e)];
       if (ad.r_gu) v[LoraSlot::gate_up] = pair(ad.a_gu, ad.b_gu, e, ad.r_gu, d_, 2 * f_);
