@@ -4,7 +4,7 @@
 /// This umbrella includes the headers under safetensors/, one per concern:
 ///
 ///     dtype.hpp        DType, its spellings and sizes
-///     bf16.hpp         little-endian bytes, double → float and → bf16 rounding
+///     element_bits.hpp little-endian bytes, double → float and → bf16 rounding
 ///     codec.hpp        element arrays to and from their stored bytes
 ///     header.hpp       Header, TensorInfo, Metadata, Limits; quote_name, shape_string
 ///     parse.hpp        the header parser and validator (parse_header, read_header)
