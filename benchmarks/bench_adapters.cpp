@@ -34,6 +34,7 @@ using namespace apex;
 using apex::bench::Clock;
 using apex::bench::random_matrix;
 using apex::bench::seconds_since;
+using apex::bench::vm_rss;
 
 namespace {
 
@@ -133,21 +134,6 @@ BENCHMARK_TEMPLATE(BM_LoraStep, packed::q4_k)->Apply(step_args);
 BENCHMARK_TEMPLATE(BM_LoraStep, packed::q6_k)->Apply(step_args);
 BENCHMARK_TEMPLATE(BM_LoraStep, packed::mxfp4)->Apply(step_args);
 BENCHMARK_TEMPLATE(BM_LoraStep, float)->Apply(step_args);
-
-// VmRSS of this process in bytes (/proc/self/status), 0 where unknown.
-double vm_rss() {
-  std::ifstream f("/proc/self/status");
-  std::string key;
-  while (f >> key) {
-    if (key == "VmRSS:") {
-      double kb = 0;
-      f >> kb;
-      return kb * 1024.0;
-    }
-    std::getline(f, key);
-  }
-  return 0;
-}
 
 // A qwen3-shaped packed layer built expert by expert (never a float copy of
 // the layer), adapters on it, one step at N = 512 with AdamW-sized moments:

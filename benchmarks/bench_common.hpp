@@ -11,6 +11,8 @@
 #include <benchmark/benchmark.h>
 
 #include <chrono>
+#include <fstream>
+#include <string>
 
 namespace apex::bench {
 
@@ -61,5 +63,22 @@ struct DenseProduct {
   }
   double flops() const { return 2.0 * double(x.rows()) * double(x.cols()) * double(w.rows()); }
 };
+
+/// VmRSS of this process in bytes (/proc/self/status), 0 where unknown: the
+/// resident benchmarks' reading (a fresh process per figure, since pages an
+/// earlier benchmark freed are reused without growth).
+inline double vm_rss() {
+  std::ifstream f("/proc/self/status");
+  std::string key;
+  while (f >> key) {
+    if (key == "VmRSS:") {
+      double kb = 0;
+      f >> kb;
+      return kb * 1024.0;
+    }
+    std::getline(f, key);
+  }
+  return 0;
+}
 
 }  // namespace apex::bench

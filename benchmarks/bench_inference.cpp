@@ -76,6 +76,7 @@ using namespace apex;
 using apex::bench::Clock;
 using apex::bench::random_matrix;
 using apex::bench::seconds_since;
+using apex::bench::vm_rss;
 using apex::packed::bf16;
 
 struct Shape {
@@ -534,21 +535,6 @@ void expert_kind_args(benchmark::internal::Benchmark* b) {
 BENCHMARK_TEMPLATE(BM_ExpertKinds, bf16)->Apply(expert_kind_args);
 BENCHMARK_TEMPLATE(BM_ExpertKinds, packed::q8_0)->Apply(expert_kind_args);
 BENCHMARK_TEMPLATE(BM_ExpertKinds, packed::mxfp4)->Apply(expert_kind_args);
-
-// VmRSS of this process in bytes (/proc/self/status), 0 where unknown.
-double vm_rss() {
-  std::ifstream f("/proc/self/status");
-  std::string key;
-  while (f >> key) {
-    if (key == "VmRSS:") {
-      double kb = 0;
-      f >> kb;
-      return kb * 1024.0;
-    }
-    std::getline(f, key);
-  }
-  return 0;
-}
 
 // A medium-preset packed layer built expert by expert from random weights
 // (as the checkpoint loader builds it: one expert's float staging at a

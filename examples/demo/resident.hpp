@@ -1,6 +1,6 @@
 #pragma once
 /// \file resident.hpp
-/// The resident set of this process (VmRSS, as benchmarks/bench_inference.cpp
+/// The resident set of this process (VmRSS, as benchmarks/bench_common.hpp
 /// reads it), for measuring what a part of the demo holds in memory: the
 /// growth between two readings taken with `held_bytes`.
 ///
