@@ -3,15 +3,13 @@
     python examples/python/gguf_generate.py [--type Q8_0|Q4_0|MXFP4|F32] [--tokens 16]
 
 Writes a small random Qwen3-MoE model as a GGUF file (make_tiny_gguf.py: no
-download), loads it with transformers, then swaps every experts module for
-the file's own expert blocks (apex_ffn.packed.pack_experts(model,
-gguf=path)): the experts run packed in the file's type instead of
-dequantized to float32. Prints the logits' difference, both greedy
-continuations, the experts' bytes and the tokens per second of each.
-
-transformers (5.25) loads the file dequantized first (its CPU path), so the
-peak memory of the load is that of the float model; after the swap the
-experts hold the file's bytes only.
+download) and loads it twice: by transformers, which on a CPU dequantizes
+every tensor, and by apex_ffn.gguf_model.load_model, which builds the model
+from the file with its experts packed from the file's blocks (never
+dequantized) and only the rest dequantized. Prints the logits' difference,
+both greedy continuations, the experts' bytes and the tokens per second of
+each. tools/bench_gguf_generate.py measures the same at a larger size, with
+resident memory, each load in its own process.
 """
 import argparse
 import os
@@ -25,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_tiny_gguf import make_tiny_qwen3_moe_gguf  # noqa: E402
 
 import apex_ffn  # noqa: E402
-from apex_ffn.packed import pack_experts  # noqa: E402
+from apex_ffn.gguf_model import load_model  # noqa: E402
 
 
 def tokens_per_second(model, prompt, n):
@@ -55,14 +53,13 @@ def run(args, folder):
     print(f"{path}: {os.path.getsize(path) / 1e6:.1f} MB, experts in {args.type}")
 
     # transformers' qwen3moe GGUF mapping has no expert_feed_forward_length: give the experts' width
-    load = dict(gguf_file=os.path.basename(path), moe_intermediate_size=256, dtype=torch.float32)
-    ref = AutoModelForCausalLM.from_pretrained(folder, **load).eval()
-    ours = AutoModelForCausalLM.from_pretrained(folder, **load).eval()
-    float_bytes = experts_bytes(ours)
-    pack_experts(ours, gguf=path)
+    ref = AutoModelForCausalLM.from_pretrained(folder, gguf_file=os.path.basename(path), moe_intermediate_size=256,
+                                               dtype=torch.float32).eval()
+    ours = load_model(path)
     packed = [m for _, m in ours.named_modules() if isinstance(m, apex_ffn.packed.PackedExpertsModule)]
-    print(f"experts: {float_bytes / 1e6:.1f} MB as float32 -> {sum(m.packed.nbytes for m in packed) / 1e6:.1f} MB "
-          f"packed ({packed[0].packed.types}), kernel path {apex_ffn.isa()}")
+    print(f"experts: {experts_bytes(ref) / 1e6:.1f} MB as float32 (transformers) -> "
+          f"{sum(m.packed.nbytes for m in packed) / 1e6:.1f} MB packed ({packed[0].packed.types}), "
+          f"kernel path {apex_ffn.isa()}")
 
     prompt = torch.tensor([[3, 14, 15, 92, 65, 35]])
     with torch.no_grad():

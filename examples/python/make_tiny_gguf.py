@@ -9,13 +9,13 @@ import numpy as np
 import torch
 
 
-def tiny_qwen3_moe(hidden=256, experts=8, ffn=256, layers=2, vocab=512, seed=0):
+def tiny_qwen3_moe(hidden=256, experts=8, ffn=256, layers=2, vocab=512, top_k=2, tied=False, seed=0):
     from transformers import AutoConfig, AutoModelForCausalLM
     torch.manual_seed(seed)
     cfg = AutoConfig.for_model("qwen3_moe", hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
                                num_key_value_heads=2, head_dim=64, vocab_size=vocab, intermediate_size=ffn,
-                               moe_intermediate_size=ffn, num_experts=experts, num_experts_per_tok=2,
-                               norm_topk_prob=True, max_position_embeddings=256, tie_word_embeddings=False)
+                               moe_intermediate_size=ffn, num_experts=experts, num_experts_per_tok=top_k,
+                               norm_topk_prob=True, max_position_embeddings=256, tie_word_embeddings=tied)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -57,7 +57,8 @@ def make_tiny_qwen3_moe_gguf(path, experts_type="Q8_0", model=None):
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
-    w.add_tensor("output.weight", sd["lm_head.weight"])
+    if not c.tie_word_embeddings:  # a tied model's file has no output.weight (llama.cpp's converter)
+        w.add_tensor("output.weight", sd["lm_head.weight"])
     f = c.moe_intermediate_size
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
