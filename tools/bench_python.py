@@ -66,6 +66,19 @@ def timed(fn, reps):
     return statistics.median(times)
 
 
+def cpp_overhead(module, x, ids, w, threads, reps):
+    """The module's forward from Python (the op, its dtype casts) against the extension's own loop over the
+    same forward (PackedExperts.forward_seconds), alternated, medians: 'C++ t ms, Python/C++ ratio'."""
+    xf, wf, idl = x.float().contiguous(), w.float().contiguous(), ids.long().contiguous()
+    y, ys = torch.empty_like(xf), torch.empty(xf.shape[0] * idl.shape[1], xf.shape[1])
+    py, cpp = [], []
+    with torch.no_grad():
+        for _ in range(reps):
+            py.append(timed(lambda: module(x, ids, w), 3))
+            cpp.append(module.packed.forward_seconds(xf, idl, wf, False, y, ys, threads, 3))
+    return f"C++ {statistics.median(cpp) * 1e3:.3f} ms, Python/C++ {statistics.median(py) / statistics.median(cpp):.3f}"
+
+
 def forward_cells(args, dtype):
     model, module = block(args.experts, args.d, args.f, args.k, dtype)
     impls = {}
@@ -96,6 +109,10 @@ def forward_cells(args, dtype):
             base = cell["grouped_mm"]
             print(f"{str(dtype)[6:]:8s} threads {threads} N {n:3d}  " + "  ".join(
                 f"{name} {t * 1e3:8.2f} ms ({base / t:4.2f}x)" for name, t in cell.items()), flush=True)
+            if n < 512:
+                print(" " * 9 + "the Python call against the same forward timed in C++: " + "  ".join(
+                    f"{name} {cpp_overhead(m, x, ids, w, threads, reps)}" for name, m in impls.items()
+                    if name.startswith("packed")), flush=True)
     return rows
 
 

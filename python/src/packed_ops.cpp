@@ -9,6 +9,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
+#include <chrono>
 #include <optional>
 #include <string>
 #include <vector>
@@ -172,6 +174,32 @@ void packed_forward(const PackedExperts& p, const Array& x, const Array& ids, co
   p.forward(r, c.x.data, ys.data, yv.data, threads, isa);
 }
 
+/// The median seconds of `reps` forwards on these inputs (the routing built each time, as the op does),
+/// timed inside C++ with no Python between calls: the reference the Python call's overhead is measured
+/// against (tools/bench_python.py).
+double packed_forward_seconds(const PackedExperts& p, const Array& x, const Array& ids, const Array& w,
+                              bool expert_parallel, const MutArray& y, const MutArray& y_sorted, int threads,
+                              int reps) {
+  constexpr const char* where = "apex_ffn.PackedExperts.forward_seconds";
+  if (reps < 1) throw ConfigError(std::string(where) + ": reps must be at least 1, got " + std::to_string(reps));
+  const Call c = call_of(where, p, x, ids, w);
+  const auto yv = view<float>(where, "y", y, Elem::f32, 2);
+  const auto ys = view<float>(where, "y_sorted", y_sorted, Elem::f32, 2);
+  expect_shape(where, "y", yv, {c.n, p.d_model()});
+  expect_shape(where, "y_sorted", ys, {c.n * c.k, p.d_model()});
+  const packed::Isa isa = current_isa();
+  nb::gil_scoped_release release;
+  std::vector<double> seconds;
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const Routing r = make_routing(where, c.ids.data, c.w.data, c.n, c.k, p.experts(), expert_parallel);
+    p.forward(r, c.x.data, ys.data, yv.data, threads, isa);
+    seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::nth_element(seconds.begin(), seconds.begin() + reps / 2, seconds.end());
+  return seconds[std::size_t(reps / 2)];
+}
+
 void packed_train_forward(const PackedExperts& p, const Array& x, const Array& ids, const Array& w,
                    const std::optional<Array>& a_gu, const std::optional<Array>& b_gu,
                    const std::optional<Array>& a_down, const std::optional<Array>& b_down, double scale,
@@ -247,6 +275,10 @@ void bind_packed_experts(nb::module_& m) {
       .def("train_work_cols", &PackedExperts::train_work_cols, nb::arg("r_gate_up"), nb::arg("r_down"))
       .def("forward", &packed_forward, nb::arg("hidden_states"), nb::arg("top_k_index"), nb::arg("top_k_weights"),
            nb::arg("expert_parallel"), nb::arg("y"), nb::arg("y_sorted"), nb::arg("threads"))
+      .def("forward_seconds", &packed_forward_seconds, nb::arg("hidden_states"), nb::arg("top_k_index"),
+           nb::arg("top_k_weights"), nb::arg("expert_parallel"), nb::arg("y"), nb::arg("y_sorted"),
+           nb::arg("threads"), nb::arg("reps"),
+           "Median seconds of `reps` forwards timed in C++ (the reference for the Python call's overhead).")
       .def("train_forward", &packed_train_forward, nb::arg("hidden_states"), nb::arg("top_k_index"), nb::arg("top_k_weights"),
            nb::arg("a_gate_up").none(), nb::arg("b_gate_up").none(), nb::arg("a_down").none(), nb::arg("b_down").none(),
            nb::arg("scale"), nb::arg("expert_parallel"), nb::arg("y"), nb::arg("y_sorted"), nb::arg("work"),
