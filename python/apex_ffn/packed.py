@@ -103,8 +103,9 @@ def _block_file(folder, name, fn):
 def _router_of(model, name, experts, e, d, fn):
     """The router beside experts module `name`: the one sibling with a weight of E × d, and its bias (or None).
     ConfigError when there is none or more than one (the file's shape records whether the router has a bias)."""
-    parent = model.get_submodule(name.rpartition(".")[0])
-    found = [(n, m) for n, m in parent.named_children() if m is not experts
+    block = name.rpartition(".")[0]
+    parent = model.get_submodule(block)
+    found = [(f"{block}.{n}" if block else n, m) for n, m in parent.named_children() if m is not experts
              and isinstance(getattr(m, "weight", None), torch.Tensor) and tuple(m.weight.shape) == (e, d)]
     if len(found) != 1:
         raise _core.ConfigError(f"apex_ffn.{fn}: {name}: {len(found)} router modules beside the experts (siblings "
