@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 import apex_ffn  # noqa: E402
 from apex_ffn.lora import add_lora  # noqa: E402
 from apex_ffn.packed import PackedExpertsModule, pack_experts, save_pack_once  # noqa: E402
-from families import experts_modules, tiny_model  # noqa: E402
+from families import FAMILIES, experts_modules, tiny_model  # noqa: E402
 from test_packed import logits, routed_inputs, wide_model  # noqa: E402
 
 TYPES = ["f32", "bf16", "f16", "q8_0", "q4_0", "mxfp4", "q4_k", "q6_k", "q4_k/q6_k"]
@@ -58,6 +58,18 @@ def test_mapped_model_computes_the_packed_bits(family, types, tmp_path):
         assert (b.packed.types, b.packed.nbytes, b.layout.gate) == (a.packed.types, a.packed.nbytes, a.layout.gate)
         with torch.no_grad():
             assert torch.equal(b(x, ids, w), a(x, ids, w)), n
+    assert torch.equal(logits(mapped, IDS), logits(packed, IDS))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_round_trips(family, tmp_path):
+    """The router beside the experts is found in each family's block (gate, router; with or without a bias,
+    beside shared experts and their gate), and the mapped model computes the packed one's bits."""
+    ref = tiny_model(family)
+    packed, mapped = copy.deepcopy(ref), copy.deepcopy(ref)
+    pack_experts(packed, "bf16")
+    save_pack_once(packed, tmp_path)
+    pack_experts(mapped, pack_once=tmp_path)
     assert torch.equal(logits(mapped, IDS), logits(packed, IDS))
 
 
@@ -198,6 +210,13 @@ def test_save_refusals_and_no_half_written_file(tmp_path):
         save_pack_once(model, tmp_path / "none")
     assert not (tmp_path / "none").exists()
     pack_experts(model, "q4_0")
+    # checked before the first file: block 1 without a router writes nothing, block 0 included
+    no_router = copy.deepcopy(model)
+    no_router.model.layers[1].mlp.gate = torch.nn.Identity()
+    with pytest.raises(apex_ffn.ConfigError, match=r"save_pack_once: model.layers.1.mlp.experts: 0 router modules "
+                                                   r"beside the experts \(siblings with a weight of 6 x 256: \[\]\)"):
+        save_pack_once(no_router, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
     # block 1's path is taken by a folder: block 0 is written whole, block 1 fails, no temporary file stays
     (tmp_path / "out" / "block-1.safetensors").mkdir(parents=True)
     with pytest.raises(apex_ffn.FormatError, match="cannot rename '.*/out/.block-1.safetensors.tmp.*' to "
