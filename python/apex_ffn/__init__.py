@@ -7,7 +7,8 @@
 The torch operators are in apex_ffn.ops; in transformers models,
 apex_ffn.hf registers the experts implementation "apex_ffn" (float
 experts) and apex_ffn.packed.pack_experts swaps the experts modules for
-packed ones (the model's weights quantized, or a GGUF file's blocks);
+packed ones (the model's weights quantized, a GGUF file's blocks, or the
+library's pack-once files, mapped in place; save_pack_once writes them);
 apex_ffn.gguf_model.load_model opens a GGUF MoE model with its experts
 never dequantized.
 """

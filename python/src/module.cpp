@@ -53,4 +53,5 @@ NB_MODULE(_core, m) {
   python::bind_float_experts(m);
   python::bind_packed_experts(m);
   python::bind_files(m);
+  python::bind_pack_once(m);
 }

@@ -45,5 +45,6 @@ inline packed::Isa isa_from_name(const std::string& name) {
 void bind_float_experts(nanobind::module_& m);
 void bind_packed_experts(nanobind::module_& m);
 void bind_files(nanobind::module_& m);
+void bind_pack_once(nanobind::module_& m);
 
 }  // namespace apex::python
