@@ -22,12 +22,14 @@
 ///     [∂L/∂G | ∂L/∂U] = act'(G, U) ∘ ∂L/∂A            (the training layers' own functions)
 ///     ∂L/∂x = [∂L/∂G | ∂L/∂U]·W_gu   ∂L/∂W_gu += [∂L/∂G | ∂L/∂U]ᵀ·x   ∂L/∂b_gu += Σ_rows [∂L/∂G | ∂L/∂U]
 ///
-/// The products are the training layers' (layers/gated_products.hpp: the
-/// packed engine's tiles once a block has enough rows, Eigen below that),
-/// over the tensors' memory as it is: nothing is copied or packed to keep.
+/// The products run over the tensors' memory as it is (nothing copied or
+/// packed to keep): for an expert's rows below kStreamRows, products that
+/// stream each weight row once (decode, small batches); above, the training
+/// layers' (layers/gated_products.hpp: the packed engine's tiles, or Eigen).
 /// The work row is [G | U | A] (3f), gate and up in natural order whatever
 /// the storage's interleaving, as the activations read it.
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -56,9 +58,55 @@ namespace detail_float {
 struct GuTag;  ///< m × 2f: gate/up in storage order
 struct DhTag;  ///< m × 2f: [∂L/∂G | ∂L/∂U]
 
-/// out (m × n) = a (m × K) · W, W: K × n row-major (the engine's tiles or Eigen).
+/// Fewer rows than this (a decode step's or a small batch's rows of one
+/// expert) take the streaming products below: each weight row is read once
+/// from memory and reused from L1 for every row of `a`, where a GEMM (the
+/// engine's or Eigen's) would first pack the whole weight matrix for a
+/// handful of rows and so run at a fraction of the memory's speed.
+inline constexpr Index kStreamRows = 16;
+inline constexpr Index kStreamCols = 256;  ///< out columns kept in L1 by the nn product (m × 256 floats)
+
+/// out (m × n) = a (m × K) · Wᵀ, W: n × K row-major. Few rows: one dot
+/// product per (row, weight row), the weight row read from memory once and
+/// from L1 for the other rows; else the training products (engine/Eigen).
+template <class A, class W, class Out>
+void product_nt(const A& a, const W& w, Out&& out) {
+  if (a.rows() >= kStreamRows) return apex::detail::train_linear_nt(a, w, out);
+  const Index m = a.rows(), n = w.rows(), K = w.cols();
+  for (Index j = 0; j < n; ++j) {
+    const float* wj = w.data() + j * w.outerStride();
+    for (Index i = 0; i < m; ++i) {
+      const float* ai = a.data() + i * a.outerStride();
+      float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+      for (Index k = 0; k < K; ++k) acc += ai[k] * wj[k];
+      out.data()[i * out.outerStride() + j] = acc;
+    }
+  }
+}
+
+/// out (m × n) = a (m × K) · W, W: K × n row-major. Few rows: rank-1
+/// updates out += a(:, k)·W(k, :) over column blocks of kStreamCols, so the
+/// block of out stays in L1 while W streams; else the engine's tiles or Eigen.
 template <class A, class W, class Out>
 void product_nn(const A& a, const W& w, Out&& out) {
+  const Index m = a.rows(), n = w.cols(), K = w.rows();
+  if (m < kStreamRows) {
+    for (Index c0 = 0; c0 < n; c0 += kStreamCols) {
+      const Index nc = std::min(kStreamCols, n - c0);
+      for (Index i = 0; i < m; ++i) std::fill_n(out.data() + i * out.outerStride() + c0, nc, 0.0f);
+      for (Index k = 0; k < K; ++k) {
+        const float* wk = w.data() + k * w.outerStride() + c0;
+        for (Index i = 0; i < m; ++i) {
+          const float aik = a.data()[i * a.outerStride() + k];
+          float* oi = out.data() + i * out.outerStride() + c0;
+#pragma omp simd
+          for (Index c = 0; c < nc; ++c) oi[c] += aik * wk[c];
+        }
+      }
+    }
+    return;
+  }
   packed::Isa isa{};
   if (apex::detail::use_training_engine<float>(a.rows(), true, isa)) {
     packed::linear_nn(isa, a.data(), a.outerStride(), a.rows(), w.data(), w.outerStride(), w.cols(), w.rows(),
@@ -118,7 +166,7 @@ struct FloatExperts {
     if (l.gate == GateKind::silu) ExpertKind<SwiGLU<float>>::Activation{}.forward(ConstVectorRef<float>(Vector<float>()), g, u, a);
     else apex::detail::clamped_glu(g, u, a, l.alpha, l.limit);
     if (l.transposed) detail_float::product_nn(work.rightCols(f), down_t(e), y);
-    else apex::detail::train_linear_nt(work.rightCols(f), down_nt(e), y);
+    else detail_float::product_nt(work.rightCols(f), down_nt(e), y);
     if (down_bias) y.rowwise() += Eigen::Map<const RowVector<float>>(down_bias + e * l.d, l.d);
   }
 
@@ -131,7 +179,7 @@ struct FloatExperts {
     const auto a = work.rightCols(f);
     // ∂L/∂A = dy·W_down (in the dU half until act' replaces it), ∂L/∂W_down += dyᵀ·A, ∂L/∂b_down += Σ dy
     if (l.transposed) {
-      apex::detail::train_linear_nt(dy, down_t(e), dh.rightCols(f));
+      detail_float::product_nt(dy, down_t(e), dh.rightCols(f));
       if (d_down) Eigen::Map<Matrix<float>>(d_down + e * f * d, f, d).noalias() += a.transpose() * dy;
     } else {
       detail_float::product_nn(dy, down_nt(e), dh.rightCols(f));
@@ -160,7 +208,7 @@ struct FloatExperts {
   template <class X, class Out>
   void project_gate_up(Index e, const X& x, Out&& out) const {
     if (l.transposed) detail_float::product_nn(x, gate_up_t(e), out);
-    else apex::detail::train_linear_nt(x, gate_up_nt(e), out);
+    else detail_float::product_nt(x, gate_up_nt(e), out);
   }
   /// The gate/up bias of expert e in natural order ([b_gate | b_up]).
   void natural_bias(Index e, Matrix<float>& b) const {
@@ -173,7 +221,7 @@ struct FloatExperts {
   void gate_up_backward(Index e, const X& x, const DH& dh, DX&& dx) const {
     const Index f = l.f, d = l.d;
     if (l.transposed) {
-      apex::detail::train_linear_nt(dh, gate_up_t(e), dx);
+      detail_float::product_nt(dh, gate_up_t(e), dx);
       if (d_gate_up) Eigen::Map<Matrix<float>>(d_gate_up + e * 2 * f * d, d, 2 * f).noalias() += x.transpose() * dh;
     } else {
       detail_float::product_nn(dh, gate_up_nt(e), dx);
