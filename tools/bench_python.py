@@ -66,16 +66,27 @@ def timed(fn, reps):
     return statistics.median(times)
 
 
-def cpp_overhead(module, x, ids, w, threads, reps):
-    """The module's forward from Python (the op, its dtype casts) against the extension's own loop over the
-    same forward (PackedExperts.forward_seconds), alternated, medians: 'C++ t ms, Python/C++ ratio'."""
-    xf, wf, idl = x.float().contiguous(), w.float().contiguous(), ids.long().contiguous()
-    y, ys = torch.empty_like(xf), torch.empty(xf.shape[0] * idl.shape[1], xf.shape[1])
+def cpp_overhead(module, n, args, dtype, threads, reps):
+    """The module's forward from Python (its dtype casts, the op's checks and call) against the same forward
+    timed inside C++ (PackedExperts.forward_seconds, one call), alternated call by call, each pair on fresh
+    routing (as decode steps are: the same experts again would be an L3-warm artefact); medians:
+    'C++ t ms, Python/C++ ratio'."""
+    cases = []
+    for seed in range(16):
+        x, ids, w = routing(n, args.experts, args.k, args.d, dtype, seed=100 + seed)
+        xf, wf, idl = x.float().contiguous(), w.float().contiguous(), ids.long().contiguous()
+        cases.append((x, ids, w, xf, idl, wf))
+    y, ys = torch.empty(n, args.d), torch.empty(n * args.k, args.d)
     py, cpp = [], []
     with torch.no_grad():
-        for _ in range(reps):
-            py.append(timed(lambda: module(x, ids, w), 3))
-            cpp.append(module.packed.forward_seconds(xf, idl, wf, False, y, ys, threads, 3))
+        module(*cases[0][:3])
+        for i in range(10 * reps):
+            x, ids, w, xf, idl, wf = cases[i % len(cases)]
+            t0 = time.perf_counter()
+            module(x, ids, w)
+            py.append(time.perf_counter() - t0)
+            x, ids, w, xf, idl, wf = cases[(i + 7) % len(cases)]
+            cpp.append(module.packed.forward_seconds(xf, idl, wf, False, y, ys, threads, 1))
     return f"C++ {statistics.median(cpp) * 1e3:.3f} ms, Python/C++ {statistics.median(py) / statistics.median(cpp):.3f}"
 
 
@@ -111,7 +122,7 @@ def forward_cells(args, dtype):
                 f"{name} {t * 1e3:8.2f} ms ({base / t:4.2f}x)" for name, t in cell.items()), flush=True)
             if n < 512:
                 print(" " * 9 + "the Python call against the same forward timed in C++: " + "  ".join(
-                    f"{name} {cpp_overhead(m, x, ids, w, threads, reps)}" for name, m in impls.items()
+                    f"{name} {cpp_overhead(m, n, args, dtype, threads, reps)}" for name, m in impls.items()
                     if name.startswith("packed")), flush=True)
     return rows
 
