@@ -27,7 +27,7 @@ namespace apex::packed::detail {
 
 /// One row's 32 accumulators (four vectors) through the epilogue.
 template <class Epi>
-APEX_TARGET_AVX2 inline void store_row_avx2(const __m256* acc, float* out, Index ncols) {
+APEX_TARGET_AVX2 APEX_KERNEL_INLINE inline void store_row_avx2(const __m256* acc, float* out, Index ncols) {
   alignas(32) float tmp[32];
   if constexpr (Epi::kGated && vectorised_v<typename Epi::Activation>) {
     using Act = typename Epi::Activation;
@@ -56,14 +56,14 @@ APEX_TARGET_AVX2 inline void store_row_avx2(const __m256* acc, float* out, Index
 /// lanes) as four fp32 vectors, lanes 8v … 8v + 7.
 struct F32Slab {
   using Weight = float;
-  APEX_TARGET_AVX2 static void load(const float* w, Index k, __m256* wv) {
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void load(const float* w, Index k, __m256* wv) {
     for (int v = 0; v < 4; ++v) wv[v] = _mm256_load_ps(w + 32 * k + 8 * v);
   }
 };
 /// f16 weights widened by F16C (`vcvtph2ps`, exact).
 struct F16Slab {
   using Weight = f16;
-  APEX_TARGET_AVX2 static void load(const f16* w, Index k, __m256* wv) {
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void load(const f16* w, Index k, __m256* wv) {
     for (int v = 0; v < 4; ++v)
       wv[v] = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(w + 32 * k + 8 * v)));
   }
@@ -101,7 +101,7 @@ struct Tiles<Dtype::f32, Isa::avx2> {
     fma_tile_avx2<F32Slab, R, Epi>(w, K, x, ldx, out, ldo, ncols);
   }
   /// Lanes 8v … 8v + 7 of column k (the column unpacker, kernels/arch/avx2_unpack_columns.hpp).
-  APEX_TARGET_AVX2 static __m256 lanes(const float* w, Index k, int v) {
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static __m256 lanes(const float* w, Index k, int v) {
     return _mm256_load_ps(w + k * kPanelLanes + 8 * v);
   }
 };
@@ -140,7 +140,7 @@ struct Tiles<Dtype::bf16, Isa::avx2> {
     for (int r = 0; r < R; ++r) store_row_avx2<Epi>(acc[r], out + r * ldo, ncols);
   }
   /// Lanes 8v … 8v + 7 of column k: lane word (k even | k odd << 16) of pair k / 2.
-  APEX_TARGET_AVX2 static __m256 lanes(const bf16* w, Index k, int v) {
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static __m256 lanes(const bf16* w, Index k, int v) {
     const __m256i pair = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + (k / 2) * 2 * kPanelLanes + 16 * v));
     return _mm256_castsi256_ps(k % 2 ? _mm256_and_si256(pair, _mm256_set1_epi32(int(0xFFFF0000u)))
                                      : _mm256_slli_epi32(pair, 16));
@@ -158,7 +158,7 @@ struct Tiles<Dtype::f16, Isa::avx2> {
     fma_tile_avx2<F16Slab, R, Epi>(w, K, x, ldx, out, ldo, ncols);
   }
   /// Lanes 8v … 8v + 7 of column k, widened by F16C.
-  APEX_TARGET_AVX2 static __m256 lanes(const f16* w, Index k, int v) {
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static __m256 lanes(const f16* w, Index k, int v) {
     return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(w + k * kPanelLanes + 8 * v)));
   }
 };

@@ -30,7 +30,7 @@ APEX_QUANT_FP_STRICT_BEGIN
 /// Column k = 4r + j of 8 lanes times their factor (minus their min: Q4_K),
 /// q: the 8 codes sign-extended to int32.
 template <Dtype T>
-APEX_TARGET_AVX2 inline void store_column8(float* dst, __m256i q, __m256 factor, __m256 min) {
+APEX_TARGET_AVX2 APEX_KERNEL_INLINE inline void store_column8(float* dst, __m256i q, __m256 factor, __m256 min) {
   __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(q), factor);
   if constexpr (WeightType<T>::kChunkMin) w = _mm256_sub_ps(w, min);
   _mm256_store_ps(dst, w);

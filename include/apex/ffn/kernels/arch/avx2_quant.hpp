@@ -42,52 +42,53 @@ namespace apex::packed::detail {
 inline constexpr int kAvx2QuantRows = 4;
 
 /// 4 activation codes (one 32-bit word) in all 8 lanes.
-APEX_TARGET_AVX2 inline __m256i bcast4(const std::int8_t* q) {
+APEX_TARGET_AVX2 APEX_KERNEL_INLINE inline __m256i bcast4(const std::int8_t* q) {
   std::int32_t v;
   std::memcpy(&v, q, 4);
   return _mm256_set1_epi32(v);
 }
 /// 8 × Σ of 4 products u·s (u unsigned bytes, s signed) in int32.
-APEX_TARGET_AVX2 inline __m256i dot4(__m256i u, __m256i s) {
+APEX_TARGET_AVX2 APEX_KERNEL_INLINE inline __m256i dot4(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 /// As dot4 for two 4-byte groups at once (a byte of 4-bit codes: low and high nibble).
-APEX_TARGET_AVX2 inline __m256i dot8(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
+APEX_TARGET_AVX2 APEX_KERNEL_INLINE inline __m256i dot8(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
   return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1)),
                            _mm256_set1_epi16(1));
 }
 /// acc = fma(float(isum), scale, acc) on 8 lanes (the entries' float step).
-APEX_TARGET_AVX2 inline void accumulate8(float* acc, __m256i isum, __m256 scale) {
+APEX_TARGET_AVX2 APEX_KERNEL_INLINE inline void accumulate8(float* acc, __m256i isum, __m256 scale) {
   _mm256_store_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, _mm256_load_ps(acc)));
 }
-APEX_TARGET_AVX2 inline __m256i load32(const std::byte* p) {
+APEX_TARGET_AVX2 APEX_KERNEL_INLINE inline __m256i load32(const std::byte* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 /// 8 fp16 fields of a plane as float.
-APEX_TARGET_AVX2 inline __m256 load_fp16x8(const std::byte* p) {
+APEX_TARGET_AVX2 APEX_KERNEL_INLINE inline __m256 load_fp16x8(const std::byte* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 /// 8 bytes of a plane widened to int32 (unsigned or signed).
-APEX_TARGET_AVX2 inline __m256i load_u8x8(const std::byte* p) {
+APEX_TARGET_AVX2 APEX_KERNEL_INLINE inline __m256i load_u8x8(const std::byte* p) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
-APEX_TARGET_AVX2 inline __m256i load_i8x8(const std::byte* p) {
+APEX_TARGET_AVX2 APEX_KERNEL_INLINE inline __m256i load_i8x8(const std::byte* p) {
   return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 /// The low and high nibbles of 32 bytes.
-APEX_TARGET_AVX2 inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
-APEX_TARGET_AVX2 inline __m256i high_nibbles(__m256i v) {
+APEX_TARGET_AVX2 APEX_KERNEL_INLINE inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v,
+                                                               _mm256_set1_epi8(0x0F)); }
+APEX_TARGET_AVX2 APEX_KERNEL_INLINE inline __m256i high_nibbles(__m256i v) {
   return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
 }
 /// 2^(e−128) for 8 E8M0 bytes: ggml's e8m0 "half" (subnormal below e = 2).
-APEX_TARGET_AVX2 inline __m256 e8m0_half8(const std::byte* p) {
+APEX_TARGET_AVX2 APEX_KERNEL_INLINE inline __m256 e8m0_half8(const std::byte* p) {
   const __m256i e = load_u8x8(p);
   const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
   const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
   return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
 }
 /// The 32-bit words of lanes l0 … l0 + 7 in row `row` of a slab.
-APEX_TARGET_AVX2 inline __m256i slab_words8(const std::byte* slab, Index row, Index l0) {
+APEX_TARGET_AVX2 APEX_KERNEL_INLINE inline __m256i slab_words8(const std::byte* slab, Index row, Index l0) {
   return load32(slab + (row * kPanelLanes + l0) * 4);
 }
 /// Software prefetch of a slab's bytes, kPrefetchBytes ahead (kernels/isa.hpp).
@@ -96,7 +97,7 @@ inline void prefetch_bytes(const std::byte* p, Index bytes) {
 }
 /// The 32 accumulators of row r through the epilogue.
 template <class Epi>
-APEX_TARGET_AVX2 inline void store_acc_avx2(const float* acc, float* out, Index ncols) {
+APEX_TARGET_AVX2 APEX_KERNEL_INLINE inline void store_acc_avx2(const float* acc, float* out, Index ncols) {
   __m256 v[4];
   for (int i = 0; i < 4; ++i) v[i] = _mm256_load_ps(acc + 8 * i);
   store_row_avx2<Epi>(v, out, ncols);
@@ -115,7 +116,8 @@ struct Nibble32Avx2 {
   static constexpr bool kChunkMin = false;  ///< no min term (Q4_K has one)
 
   template <int R>
-  APEX_TARGET_AVX2 static void block(const std::byte* slab, const std::byte* area, Index b, const QuantRows& x,
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
+                                                        const QuantRows& x,
                                      int v, float (*acc)[32]) {
     using C = Tiles<T, Isa::avx2>;
     __m256i isum[R];
@@ -152,7 +154,8 @@ struct Nibble32Avx2 {
     }
   }
   /// Lanes 8v … 8v + 7's factor of block `chunk`: its scale, for all 32 columns.
-  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void factors8(const std::byte* scales, Index chunk, int v, __m256& lo, __m256& hi, __m256&) {
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void factors8(const std::byte* scales, Index chunk, int v, __m256& lo,
+                                                           __m256& hi, __m256&) {
     lo = hi = Tiles<T, Isa::avx2>::scale(W::area(scales, chunk), v);
   }
 };
@@ -164,7 +167,8 @@ struct Tiles<Dtype::q8_0, Isa::avx2> {
   static constexpr bool kChunkMin = false;
 
   template <int R>
-  APEX_TARGET_AVX2 static void block(const std::byte* slab, const std::byte* area, Index b, const QuantRows& x,
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
+                                                        const QuantRows& x,
                                      int v, float (*acc)[32]) {
     __m256i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
@@ -182,7 +186,8 @@ struct Tiles<Dtype::q8_0, Isa::avx2> {
   APEX_TARGET_AVX2 static void code_rows(const std::byte* codes, Index chunk, Index l0, __m256i* rows) {
     for (int r = 0; r < 8; ++r) rows[r] = slab_words8(W::slab(codes, chunk), r, l0);
   }
-  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void factors8(const std::byte* scales, Index chunk, int v, __m256& lo, __m256& hi, __m256&) {
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void factors8(const std::byte* scales, Index chunk, int v, __m256& lo,
+                                                           __m256& hi, __m256&) {
     lo = hi = load_fp16x8(W::area(scales, chunk) + 16 * v);
   }
 };
@@ -194,7 +199,8 @@ struct Tiles<Dtype::q4_0, Isa::avx2> : Nibble32Avx2<Dtype::q4_0> {
   static constexpr int kRun = 4;
   static constexpr std::int32_t kOffset = 8;
   APEX_TARGET_AVX2 APEX_KERNEL_INLINE static __m256i offset_codes(__m256i q) { return q; }
-  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static __m256i values(__m256i q) { return _mm256_sub_epi8(q, _mm256_set1_epi8(8)); }
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static __m256i values(__m256i q) { return _mm256_sub_epi8(q,
+                                                            _mm256_set1_epi8(8)); }
   APEX_TARGET_AVX2 APEX_KERNEL_INLINE static __m256 scale(const std::byte* area, int v) {
     return load_fp16x8(area + 16 * v);
   }

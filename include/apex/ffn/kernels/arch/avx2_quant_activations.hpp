@@ -40,7 +40,7 @@ namespace apex::packed::detail {
 APEX_QUANT_FP_STRICT_BEGIN
 
 /// |v| on 8 lanes.
-APEX_TARGET_AVX2 inline __m256 abs8(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
+APEX_TARGET_AVX2 APEX_KERNEL_INLINE inline __m256 abs8(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
 
 /// Largest |x| of n floats (n a multiple of 8), and whether all are finite.
 APEX_TARGET_AVX2 inline float abs_max8(const float* x, int n, bool& finite) {
@@ -60,7 +60,8 @@ APEX_TARGET_AVX2 inline float abs_max8(const float* x, int n, bool& finite) {
 }
 
 /// Four vectors of 8 int32 codes (each in [−128, 127]) as 32 int8, in order.
-APEX_TARGET_AVX2 inline void store_codes32(__m256i a, __m256i b, __m256i c, __m256i d, std::int8_t* q) {
+APEX_TARGET_AVX2 APEX_KERNEL_INLINE inline void store_codes32(__m256i a, __m256i b, __m256i c, __m256i d,
+                                                              std::int8_t* q) {
   const __m256i ab = _mm256_packs_epi32(a, b), cd = _mm256_packs_epi32(c, d);  // lane-interleaved int16
   const __m256i bytes = _mm256_packs_epi16(ab, cd);                            // lane-interleaved int8
   // packs work per 128-bit lane: dwords come out as a0 b0 c0 d0 a1 b1 c1 d1
@@ -69,7 +70,7 @@ APEX_TARGET_AVX2 inline void store_codes32(__m256i a, __m256i b, __m256i c, __m2
 }
 
 /// roundf(x·id) on 8 lanes (ties away from zero), as int32.
-APEX_TARGET_AVX2 inline __m256i round_away8(const float* x, __m256 id) {
+APEX_TARGET_AVX2 APEX_KERNEL_INLINE inline __m256i round_away8(const float* x, __m256 id) {
   APEX_QUANT_FP_STRICT_SCOPE
   const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x), id);
   const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
@@ -79,7 +80,7 @@ APEX_TARGET_AVX2 inline __m256i round_away8(const float* x, __m256 id) {
 }
 
 /// ggml's nearest_int(iscale·x) on 8 lanes, capped at 127 (Q8_K's codes).
-APEX_TARGET_AVX2 inline __m256i q8_k_codes8(const float* x, __m256 iscale) {
+APEX_TARGET_AVX2 APEX_KERNEL_INLINE inline __m256i q8_k_codes8(const float* x, __m256 iscale) {
   APEX_QUANT_FP_STRICT_SCOPE
   const __m256 v = _mm256_mul_ps(iscale, _mm256_loadu_ps(x));  // |v| ≤ 127
   const __m256i n = _mm256_cvttps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));

@@ -20,7 +20,8 @@ namespace apex::packed::detail {
 
 /// Q4_K's sc_j and m_j of 8 lanes (quant::q4_k_scale_min); planes: the 12
 /// byte planes of a super-block, offset to the first lane.
-APEX_TARGET_AVX2 inline void q4_k_scale_min8(const std::byte* planes, int j, __m256i& sc, __m256i& m) {
+APEX_TARGET_AVX2 APEX_KERNEL_INLINE inline void q4_k_scale_min8(const std::byte* planes, int j, __m256i& sc,
+                                                                __m256i& m) {
   const __m256i m6 = _mm256_set1_epi32(63), m4 = _mm256_set1_epi32(15);
   if (j < 4) {
     sc = _mm256_and_si256(load_u8x8(planes + 32 * j), m6);
@@ -43,7 +44,8 @@ struct Tiles<Dtype::q4_k, Isa::avx2> {
   static constexpr bool kChunkMin = true;  ///< w = float(q)·(d·sc_j) − dmin·m_j
 
   template <int R>
-  APEX_TARGET_AVX2 static void block(const std::byte* slab, const std::byte* area, Index b, const QuantRows& x,
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
+                                                        const QuantRows& x,
                                      int v, float (*acc)[32]) {
     const std::byte* planes = area + W::kScalePlanes + 8 * v;  // byte plane j at planes + 32·j
     __m256i sumi[R], mins[R];
@@ -104,7 +106,8 @@ struct Tiles<Dtype::q4_k, Isa::avx2> {
       for (int half = 0; half < 2; ++half) rows[2 * i + half] = half ? high_nibbles(raw) : low_nibbles(raw);
     }
   }
-  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void factors8(const std::byte* scales, Index chunk, int v, __m256& lo, __m256& hi,
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void factors8(const std::byte* scales, Index chunk, int v, __m256& lo,
+                                                           __m256& hi,
                                         __m256& min) {
     const std::byte* a = W::area(scales, chunk / 8);
     __m256i sc, m;
@@ -123,7 +126,8 @@ struct Tiles<Dtype::q6_k, Isa::avx2> {
   static constexpr bool kChunkMin = false;
 
   template <int R>
-  APEX_TARGET_AVX2 static void block(const std::byte* slab, const std::byte* area, Index b, const QuantRows& x,
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
+                                                        const QuantRows& x,
                                      int v, float (*acc)[32]) {
     const std::byte* high = slab + W::kHighBits;
     const __m256i three = _mm256_set1_epi8(3);
@@ -168,7 +172,8 @@ struct Tiles<Dtype::q6_k, Isa::avx2> {
       rows[r] = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(two, 4)), _mm256_set1_epi8(32));
     }
   }
-  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void factors8(const std::byte* scales, Index chunk, int v, __m256& lo, __m256& hi, __m256&) {
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void factors8(const std::byte* scales, Index chunk, int v, __m256& lo,
+                                                           __m256& hi, __m256&) {
     const std::byte* a = W::area(scales, chunk / 8);
     const std::byte* group = a + W::kScalePlanes + 2 * (chunk % 8) * kPanelLanes + 8 * v;
     const __m256 d = load_fp16x8(a + 16 * v);

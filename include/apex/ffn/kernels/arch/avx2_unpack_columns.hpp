@@ -48,7 +48,7 @@ APEX_QUANT_FP_STRICT_BEGIN
 
 /// An 8 × 8 transpose of 32-bit elements: r[i] holds row i (8 lanes) in,
 /// column i out.
-APEX_TARGET_AVX2 inline void transpose8x8_epi32(__m256i* r) {
+APEX_TARGET_AVX2 APEX_KERNEL_INLINE inline void transpose8x8_epi32(__m256i* r) {
   __m256i t[8];
   for (int i = 0; i < 8; i += 2) {
     t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);

@@ -49,7 +49,7 @@ inline __mmask16 low_mask16(Index n) {
 /// One row's 32 accumulators (two vectors) through the epilogue. Masked
 /// stores touch only the first ncols floats (no access past a row).
 template <class Epi>
-APEX_TARGET_AVX512 inline void store_row_avx512(__m512 a0, __m512 a1, float* out, Index ncols) {
+APEX_TARGET_AVX512 APEX_KERNEL_INLINE inline void store_row_avx512(__m512 a0, __m512 a1, float* out, Index ncols) {
   if constexpr (Epi::kGated && vectorised_v<typename Epi::Activation>) {
     _mm512_mask_storeu_ps(out, low_mask16(ncols), Epi::Activation::apply_avx512(a0, a1));
   } else if constexpr (Epi::kGated) {  // an activation without SIMD forms: per element
@@ -67,7 +67,7 @@ APEX_TARGET_AVX512 inline void store_row_avx512(__m512 a0, __m512 a1, float* out
 /// lanes) as two fp32 vectors.
 struct F32Slab512 {
   using Weight = float;
-  APEX_TARGET_AVX512 static void load(const float* w, Index k, __m512& w0, __m512& w1) {
+  APEX_TARGET_AVX512 APEX_KERNEL_INLINE static void load(const float* w, Index k, __m512& w0, __m512& w1) {
     w0 = _mm512_load_ps(w + 32 * k);
     w1 = _mm512_load_ps(w + 32 * k + 16);
   }
@@ -75,7 +75,7 @@ struct F32Slab512 {
 /// f16 weights widened by `vcvtph2ps` (exact, AVX-512F).
 struct F16Slab512 {
   using Weight = f16;
-  APEX_TARGET_AVX512 static void load(const f16* w, Index k, __m512& w0, __m512& w1) {
+  APEX_TARGET_AVX512 APEX_KERNEL_INLINE static void load(const f16* w, Index k, __m512& w0, __m512& w1) {
     w0 = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(w + 32 * k)));
     w1 = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(w + 32 * k + 16)));
   }

@@ -32,7 +32,7 @@ namespace apex::packed::detail {
 APEX_QUANT_FP_STRICT_BEGIN
 
 /// The 32-bit words of lanes l0 … l0 + 15 in row `row` of a slab.
-APEX_TARGET_AVX512 inline __m512i slab_words16(const std::byte* slab, Index row, Index l0) {
+APEX_TARGET_AVX512 APEX_KERNEL_INLINE inline __m512i slab_words16(const std::byte* slab, Index row, Index l0) {
   return _mm512_loadu_si512(slab + (row * kPanelLanes + l0) * 4);
 }
 
@@ -73,7 +73,7 @@ APEX_TARGET_AVX512 void code_rows_avx512(const std::byte* codes, Index chunk, In
 
 /// Column k of 16 lanes times their factor (minus their min: Q4_K).
 template <Dtype T>
-APEX_TARGET_AVX512 inline void store_column16(float* dst, __m512i q, __m512 factor, __m512 min) {
+APEX_TARGET_AVX512 APEX_KERNEL_INLINE inline void store_column16(float* dst, __m512i q, __m512 factor, __m512 min) {
   __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(q), factor);
   if constexpr (WeightType<T>::kChunkMin) w = _mm512_sub_ps(w, min);
   _mm512_store_ps(dst, w);

@@ -39,53 +39,55 @@ namespace apex::packed::detail {
 inline constexpr int kAvx512QuantRows = 6;
 
 /// 4 activation codes (one 32-bit word) in all 16 lanes.
-APEX_TARGET_AVX512 inline __m512i bcast4_512(const std::int8_t* q) {
+APEX_TARGET_AVX512 APEX_KERNEL_INLINE inline __m512i bcast4_512(const std::int8_t* q) {
   std::int32_t v;
   std::memcpy(&v, q, 4);
   return _mm512_set1_epi32(v);
 }
 /// 16 lanes (64 bytes) of codes: half v of slab row `group` (a quad, oct or
 /// 16-k group of 32 lanes × 4 bytes).
-APEX_TARGET_AVX512 inline __m512i load_half512(const std::byte* slab, Index group, int v) {
+APEX_TARGET_AVX512 APEX_KERNEL_INLINE inline __m512i load_half512(const std::byte* slab, Index group, int v) {
   return _mm512_loadu_si512(slab + (group * kPanelLanes + 16 * v) * 4);
 }
-APEX_TARGET_AVX512 inline __m512i low_nibbles512(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
-APEX_TARGET_AVX512 inline __m512i high_nibbles512(__m512i v) {
+APEX_TARGET_AVX512 APEX_KERNEL_INLINE inline __m512i low_nibbles512(__m512i v) { return _mm512_and_si512(v,
+                                                                    _mm512_set1_epi8(0x0F)); }
+APEX_TARGET_AVX512 APEX_KERNEL_INLINE inline __m512i high_nibbles512(__m512i v) {
   return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
 }
 /// MXFP4 codes to u = v2[q] + 12 ∈ [0, 24] (the AVX2 tile's table, per 128-bit lane).
-APEX_TARGET_AVX512 inline __m512i mxfp4_offsets512(__m512i q) {
+APEX_TARGET_AVX512 APEX_KERNEL_INLINE inline __m512i mxfp4_offsets512(__m512i q) {
   const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
   return _mm512_shuffle_epi8(lut, q);
 }
 /// 16 fp16 fields of a plane as float.
-APEX_TARGET_AVX512 inline __m512 load_fp16x16(const std::byte* p) {
+APEX_TARGET_AVX512 APEX_KERNEL_INLINE inline __m512 load_fp16x16(const std::byte* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 /// 16 bytes of a plane widened to int32 (unsigned or signed).
-APEX_TARGET_AVX512 inline __m512i load_u8x16(const std::byte* p) {
+APEX_TARGET_AVX512 APEX_KERNEL_INLINE inline __m512i load_u8x16(const std::byte* p) {
   return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-APEX_TARGET_AVX512 inline __m512i load_i8x16(const std::byte* p) {
+APEX_TARGET_AVX512 APEX_KERNEL_INLINE inline __m512i load_i8x16(const std::byte* p) {
   return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 /// 2^(e−128) for 16 E8M0 bytes (as e8m0_half8).
-APEX_TARGET_AVX512 inline __m512 e8m0_half16(const std::byte* p) {
+APEX_TARGET_AVX512 APEX_KERNEL_INLINE inline __m512 e8m0_half16(const std::byte* p) {
   const __m512i e = load_u8x16(p);
   const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
   const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
   return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(2)), normal, tiny));
 }
 /// Σ over pairs of int16 lanes into int32 (`vpmaddwd` with ones).
-APEX_TARGET_AVX512 inline __m512i widen_pairs512(__m512i p16) {
+APEX_TARGET_AVX512 APEX_KERNEL_INLINE inline __m512i widen_pairs512(__m512i p16) {
   return _mm512_madd_epi16(p16, _mm512_set1_epi16(1));
 }
 /// acc = fma(float(isum), scale, acc) (the entries' float step).
-APEX_TARGET_AVX512 inline __m512 accumulate16(__m512 acc, __m512i isum, __m512 scale) {
+APEX_TARGET_AVX512 APEX_KERNEL_INLINE inline __m512 accumulate16(__m512 acc, __m512i isum, __m512 scale) {
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc);
 }
 /// Q4_K's sub-block scale sc_j and min m_j of 16 lanes (quant::q4_k_scale_min).
-APEX_TARGET_AVX512 inline void q4_k_scale_min16(const std::byte* planes, int j, __m512i& sc, __m512i& m) {
+APEX_TARGET_AVX512 APEX_KERNEL_INLINE inline void q4_k_scale_min16(const std::byte* planes, int j, __m512i& sc,
+                                                                   __m512i& m) {
   const __m512i m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(15);
   if (j < 4) {
     sc = _mm512_and_si512(load_u8x16(planes + 32 * j), m6);
@@ -98,7 +100,8 @@ APEX_TARGET_AVX512 inline void q4_k_scale_min16(const std::byte* planes, int j, 
 }
 /// Q4_K's Σ_j m_j·Σ x_j for the pair of sub-blocks (j − 1, j) of row x:
 /// one `vpmaddwd` of int16 pairs (|Σx| ≤ 32·128).
-APEX_TARGET_AVX512 inline __m512i q4_k_min_pair16(__m512i m_even, __m512i m_odd, const QuantRow& x, Index sub) {
+APEX_TARGET_AVX512 APEX_KERNEL_INLINE inline __m512i q4_k_min_pair16(__m512i m_even, __m512i m_odd, const QuantRow& x,
+                                                                     Index sub) {
   const __m512i m2 = _mm512_or_si512(m_even, _mm512_slli_epi32(m_odd, 16));
   const std::uint32_t pair =
       std::uint32_t(std::uint16_t(x.sum32(sub - 1))) | (std::uint32_t(std::uint16_t(x.sum32(sub))) << 16);
@@ -106,7 +109,8 @@ APEX_TARGET_AVX512 inline __m512i q4_k_min_pair16(__m512i m_even, __m512i m_odd,
 }
 /// Q6_K's 6-bit codes u ∈ [0, 63] of oct o = 2g + half: the low nibbles of
 /// the oct and two high bits each from the group's 2-bit plane.
-APEX_TARGET_AVX512 inline void q6_k_codes16(__m512i raw, __m512i hraw, int half, __m512i& u0, __m512i& u1) {
+APEX_TARGET_AVX512 APEX_KERNEL_INLINE inline void q6_k_codes16(__m512i raw, __m512i hraw, int half, __m512i& u0,
+                                                               __m512i& u1) {
   const __m512i three = _mm512_set1_epi8(3);
   const __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(hraw, 4 * half), three);
   const __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(hraw, 4 * half + 2), three);

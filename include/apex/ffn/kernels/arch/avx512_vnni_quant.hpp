@@ -27,7 +27,7 @@
 namespace apex::packed::detail {
 
 /// acc + Σ of the 4 products u·s in each 32-bit lane.
-APEX_TARGET_AVX512VNNI inline __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {
+APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE inline __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {
   return _mm512_dpbusd_epi32(acc, u, s);
 }
 
@@ -88,7 +88,8 @@ template <>
 struct Tiles<Dtype::q4_k, Isa::avx512_vnni> {
   using W = WeightType<Dtype::q4_k>;
   template <int R>
-  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b, const QuantRows& x,
+  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
+                                                              const QuantRows& x,
                                            int v, __m512* acc) {
     const std::byte* planes = area + W::kScalePlanes + 16 * v;
     __m512i sumi[R], mins[R], m_even = _mm512_setzero_si512();
@@ -129,7 +130,8 @@ template <>
 struct Tiles<Dtype::q6_k, Isa::avx512_vnni> {
   using W = WeightType<Dtype::q6_k>;
   template <int R>
-  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b, const QuantRows& x,
+  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
+                                                              const QuantRows& x,
                                            int v, __m512* acc) {
     __m512i sumi[R];
     for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
