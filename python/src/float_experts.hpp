@@ -24,8 +24,8 @@
 ///
 /// The products run over the tensors' memory as it is (nothing copied or
 /// packed to keep): for an expert's rows below kStreamRows, products that
-/// stream each weight row once (decode, small batches); above, the training
-/// layers' (layers/gated_products.hpp: the packed engine's tiles, or Eigen).
+/// stream each weight row once (decode, small batches); above, the packed
+/// engine's f32 tiles (kernels/packed_products.hpp).
 /// The work row is [G | U | A] (3f), gate and up in natural order whatever
 /// the storage's interleaving, as the activations read it.
 
@@ -68,11 +68,20 @@ inline constexpr Index kStreamCols = 256;  ///< out columns kept in L1 by the nn
 
 /// out (m × n) = a (m × K) · Wᵀ, W: n × K row-major. Few rows: one dot
 /// product per (row, weight row), the weight row read from memory once and
-/// from L1 for the other rows; else the training products (engine/Eigen).
+/// from L1 for the other rows; else the engine's f32 tiles on W packed a
+/// chunk of panels at a time (Eigen on CPUs without AVX2). Called from
+/// inside the per-expert tasks, so always single-threaded: not the training
+/// layers' rule, which hands a lone product to Eigen's own threads.
 template <class A, class W, class Out>
 void product_nt(const A& a, const W& w, Out&& out) {
-  if (a.rows() >= kStreamRows) return apex::detail::train_linear_nt(a, w, out);
   const Index m = a.rows(), n = w.rows(), K = w.cols();
+  if (m >= kStreamRows) {
+    const packed::TrainingEngine e = packed::training_engine();
+    if (!e.enabled) return apex::detail::linear_nt(a, w, out, false);  // no AVX2: Eigen
+    packed::linear_nt(e.isa, a.data(), a.outerStride(), m, w.data(), w.outerStride(), n, K, out.data(),
+                      out.outerStride());
+    return;
+  }
   for (Index j = 0; j < n; ++j) {
     const float* wj = w.data() + j * w.outerStride();
     for (Index i = 0; i < m; ++i) {
@@ -87,7 +96,7 @@ void product_nt(const A& a, const W& w, Out&& out) {
 
 /// out (m × n) = a (m × K) · W, W: K × n row-major. Few rows: rank-1
 /// updates out += a(:, k)·W(k, :) over column blocks of kStreamCols, so the
-/// block of out stays in L1 while W streams; else the engine's tiles or Eigen.
+/// block of out stays in L1 while W streams; else as product_nt.
 template <class A, class W, class Out>
 void product_nn(const A& a, const W& w, Out&& out) {
   const Index m = a.rows(), n = w.cols(), K = w.rows();
@@ -107,13 +116,13 @@ void product_nn(const A& a, const W& w, Out&& out) {
     }
     return;
   }
-  packed::Isa isa{};
-  if (apex::detail::use_training_engine<float>(a.rows(), true, isa)) {
-    packed::linear_nn(isa, a.data(), a.outerStride(), a.rows(), w.data(), w.outerStride(), w.cols(), w.rows(),
-                      out.data(), out.outerStride());
+  const packed::TrainingEngine e = packed::training_engine();
+  if (!e.enabled) {  // no AVX2: Eigen
+    out.noalias() = a * w;
     return;
   }
-  out.noalias() = a * w;
+  packed::linear_nn(e.isa, a.data(), a.outerStride(), m, w.data(), w.outerStride(), n, K, out.data(),
+                    out.outerStride());
 }
 
 /// Storage order (gate, up alternating) ↔ natural order ([gate | up]) of an m × 2f block.
