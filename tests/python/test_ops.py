@@ -14,15 +14,15 @@ from reference import experts as reference, rel
 E, D, F, N, K = 5, 32, 24, 7, 2
 
 
-def case(transposed=False, bias=False, seed=0, n=N, requires_grad=True):
+def case(transposed=False, bias=False, seed=0, n=N, requires_grad=True, d=D, f=F):
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    x = r(n, D)
+    x = r(n, d)
     ids = torch.randint(0, E, (n, K), generator=g)
     w = torch.rand(n, K, generator=g)
-    gu = r(E, D, 2 * F) * 0.3 if transposed else r(E, 2 * F, D) * 0.3
-    dn = r(E, F, D) * 0.3 if transposed else r(E, D, F) * 0.3
-    gb, db = (r(E, 2 * F) * 0.1, r(E, D) * 0.1) if bias else (None, None)
+    gu = r(E, d, 2 * f) * 0.3 if transposed else r(E, 2 * f, d) * 0.3
+    dn = r(E, f, d) * 0.3 if transposed else r(E, d, f) * 0.3
+    gb, db = (r(E, 2 * f) * 0.1, r(E, d) * 0.1) if bias else (None, None)
     ts = [x, w, gu, dn, gb, db]
     if requires_grad:
         for t in ts:
@@ -46,6 +46,23 @@ def test_float_experts_forward_backward(gate, transposed, interleaved, bias):
     y, _, _ = ops.float_experts(x, ids, w, gu, dn, gb, db, gate, transposed, interleaved, 1.702, 7.0, False)
     y_ref = reference(x, ids, w, gu, dn, gb, db, gate, transposed, interleaved)
     assert rel(y, y_ref) <= 1e-5
+    params = [t for t in (x, w, gu, dn, gb, db) if t is not None]
+    dy = torch.randn_like(y)
+    for a, b in zip(torch.autograd.grad(y, params, dy), torch.autograd.grad(y_ref, params, dy)):
+        assert rel(a, b) <= 1e-5
+
+
+@pytest.mark.parametrize("n", [3, 40, 160])
+@pytest.mark.parametrize("gate,transposed,interleaved,bias", LAYOUTS)
+def test_float_experts_both_product_paths_odd_widths(gate, transposed, interleaved, bias, n):
+    """An expert's rows below 16 take the streaming products, 16 and more the engine's tiles (N = 40: both
+    in one call; 160: the tiles everywhere); odd widths leave partial panels and remainders."""
+    x, ids, w, gu, dn, gb, db = case(transposed, bias, seed=n, n=n, d=37, f=29)
+    y, _, _ = ops.float_experts(x, ids, w, gu, dn, gb, db, gate, transposed, interleaved, 1.702, 7.0, False)
+    y_ref = reference(x, ids, w, gu, dn, gb, db, gate, transposed, interleaved)
+    assert rel(y, y_ref) <= 1e-5
+    rows = torch.bincount(ids.flatten(), minlength=E)
+    assert n != 40 or (rows.min() < 16 <= rows.max())
     params = [t for t in (x, w, gu, dn, gb, db) if t is not None]
     dy = torch.randn_like(y)
     for a, b in zip(torch.autograd.grad(y, params, dy), torch.autograd.grad(y_ref, params, dy)):
