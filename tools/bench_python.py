@@ -19,6 +19,10 @@ peft's LoRA on the fused experts (target_parameters) in bf16 and float32
 against apex_ffn.lora on the experts packed as bf16. Each cell: the median
 of --reps timed calls after one warm-up; ratios within the same run; the
 kernel path (ISA) printed first.
+
+At N = 1 and 16 each packed module's call from Python is also timed
+against the same forward timed inside C++ (PackedExperts.forward_seconds),
+and once at a tiny shape where the call's own cost is all there is.
 """
 import argparse
 import copy
@@ -88,6 +92,28 @@ def cpp_overhead(module, n, args, dtype, threads, reps):
             x, ids, w, xf, idl, wf = cases[(i + 7) % len(cases)]
             cpp.append(module.packed.forward_seconds(xf, idl, wf, False, y, ys, threads, 1))
     return f"C++ {statistics.median(cpp) * 1e3:.3f} ms, Python/C++ {statistics.median(py) / statistics.median(cpp):.3f}"
+
+
+def call_cost():
+    """The Python call's own cost, where the compute is too small to hide it: a packed experts module of
+    8 experts of 64 x 64 at N = 1, its call from Python against the forward timed inside C++ (medians of
+    3000 each, 1 thread): 'Python t µs, C++ t µs'."""
+    torch.set_num_threads(1)
+    _, module = block(8, 64, 64, 2, torch.float32)
+    holder = torch.nn.Module()
+    holder.experts = module
+    pack_experts(holder, "q8_0")
+    m = holder.experts
+    x, ids, w = routing(1, 8, 2, 64, torch.float32)
+    y, ys = torch.empty(1, 64), torch.empty(2, 64)
+    py, cpp = [], []
+    with torch.no_grad():
+        for _ in range(3000):
+            t0 = time.perf_counter()
+            m(x, ids, w)
+            py.append(time.perf_counter() - t0)
+            cpp.append(m.packed.forward_seconds(x, ids, w, False, y, ys, 1, 1))
+    return f"Python {statistics.median(py) * 1e6:.1f} µs, C++ {statistics.median(cpp) * 1e6:.1f} µs"
 
 
 def forward_cells(args, dtype):
@@ -178,6 +204,7 @@ def main():
     print(f"apex_ffn {apex_ffn.__version__}, kernel path {apex_ffn.isa()} (best {apex_ffn.best_isa()}), "
           f"torch {torch.__version__}; block E {args.experts} K {args.k} d {args.d} f {args.f}", flush=True)
     if not args.lora_only:
+        print(f"the call's own cost (8 experts of 64 x 64, N = 1): {call_cost()}", flush=True)
         for dtype in (torch.float32, torch.bfloat16):
             forward_cells(args, dtype)
     if not args.no_lora:
