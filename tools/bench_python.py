@@ -72,25 +72,30 @@ def timed(fn, reps):
 
 def cpp_overhead(module, n, args, dtype, threads, reps):
     """The module's forward from Python (its dtype casts, the op's checks and call) against the same forward
-    timed inside C++ (PackedExperts.forward_seconds, one call), alternated call by call, each pair on fresh
-    routing (as decode steps are: the same experts again would be an L3-warm artefact); medians:
-    'C++ t ms, Python/C++ ratio'."""
+    timed inside C++ (PackedExperts.forward_seconds, one call). 30·reps rounds, each on fresh routing (the
+    same experts again would be an L3-warm artefact), the two in alternating order so neither always runs
+    after the other; medians: 'C++ t ms, Python/C++ ratio'."""
     cases = []
     for seed in range(16):
         x, ids, w = routing(n, args.experts, args.k, args.d, dtype, seed=100 + seed)
-        xf, wf, idl = x.float().contiguous(), w.float().contiguous(), ids.long().contiguous()
-        cases.append((x, ids, w, xf, idl, wf))
+        cases.append((x, ids, w, x.float().contiguous(), ids.long().contiguous(), w.float().contiguous()))
     y, ys = torch.empty(n, args.d), torch.empty(n * args.k, args.d)
     py, cpp = [], []
+
+    def python_call(c):
+        t0 = time.perf_counter()
+        module(*c[:3])
+        py.append(time.perf_counter() - t0)
+
+    def cpp_call(c):
+        cpp.append(module.packed.forward_seconds(c[3], c[4], c[5], False, y, ys, threads, 1))
+
     with torch.no_grad():
         module(*cases[0][:3])
-        for i in range(10 * reps):
-            x, ids, w, xf, idl, wf = cases[i % len(cases)]
-            t0 = time.perf_counter()
-            module(x, ids, w)
-            py.append(time.perf_counter() - t0)
-            x, ids, w, xf, idl, wf = cases[(i + 7) % len(cases)]
-            cpp.append(module.packed.forward_seconds(xf, idl, wf, False, y, ys, threads, 1))
+        for i in range(30 * reps):
+            first, second = (python_call, cpp_call) if i % 2 == 0 else (cpp_call, python_call)
+            first(cases[i % len(cases)])
+            second(cases[(i + 7) % len(cases)])
     return f"C++ {statistics.median(cpp) * 1e3:.3f} ms, Python/C++ {statistics.median(py) / statistics.median(cpp):.3f}"
 
 
