@@ -222,8 +222,7 @@ struct QuantTilesAvx512 {
     for (Index b = 0; b < K / W::kBlockWeights; ++b) {
       const std::byte* slab = codes + b * slab_bytes;
       const std::byte* area = scales + b * area_bytes;
-      prefetch_bytes(slab, slab_bytes);
-      prefetch_bytes(area, area_bytes);
+      prefetch_block<T>(slab, area);
       for (int v = 0; v < 2; ++v) Tiles<T, Isa::avx512>::template block<R>(slab, area, b, x, v, acc[v]);
     }
     for (int r = 0; r < R; ++r) store_row_avx512<Epi>(acc[0][r], acc[1][r], out + r * ldo, ncols);
