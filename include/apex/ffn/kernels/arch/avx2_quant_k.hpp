@@ -130,7 +130,7 @@ struct Tiles<Dtype::q6_k, Isa::avx2> {
                                                         const QuantRows& x,
                                      int v, float (*acc)[32]) {
     const std::byte* high = slab + W::kHighBits;
-    const __m256i three = _mm256_set1_epi8(3);
+    const __m256i bits45 = _mm256_set1_epi8(0x30);
     __m256i sumi[R];
     for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
     for (int g = 0; g < 16; ++g) {
@@ -140,10 +140,12 @@ struct Tiles<Dtype::q6_k, Isa::avx2> {
       for (int half = 0; half < 2; ++half) {  // octs 2g, 2g + 1: quads 4g + 2·half, +1
         const int o = 2 * g + half;
         const __m256i raw = load32(slab + (o * kPanelLanes + 8 * v) * 4);
-        const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(hraw, 4 * half), three);
-        const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(hraw, 4 * half + 2), three);
-        const __m256i u0 = _mm256_or_si256(low_nibbles(raw), _mm256_slli_epi16(h0, 4));
-        const __m256i u1 = _mm256_or_si256(high_nibbles(raw), _mm256_slli_epi16(h1, 4));
+        // the plane's bits 4·half + (0, 1) and + (2, 3) to bits 4–5 by one
+        // 16-bit shift each (what crosses a byte is outside 0x30)
+        const __m256i h0 = half == 0 ? _mm256_slli_epi16(hraw, 4) : hraw;
+        const __m256i h1 = half == 0 ? _mm256_slli_epi16(hraw, 2) : _mm256_srli_epi16(hraw, 2);
+        const __m256i u0 = _mm256_or_si256(low_nibbles(raw), _mm256_and_si256(h0, bits45));
+        const __m256i u1 = _mm256_or_si256(high_nibbles(raw), _mm256_and_si256(h1, bits45));
         for (int r = 0; r < R; ++r) {
           const std::int8_t* xq = x.q + r * x.ldq + 256 * b + 8 * o;
           isum[r] = _mm256_add_epi32(isum[r], dot8(u0, bcast4(xq), u1, bcast4(xq + 4)));

@@ -108,14 +108,18 @@ APEX_TARGET_AVX512 APEX_KERNEL_INLINE inline __m512i q4_k_min_pair16(__m512i m_e
   return _mm512_madd_epi16(m2, _mm512_set1_epi32(std::int32_t(pair)));
 }
 /// Q6_K's 6-bit codes u ∈ [0, 63] of oct o = 2g + half: the low nibbles of
-/// the oct and two high bits each from the group's 2-bit plane.
+/// the oct and two high bits each from the group's 2-bit plane. The two bits
+/// reach bits 4–5 by one 16-bit shift of the plane (what crosses a byte is
+/// outside 0x30) and join the nibble in one `vpternlogd` ((a & 0x0F) | b).
 APEX_TARGET_AVX512 APEX_KERNEL_INLINE inline void q6_k_codes16(__m512i raw, __m512i hraw, int half, __m512i& u0,
                                                                __m512i& u1) {
-  const __m512i three = _mm512_set1_epi8(3);
-  const __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(hraw, 4 * half), three);
-  const __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(hraw, 4 * half + 2), three);
-  u0 = _mm512_or_si512(low_nibbles512(raw), _mm512_slli_epi16(h0, 4));
-  u1 = _mm512_or_si512(high_nibbles512(raw), _mm512_slli_epi16(h1, 4));
+  const __m512i nibble = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
+  // the plane's bits 4·half + (0, 1) to bits 4–5, and 4·half + (2, 3)
+  const __m512i h0 = half == 0 ? _mm512_slli_epi16(hraw, 4) : hraw;
+  const __m512i h1 = half == 0 ? _mm512_slli_epi16(hraw, 2) : _mm512_srli_epi16(hraw, 2);
+  constexpr int kLowOr = 0xEC;  // (A & C) | B with A = 0xF0, B = 0xCC, C = 0xAA
+  u0 = _mm512_ternarylogic_epi32(raw, _mm512_and_si512(h0, bits45), nibble, kLowOr);
+  u1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 4), _mm512_and_si512(h1, bits45), nibble, kLowOr);
 }
 
 /// Row r of a tile's activations.
