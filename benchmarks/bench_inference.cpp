@@ -8,8 +8,10 @@
 //              threads; < 1 is faster);
 //   bw_frac  — decode (N ≤ 16): bytes the step must read at the storage
 //              dtype (router + every expert used, packed, padding included)
-//              / DRAM read bandwidth measured here with the same threads /
-//              measured time: the fraction of the bandwidth bound reached;
+//              / DRAM read bandwidth measured here with the same threads
+//              (the multi-stream vector probe of read_probe.hpp; the label's
+//              bw_probe names its width) / measured time: the fraction of the
+//              bandwidth bound reached;
 //   float_bw_frac — the same for the float layer at 4-byte weights;
 //   rel_err  — ‖y − y_float‖ / ‖y_float‖ of the last step;
 //   rss_over_weights — BM_Resident, BM_ResidentTraining: (VmRSS after
@@ -41,8 +43,10 @@
 //   bw_frac  — N ≤ 16 (cold): the time of a cold read of T's step bytes
 //              (router + every expert used + shared, at T's true packed
 //              size, padding and block scales included; MB), timed in the
-//              same loop right after T's step with the same threads and a
-//              software prefetch as the kernels read / T's time (medians);
+//              same loop right after T's step with the same threads, by the
+//              multi-stream vector probe (read_probe.hpp: four
+//              streams per thread, full-width loads into eight accumulators;
+//              the label's bw_probe names its width) / T's time (medians);
 //   x_bound  — N = 16: T's time / the larger of its bandwidth bound (above)
 //              and its compute bound, 16 × T's time per token at N = 2048
 //              in this run (needs N:2048 of the shape in the filter);
@@ -63,17 +67,17 @@
 #include <string>
 #include <tuple>
 #include <unistd.h>
-#if defined(__AVX__)
-#include <immintrin.h>
-#endif
 #include <vector>
 
 #include "bench_common.hpp"
+#include "read_probe.hpp"
 
 namespace {
 
 using namespace apex;
 using apex::bench::Clock;
+using apex::bench::kReadProbeName;
+using apex::bench::multi_stream_sum;
 using apex::bench::random_matrix;
 using apex::bench::seconds_since;
 using apex::bench::vm_rss;
@@ -160,7 +164,8 @@ void evict_caches(int threads) {
   detail::parallel_for(threads, threads, [&](Index i) { buf.segment(i * chunk, chunk).array() += 1.0f; });
   benchmark::ClobberMemory();
 }
-// Best of 7 passes summing the 1 GiB buffer with `threads` threads.
+// Best of 7 passes reading the 1 GiB buffer with `threads` threads, each its
+// share through the multi-stream probe (read_probe.hpp).
 double read_bandwidth(int threads) {
   static std::map<int, double> cache;
   if (cache.count(threads)) return cache[threads];
@@ -170,7 +175,8 @@ double read_bandwidth(int threads) {
   double best = 0;
   for (int pass = 0; pass < 8; ++pass) {
     const auto t0 = Clock::now();
-    detail::parallel_for(threads, threads, [&](Index i) { partial[std::size_t(i)] = buf.segment(i * chunk, chunk).sum(); });
+    detail::parallel_for(threads, threads,
+                         [&](Index i) { partial[std::size_t(i)] = multi_stream_sum(buf.data() + i * chunk, chunk); });
     benchmark::DoNotOptimize(partial.data());
     const double t = seconds_since(t0);
     if (pass > 0) best = std::max(best, double(buf.size()) * sizeof(float) / t);
@@ -223,7 +229,8 @@ void BM_Packed(benchmark::State& state) {
     base += seconds_since(t0);
   }
   const double it = double(state.iterations());
-  state.SetLabel(std::string(s.name) + "/" + (std::is_same_v<S, float> ? "f32" : "bf16"));
+  state.SetLabel(std::string(s.name) + "/" + (std::is_same_v<S, float> ? "f32" : "bf16") +
+                 (decode ? std::string(" bw_probe=") + kReadProbeName : std::string()));
   state.counters["tokens/s"] = benchmark::Counter(double(n), benchmark::Counter::kIsIterationInvariantRate);
   state.counters["x_float"] = total / base;
   // ‖y − y_float‖ / ‖y_float‖: the accuracy at this shape
@@ -280,33 +287,6 @@ void evict_first(int threads) {
   detail::parallel_for(threads, threads, [&](Index i) { buf.segment(i * chunk, chunk).array() += 1.0f; });
   benchmark::ClobberMemory();
 }
-// Sum of p[0, n) read as the packed kernels read weights: several
-// independent accumulators and a software prefetch 4 KiB ahead
-// (kernels/isa.hpp), so one core keeps as many misses in flight as the layer.
-float stream_sum(const float* p, Index n) {
-#if defined(__AVX__)
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  Index i = 0;
-  for (; i + 32 <= n; i += 32) {
-    const std::uintptr_t ahead = reinterpret_cast<std::uintptr_t>(p + i) + 4096;  // never dereferenced
-    _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(ahead + 64), _MM_HINT_T0);
-    a0 = _mm256_add_ps(a0, _mm256_loadu_ps(p + i));
-    a1 = _mm256_add_ps(a1, _mm256_loadu_ps(p + i + 8));
-    a2 = _mm256_add_ps(a2, _mm256_loadu_ps(p + i + 16));
-    a3 = _mm256_add_ps(a3, _mm256_loadu_ps(p + i + 24));
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-  float s = 0;
-  for (float v : lanes) s += v;
-  for (; i < n; ++i) s += p[i];
-  return s;
-#else
-  return Eigen::Map<const Vector<float>>(p, n).sum();
-#endif
-}
-
 // Time of reading `bytes` of the buffer past the eviction region with
 // `threads` threads, each a contiguous share, right after an eviction: the
 // time a layer reading that many weight bytes, cold, cannot beat.
@@ -317,7 +297,7 @@ double cold_read_seconds(double bytes, int threads) {
   std::vector<float> partial(std::size_t(threads), 0.0f);
   const auto t0 = Clock::now();
   detail::parallel_for(threads, threads, [&](Index i) {
-    partial[std::size_t(i)] = stream_sum(buf.data() + evict_elements() + i * chunk, chunk);
+    partial[std::size_t(i)] = multi_stream_sum(buf.data() + evict_elements() + i * chunk, chunk);
   });
   benchmark::DoNotOptimize(partial.data());
   benchmark::ClobberMemory();
@@ -431,6 +411,7 @@ void BM_BlockFormats(benchmark::State& state, int shape_index, Index n, int thre
   state.counters["tokens/s(bf16)"] = benchmark::Counter(double(n), benchmark::Counter::kIsIterationInvariantRate);
   std::string label = std::string(s.name) + " isa=" + packed::isa_name(packed::kDefaultIsa) +
                       " block_tiles=" + packed::block_format_tiles(packed::kDefaultIsa);
+  if (cold) label += std::string(" bw_probe=") + kReadProbeName;
   if (!skipped.empty()) label += " skipped=" + skipped + " (d_ffn " + std::to_string(s.f) + " not whole blocks)";
   state.SetLabel(label);
 }
@@ -525,7 +506,7 @@ void BM_ExpertKinds(benchmark::State& state) {
   state.counters["swiglu:bw_frac"] = mb / ms;
   state.counters["MB"] = bytes * 1e-6;
   state.SetLabel(std::string(packed::dtype_name(packed_dtype<S>())) + " d=f=2880 E=8 K=4 isa=" +
-                 packed::isa_name(packed::kDefaultIsa));
+                 packed::isa_name(packed::kDefaultIsa) + " bw_probe=" + kReadProbeName);
 }
 void expert_kind_args(benchmark::internal::Benchmark* b) {
   for (int t : {1, 2})

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "bench_common.hpp"
+#include "read_probe.hpp"
 
 namespace {
 
@@ -142,8 +143,8 @@ void evict_caches(int threads) {
   benchmark::ClobberMemory();
 }
 
-// DRAM read bandwidth with `threads` threads: sum of the 1 GiB buffer, each
-// thread summing its share. The bound is the best of 7 passes after a
+// DRAM read bandwidth with `threads` threads: the 1 GiB buffer read by the
+// multi-stream vector probe (read_probe.hpp), each thread its share. The bound is the best of 7 passes after a
 // warm-up pass, so a pass that lost its core to another tenant of the
 // machine does not lower it.
 double read_bandwidth(int threads) {
@@ -155,7 +156,8 @@ double read_bandwidth(int threads) {
   double best = 0;
   for (int pass = 0; pass < 8; ++pass) {
     const auto t0 = Clock::now();
-    detail::parallel_for(threads, threads, [&](Index i) { partial[i] = buf.segment(i * chunk, chunk).sum(); });
+    detail::parallel_for(threads, threads,
+                         [&](Index i) { partial[i] = bench::multi_stream_sum(buf.data() + i * chunk, chunk); });
     benchmark::DoNotOptimize(partial.data());
     const double t = seconds_since(t0);
     if (pass > 0) best = std::max(best, double(buf.size()) * sizeof(T) / t);
@@ -208,7 +210,7 @@ void configure(benchmark::State& state, MoEFFN<T>*& moe, Matrix<T>& x, const Sha
   moe->set_threads(threads);
   set_routing(*moe, routing);
   x = random_matrix<T>(n, s->d, 100 + n);
-  state.SetLabel(std::string(s->name) + "/" + kRoutingNames[routing]);
+  state.SetLabel(std::string(s->name) + "/" + kRoutingNames[routing] + " bw_probe=" + bench::kReadProbeName);
 }
 
 void common_counters(benchmark::State& state, Index n, double flops) {

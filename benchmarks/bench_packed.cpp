@@ -63,6 +63,7 @@
 #include <vector>
 
 #include "bench_common.hpp"
+#include "read_probe.hpp"
 
 namespace {
 
@@ -70,9 +71,9 @@ using namespace apex;
 using apex::bench::Clock;
 using apex::bench::seconds_since;
 
-/// The read-bandwidth baseline: one thread summing `bytes` of a 1 GiB buffer
-/// allocated as the packed weights are (2 MiB-aligned, huge pages offered), a
-/// different slice each call so it is cold like the experts. Timed inside the
+/// The read-bandwidth baseline: one thread reading `bytes` of a 1 GiB buffer
+/// allocated as the packed weights are (2 MiB-aligned, huge pages offered) by
+/// the multi-stream vector probe (read_probe.hpp), a different slice each call so it is cold like the experts. Timed inside the
 /// same loop as the kernels, so the bandwidth fractions survive a machine
 /// whose load changes during the run.
 class StreamRead {
@@ -81,7 +82,7 @@ class StreamRead {
   void run(Index bytes) {
     const Index n = bytes / 4;
     if (next_ + n > buf_.size()) next_ = 0;
-    float s = Eigen::Map<const Vector<float>>(buf_.data() + next_, n).sum();
+    float s = bench::multi_stream_sum(buf_.data() + next_, n);
     benchmark::DoNotOptimize(s);
     next_ += n;
   }
@@ -188,7 +189,7 @@ void BM_expert(benchmark::State& state) {
   state.counters["stream_GBps"] = w32 / (t[3] / it) / 1e9;
   state.counters["f32_bw_frac"] = t[3] / t[1];
   state.counters["bf16_bw_frac"] = 0.5 * t[3] / t[2];
-  state.SetLabel(packed::isa_name(packed::kDefaultIsa));
+  state.SetLabel(std::string(packed::isa_name(packed::kDefaultIsa)) + " bw_probe=" + bench::kReadProbeName);
 }
 
 void shapes(benchmark::internal::Benchmark* b) {
