@@ -160,18 +160,29 @@ Adapters adapters_of(const char* where, const PackedExperts& p, const std::optio
   return ad;
 }
 
+/// A forward's inputs and outputs, checked alike for both entry points.
+struct ForwardCall {
+  Call in;
+  View<float> y, y_sorted;  // n × d, n·k × d
+};
+
+ForwardCall forward_call_of(const char* where, const PackedExperts& p, const Array& x, const Array& ids,
+                            const Array& w, const MutArray& y, const MutArray& y_sorted) {
+  ForwardCall f{call_of(where, p, x, ids, w), view<float>(where, "y", y, Elem::f32, 2),
+                view<float>(where, "y_sorted", y_sorted, Elem::f32, 2)};
+  expect_shape(where, "y", f.y, {f.in.n, p.d_model()});
+  expect_shape(where, "y_sorted", f.y_sorted, {f.in.n * f.in.k, p.d_model()});
+  return f;
+}
+
 void packed_forward(const PackedExperts& p, const Array& x, const Array& ids, const Array& w, bool expert_parallel,
              const MutArray& y, const MutArray& y_sorted, int threads) {
   constexpr const char* where = "apex_ffn.PackedExperts.forward";
-  const Call c = call_of(where, p, x, ids, w);
-  const auto yv = view<float>(where, "y", y, Elem::f32, 2);
-  const auto ys = view<float>(where, "y_sorted", y_sorted, Elem::f32, 2);
-  expect_shape(where, "y", yv, {c.n, p.d_model()});
-  expect_shape(where, "y_sorted", ys, {c.n * c.k, p.d_model()});
+  const ForwardCall f = forward_call_of(where, p, x, ids, w, y, y_sorted);
   const packed::Isa isa = current_isa();
   nb::gil_scoped_release release;
-  const Routing r = make_routing(where, c.ids.data, c.w.data, c.n, c.k, p.experts(), expert_parallel);
-  p.forward(r, c.x.data, ys.data, yv.data, threads, isa);
+  const Routing r = make_routing(where, f.in.ids.data, f.in.w.data, f.in.n, f.in.k, p.experts(), expert_parallel);
+  p.forward(r, f.in.x.data, f.y_sorted.data, f.y.data, threads, isa);
 }
 
 /// The median seconds of `reps` forwards on these inputs (the routing built each time, as the op does),
@@ -182,18 +193,14 @@ double packed_forward_seconds(const PackedExperts& p, const Array& x, const Arra
                               int reps) {
   constexpr const char* where = "apex_ffn.PackedExperts.forward_seconds";
   if (reps < 1) throw ConfigError(std::string(where) + ": reps must be at least 1, got " + std::to_string(reps));
-  const Call c = call_of(where, p, x, ids, w);
-  const auto yv = view<float>(where, "y", y, Elem::f32, 2);
-  const auto ys = view<float>(where, "y_sorted", y_sorted, Elem::f32, 2);
-  expect_shape(where, "y", yv, {c.n, p.d_model()});
-  expect_shape(where, "y_sorted", ys, {c.n * c.k, p.d_model()});
+  const ForwardCall f = forward_call_of(where, p, x, ids, w, y, y_sorted);
   const packed::Isa isa = current_isa();
   nb::gil_scoped_release release;
   std::vector<double> seconds;
   for (int i = 0; i < reps; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
-    const Routing r = make_routing(where, c.ids.data, c.w.data, c.n, c.k, p.experts(), expert_parallel);
-    p.forward(r, c.x.data, ys.data, yv.data, threads, isa);
+    const Routing r = make_routing(where, f.in.ids.data, f.in.w.data, f.in.n, f.in.k, p.experts(), expert_parallel);
+    p.forward(r, f.in.x.data, f.y_sorted.data, f.y.data, threads, isa);
     seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   std::nth_element(seconds.begin(), seconds.begin() + reps / 2, seconds.end());
