@@ -107,6 +107,28 @@ def test_copies_share_the_weights_and_outlive_the_original():
     assert torch.equal(logits(twin, ids), expected)
 
 
+def test_forward_seconds_computes_the_forward_and_checks_like_it():
+    """PackedExperts.forward_seconds (the C++-timed forward bench_python compares the Python call with)
+    writes the module's output and refuses what the forward refuses."""
+    model = tiny_model("qwen3_moe")
+    pack_experts(model, "bf16")
+    module = model.get_submodule("model.layers.0.mlp.experts")
+    g = torch.Generator().manual_seed(3)
+    n, k, d = 5, 2, model.config.hidden_size
+    x = torch.randn(n, d, generator=g)
+    ids = torch.stack([torch.randperm(model.config.num_experts, generator=g)[:k] for _ in range(n)])
+    w = torch.rand(n, k, generator=g)
+    with torch.no_grad():
+        expected = module(x, ids, w)
+    y, ys = torch.empty(n, d), torch.empty(n * k, d)
+    seconds = module.packed.forward_seconds(x, ids, w, False, y, ys, 1, 3)
+    assert seconds > 0 and torch.equal(y, expected)
+    with pytest.raises(apex_ffn.ConfigError, match="reps must be at least 1"):
+        module.packed.forward_seconds(x, ids, w, False, y, ys, 1, 0)
+    with pytest.raises(apex_ffn.ShapeError, match="y_sorted.*expected \\(10, "):
+        module.packed.forward_seconds(x, ids, w, False, y, torch.empty(n, d), 1, 1)
+
+
 def test_gpt_oss_packed_clamped_with_biases():
     ref = wide_model("gpt_oss")
     ours = copy.deepcopy(ref)
