@@ -144,9 +144,9 @@ void evict_caches(int threads) {
 }
 
 // DRAM read bandwidth with `threads` threads: the 1 GiB buffer read by the
-// multi-stream vector probe (read_probe.hpp), each thread its share. The bound is the best of 7 passes after a
-// warm-up pass, so a pass that lost its core to another tenant of the
-// machine does not lower it.
+// multi-stream vector probe (read_probe.hpp), each thread its share. The
+// bound is the best of 7 passes after a warm-up pass, so a pass that lost
+// its core to another tenant of the machine does not lower it.
 double read_bandwidth(int threads) {
   static std::map<int, double> cache;
   if (cache.count(threads)) return cache[threads];

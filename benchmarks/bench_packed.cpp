@@ -73,9 +73,10 @@ using apex::bench::seconds_since;
 
 /// The read-bandwidth baseline: one thread reading `bytes` of a 1 GiB buffer
 /// allocated as the packed weights are (2 MiB-aligned, huge pages offered) by
-/// the multi-stream vector probe (read_probe.hpp), a different slice each call so it is cold like the experts. Timed inside the
-/// same loop as the kernels, so the bandwidth fractions survive a machine
-/// whose load changes during the run.
+/// the multi-stream vector probe (read_probe.hpp), a different slice each
+/// call so it is cold like the experts. Timed inside the same loop as the
+/// kernels, so the bandwidth fractions survive a machine whose load changes
+/// during the run.
 class StreamRead {
  public:
   StreamRead() : buf_(Index(1) << 28) {}  // 1 GiB of zeros

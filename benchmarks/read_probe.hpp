@@ -12,9 +12,10 @@
 // 15 alternated reads: 24.5 GB/s on one thread against 20.5 for one AVX
 // stream with a prefetch 4 KiB ahead (the probe before), 18–22 for one or
 // two AVX-512 streams with it, 20 for four streams with it; at two threads
-// 29–31 GB/s, where all of them read 26–31. The width is the compiler target's:
-// AVX-512 under -march=native on an AVX-512 CPU, else AVX, SSE2 or scalar;
-// `kReadProbeName` names the one built, and the benchmark labels carry it.
+// 29–31 GB/s, where all of them read 26–31. The width is the compiler
+// target's: AVX-512 under -march=native on an AVX-512 CPU, else AVX, SSE2 or
+// scalar; `kReadProbeName` names the one built, and the benchmark labels
+// carry it.
 
 #include <apex/ffn/core/types.hpp>
 

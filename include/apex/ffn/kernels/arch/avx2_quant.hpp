@@ -104,7 +104,7 @@ inline constexpr Index kPrefetchBlockBytes = 2048;
 /// that many prefetches at each block fills the core's miss buffers ahead of
 /// the tile's own loads, and the hardware prefetcher alone, following the
 /// codes and the scales as two sequential streams, reads them faster: on an
-/// AVX-512 EPYC, decode 1.24–1.59× faster for Q4_K and 1.05–1.20× for Q6_K
+/// AVX-512 EPYC, decode 1.19–1.59× faster for Q4_K and 1.05–1.20× for Q6_K
 /// (docs/performance.md, "K-quant decode without the prefetch burst").
 template <Dtype T>
 inline void prefetch_block(const std::byte* slab, const std::byte* area) {
