@@ -6,11 +6,14 @@
 //   eigen  — float weights, `detail::linear_nt` for [G | U] = X·W_guᵀ, SiLU·U,
 //            `linear_nt` again for the down product (SwiGLU::forward_block);
 //   f32    — packed float weights, fused kernel;
-//   bf16   — packed bf16 weights, fused kernel (widened products up to 32
-//            rows, `vdpbf16ps` above when the build targets AVX-512 BF16).
+//   bf16   — packed bf16 weights, fused kernel, widened products (the
+//            default: exact fp32 activations);
+//   bf16p  — the same weights with paired products (`vdpbf16ps`, X and A
+//            rounded to bf16; Bf16Products::paired), when the CPU has
+//            AVX-512 BF16 (otherwise not timed, and the label says so).
 // The benchmark's time is bf16's; counters give each variant's rate in weight
 // GB/s (logical bytes 3·d·f·sizeof) and GFLOP/s (6·m·d·f), the speedups
-// f32/eigen and bf16/f32, and the fraction of the read bandwidth reached
+// f32/eigen, bf16/f32 and bf16p/f32, and the fraction of the read bandwidth reached
 // (`stream`: one thread summing as many cold bytes as the float expert holds,
 // timed in the same loop).
 //
@@ -150,18 +153,23 @@ void BM_expert(benchmark::State& state) {
   Matrix<float> work(m, 3 * f), y_eigen(m, d), y32(m, d), y16(m, d);  // m × 3f, m × d
   StreamRead& stream = stream_read();
   const auto w32_bytes = Index(12) * d * f;
-  double t[4] = {0, 0, 0, 0};  // eigen, f32, bf16, stream
+  const bool paired = packed::cpu_supports(packed::Isa::avx512_bf16);
+  const packed::ForwardOptions pairs{packed::Isa::avx512_bf16, packed::Bf16Products::paired};
+  enum Variant { kEigen, kF32, kBf16, kBf16Paired, kStream, kVariants };
+  double t[kVariants] = {};
   std::size_t next = 0, turn = 0;
   for (auto _ : state) {
     const ExpertForms& e = *pool.experts[next];
     next = (next + 1) % pool.experts.size();
-    double s[4];
-    for (int k = 0; k < 4; ++k) {
-      const int v = int((turn + std::size_t(k)) % 4);
+    double s[kVariants] = {};
+    for (int k = 0; k < kVariants; ++k) {
+      const int v = int((turn + std::size_t(k)) % kVariants);
+      if (v == kBf16Paired && !paired) continue;
       const auto t0 = Clock::now();
-      if (v == 0) eigen_forward(e, x, work, y_eigen);
-      else if (v == 1) packed::forward(e.f32, x.data(), d, m, y32.data(), d);
-      else if (v == 2) packed::forward(e.bf16, x.data(), d, m, y16.data(), d);
+      if (v == kEigen) eigen_forward(e, x, work, y_eigen);
+      else if (v == kF32) packed::forward(e.f32, x.data(), d, m, y32.data(), d);
+      else if (v == kBf16) packed::forward(e.bf16, x.data(), d, m, y16.data(), d);
+      else if (v == kBf16Paired) packed::forward(e.bf16, x.data(), d, m, y16.data(), d, pairs);
       else stream.run(w32_bytes);
       s[v] = seconds_since(t0);
     }
@@ -170,32 +178,37 @@ void BM_expert(benchmark::State& state) {
     benchmark::DoNotOptimize(y32.data());
     benchmark::DoNotOptimize(y16.data());
     benchmark::ClobberMemory();
-    for (int v = 0; v < 4; ++v) t[v] += s[v];
-    state.SetIterationTime(s[2]);
+    for (int v = 0; v < kVariants; ++v) t[v] += s[v];
+    state.SetIterationTime(s[kBf16]);
   }
   const double it = double(state.iterations());
   const double flops = 6.0 * double(m) * double(d) * double(f), w32 = 12.0 * double(d) * double(f);
-  const double bytes[3] = {w32, w32, w32 / 2};
-  const char* names[3] = {"eigen", "f32", "bf16"};
-  for (int v = 0; v < 3; ++v) {
+  const double bytes[4] = {w32, w32, w32 / 2, w32 / 2};
+  const char* names[4] = {"eigen", "f32", "bf16", "bf16p"};
+  for (int v = 0; v < (paired ? 4 : 3); ++v) {
     const double per_call = t[v] / it;
     state.counters[std::string(names[v]) + "_GBps"] = bytes[v] / per_call / 1e9;
     state.counters[std::string(names[v]) + "_GFLOPs"] = flops / per_call / 1e9;
   }
-  state.counters["speedup_f32_vs_eigen"] = t[0] / t[1];
-  state.counters["speedup_bf16_vs_f32"] = t[1] / t[2];
-  state.counters["speedup_bf16_vs_eigen"] = t[0] / t[2];
+  state.counters["speedup_f32_vs_eigen"] = t[kEigen] / t[kF32];
+  state.counters["speedup_bf16_vs_f32"] = t[kF32] / t[kBf16];
+  state.counters["speedup_bf16_vs_eigen"] = t[kEigen] / t[kBf16];
+  if (paired) state.counters["speedup_bf16p_vs_f32"] = t[kF32] / t[kBf16Paired];
   // Fractions of the read bandwidth (same bytes, same loop): the decode
   // figure of merit; above a few rows the product is no longer bound by it.
-  state.counters["stream_GBps"] = w32 / (t[3] / it) / 1e9;
-  state.counters["f32_bw_frac"] = t[3] / t[1];
-  state.counters["bf16_bw_frac"] = 0.5 * t[3] / t[2];
-  state.SetLabel(std::string(packed::isa_name(packed::kDefaultIsa)) + " bw_probe=" + bench::kReadProbeName);
+  state.counters["stream_GBps"] = w32 / (t[kStream] / it) / 1e9;
+  state.counters["f32_bw_frac"] = t[kStream] / t[kF32];
+  state.counters["bf16_bw_frac"] = 0.5 * t[kStream] / t[kBf16];
+  if (paired) state.counters["bf16p_bw_frac"] = 0.5 * t[kStream] / t[kBf16Paired];
+  state.SetLabel(std::string(packed::isa_name(packed::kDefaultIsa)) + " bw_probe=" + bench::kReadProbeName +
+                 (paired ? "" : " bf16p: skipped, the CPU has no AVX-512 BF16"));
 }
 
 void shapes(benchmark::internal::Benchmark* b) {
   for (const auto& [d, f] : {std::pair<long, long>{512, 1376}, {1024, 512}})
     for (const long m : {1, 4, 16, 128, 1024}) b->Args({d, f, m});
+  // A Qwen3-30B-A3B expert at a batch's rows per expert (N = 512, top-8 of 128: 32).
+  for (const long m : {1, 32, 512}) b->Args({2048, 768, m});
 }
 BENCHMARK(BM_expert)->Apply(shapes)->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.3);
 

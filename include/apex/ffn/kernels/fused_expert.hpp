@@ -24,12 +24,17 @@
 /// bf16 products. `widened` (the default everywhere) converts each weight with
 /// one shift or mask and uses fp32 FMAs: activations stay exact and the speed
 /// is the float kernel's. `paired` (avx512_bf16 only) rounds X and A to bf16
-/// and uses `vdpbf16ps`, two multiply-adds per lane and instruction. On the
-/// Sapphire Rapids-class CPU this was measured on, `vdpbf16ps` issues at about
-/// half the rate of an fp32 FMA, so paired products reach ≈ 85 GFLOP/s
-/// against ≈ 149 widened: it is kept as an explicit option (and tested) for
-/// CPUs where it is faster, not chosen automatically. Beating the FMA rate on
-/// this CPU needs AMX-BF16 tiles, which this engine does not use yet.
+/// and uses `vdpbf16ps`, two multiply-adds per lane and instruction. Its
+/// worth depends on the CPU: on a Sapphire Rapids-class Xeon `vdpbf16ps`
+/// issues at about half the rate of an fp32 FMA, so paired products reach
+/// ≈ 85 GFLOP/s against ≈ 149 widened (beating the FMA rate there needs
+/// AMX-BF16 tiles, which this engine does not use); on an AMD Zen 4 EPYC it
+/// issues at the FMA's rate, so paired products reach 197–216 GFLOP/s against
+/// 100–110 widened, 1.96–2.26× packed float from 16 to 1024 rows (bench_packed,
+/// BM_expert's bf16p column). `automatic` stays widened on every CPU: paired
+/// products round X and A, so a row's bits would depend on the CPU and the
+/// path. Callers whose activations are bf16 already lose nothing by pairing
+/// and choose it (the Python package does for bf16 models).
 ///
 /// Accuracy. Float weights: the error of a dot product of length K in fp32,
 /// |δ| ≤ ≈K·2⁻²⁴·Σ|x||w| (the tests bound it componentwise; measured
@@ -91,7 +96,7 @@ namespace apex::packed {
 /// How bf16 weights are multiplied (float weights ignore this except that
 /// `paired` is rejected for them).
 enum class Bf16Products {
-  automatic,  ///< the faster exact choice: widened (see the file comment)
+  automatic,  ///< widened: exact activations, the same bits on every path and CPU
   widened,    ///< weights widened to fp32, activations exact (every path)
   paired,     ///< `vdpbf16ps`, activations rounded to bf16 (avx512_bf16 only)
 };
