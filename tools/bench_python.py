@@ -81,6 +81,7 @@ def cpp_overhead(module, n, args, dtype, threads, reps):
         cases.append((x, ids, w, x.float().contiguous(), ids.long().contiguous(), w.float().contiguous()))
     y, ys = torch.empty(n, args.d), torch.empty(n * args.k, args.d)
     py, cpp = [], []
+    bf16_activations = dtype == torch.bfloat16  # as the module's forward tells the op
 
     def python_call(c):
         t0 = time.perf_counter()
@@ -88,7 +89,7 @@ def cpp_overhead(module, n, args, dtype, threads, reps):
         py.append(time.perf_counter() - t0)
 
     def cpp_call(c):
-        cpp.append(module.packed.forward_seconds(c[3], c[4], c[5], False, y, ys, threads, 1))
+        cpp.append(module.packed.forward_seconds(c[3], c[4], c[5], False, y, ys, threads, 1, bf16_activations))
 
     with torch.no_grad():
         module(*cases[0][:3])
@@ -201,6 +202,7 @@ def main():
     ap.add_argument("--f", type=int, default=768)
     ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--types", nargs="*", default=["q8_0", "q4_k"])
+    ap.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"], help="the model's dtypes")
     ap.add_argument("--lora-threads", type=int, default=2)
     ap.add_argument("--skip-slow", action="store_true", help="leave out eager at N = 512")
     ap.add_argument("--no-lora", action="store_true")
@@ -210,7 +212,7 @@ def main():
           f"torch {torch.__version__}; block E {args.experts} K {args.k} d {args.d} f {args.f}", flush=True)
     if not args.lora_only:
         print(f"the call's own cost (8 experts of 64 x 64, N = 1): {call_cost()}", flush=True)
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (getattr(torch, name) for name in args.dtypes):
             forward_cells(args, dtype)
     if not args.no_lora:
         lora_cells(args)

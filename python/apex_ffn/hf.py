@@ -16,7 +16,9 @@ is a ConfigError naming it, at its first call.
 bf16 or f16 expert weights: without gradients they run packed as bf16
 (exact for bf16 weights; f16 rounded), packed once per weight version;
 with gradients they run in float32 (the weights widened, their gradients
-narrowed back by autograd).
+narrowed back by autograd). In a bf16 model on the avx512_bf16 path the
+packed SiLU-gated experts multiply in bf16 pairs (`vdpbf16ps`), rounding
+the hidden activations to bf16 as the model's own experts do.
 """
 import torch
 
@@ -64,7 +66,8 @@ def apex_experts_forward(module, hidden_states, top_k_index, top_k_weights):
         t is not None and t.requires_grad
         for t in (hidden_states, top_k_weights, gu, dn, _bias(module, "gate_up_proj_bias", layout)))
     if gu.dtype != torch.float32 and not grad:
-        y = ops.packed_experts(x, ids, w, _packed_bf16(module, layout), layout.expert_parallel)
+        y = ops.packed_experts(x, ids, w, _packed_bf16(module, layout), layout.expert_parallel,
+                               dtype == torch.bfloat16)
         return y.to(dtype)
     gb, db = _bias(module, "gate_up_proj_bias", layout), _bias(module, "down_proj_bias", layout)
     if gu.dtype != torch.float32:  # widened: autograd narrows the gradients back

@@ -144,27 +144,29 @@ float_experts.register_autograd(_float_backward, setup_context=_float_setup)
 
 # --- packed experts --------------------------------------------------------
 
-def packed_forward(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, handle: int, expert_parallel: bool
-                   ) -> Tensor:
+def packed_forward(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, handle: int, expert_parallel: bool,
+                   bf16_activations: bool = False) -> Tensor:
     """The packed_experts op's computation without torch's dispatcher: what inference under no_grad calls
-    (PackedExpertsModule), where the dispatcher's tens of microseconds are a visible share of a decode step."""
+    (PackedExpertsModule), where the dispatcher's tens of microseconds are a visible share of a decode step.
+    bf16_activations: x holds a bf16 model's values (PackedExperts.forward: bf16 experts then multiply in
+    bf16 pairs where the kernel path has them)."""
     _cpu("packed_experts", hidden_states=x, top_k_index=top_k_index, top_k_weights=top_k_weights)
     p = packed_of(handle)
     n, d = x.shape
     k = top_k_index.shape[1]
     y, ys = _empty(n, d, like=x), _empty(n * k, d, like=x)
-    p.forward(x, top_k_index, top_k_weights, expert_parallel, y, ys, get_num_threads())
+    p.forward(x, top_k_index, top_k_weights, expert_parallel, y, ys, get_num_threads(), bf16_activations)
     return y
 
 
 @torch.library.custom_op("apex_ffn::packed_experts", mutates_args=())
-def packed_experts(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, handle: int, expert_parallel: bool
-                   ) -> Tensor:
-    return packed_forward(x, top_k_index, top_k_weights, handle, expert_parallel)
+def packed_experts(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, handle: int, expert_parallel: bool,
+                   bf16_activations: bool = False) -> Tensor:
+    return packed_forward(x, top_k_index, top_k_weights, handle, expert_parallel, bf16_activations)
 
 
 @packed_experts.register_fake
-def _(x, top_k_index, top_k_weights, handle, expert_parallel):
+def _(x, top_k_index, top_k_weights, handle, expert_parallel, bf16_activations=False):
     return x.new_empty(x.shape[0], x.shape[1])
 
 

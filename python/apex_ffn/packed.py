@@ -57,12 +57,13 @@ class PackedExpertsModule(nn.Module):
         x = hidden_states.float().contiguous()
         w = top_k_weights.float().contiguous()
         ids = top_k_index.long().contiguous()
+        bf16 = dtype == torch.bfloat16  # a bf16 model: bf16 experts may multiply in bf16 pairs
         if self.lora is not None:
             y = self.lora.run(self.handle, x, ids, w, self.layout.expert_parallel)
         elif torch.is_grad_enabled() or torch.compiler.is_compiling():
-            y = ops.packed_experts(x, ids, w, self.handle, self.layout.expert_parallel)
+            y = ops.packed_experts(x, ids, w, self.handle, self.layout.expert_parallel, bf16)
         else:  # inference: the op's body without the dispatcher (ops.packed_forward)
-            y = ops.packed_forward(x, ids, w, self.handle, self.layout.expert_parallel)
+            y = ops.packed_forward(x, ids, w, self.handle, self.layout.expert_parallel, bf16)
         return y.to(dtype)
 
     def __deepcopy__(self, memo):

@@ -85,9 +85,23 @@ class PackedExperts {
   /// Work columns of a training forward with adapters of ranks r_gu, r_down (0: none).
   Index train_work_cols(Index r_gu, Index r_down) const { return 3 * f_ + r_gu + r_down; }
 
-  /// Inference: y (N × d) from x (N × d); y_sorted: NK × d scratch the caller owns.
-  void forward(const Routing& r, const float* x, float* y_sorted, float* y, int threads, packed::Isa isa) const {
-    const packed::ForwardOptions opt{isa, packed::Bf16Products::automatic};
+  /// The bf16 products of a forward: `paired` (`vdpbf16ps`, X and A rounded to
+  /// bf16) when the caller's activations are bf16 already and the path, the
+  /// weights and the gate take it; `widened` (exact activations) otherwise.
+  /// A bf16 model rounds X and A to bf16 itself, so pairing loses nothing
+  /// there, and on AVX-512 BF16 it is up to twice the widened products' rate
+  /// (kernels/fused_expert.hpp).
+  packed::ForwardOptions forward_options(packed::Isa isa, bool bf16_activations) const {
+    const bool paired = bf16_activations && isa == packed::Isa::avx512_bf16 &&
+                        types_ == packed::ExpertDtypes(packed::Dtype::bf16) && gate_ == GateKind::silu;
+    return {isa, paired ? packed::Bf16Products::paired : packed::Bf16Products::widened};
+  }
+
+  /// Inference: y (N × d) from x (N × d); y_sorted: NK × d scratch the caller
+  /// owns; bf16_activations: x holds bf16 values (forward_options).
+  void forward(const Routing& r, const float* x, float* y_sorted, float* y, int threads, packed::Isa isa,
+               bool bf16_activations) const {
+    const packed::ForwardOptions opt = forward_options(isa, bf16_activations);
     python::forward(r, x, d_, y_sorted, y, threads, [&](const apex::detail::ExpertTask& t, const auto& xs, auto&& ys) {
       const auto& e = experts_[std::size_t(t.id)];
       if (gate_ == GateKind::silu)

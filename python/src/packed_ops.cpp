@@ -176,13 +176,13 @@ ForwardCall forward_call_of(const char* where, const PackedExperts& p, const Arr
 }
 
 void packed_forward(const PackedExperts& p, const Array& x, const Array& ids, const Array& w, bool expert_parallel,
-             const MutArray& y, const MutArray& y_sorted, int threads) {
+                    const MutArray& y, const MutArray& y_sorted, int threads, bool bf16_activations) {
   constexpr const char* where = "apex_ffn.PackedExperts.forward";
   const ForwardCall f = forward_call_of(where, p, x, ids, w, y, y_sorted);
   const packed::Isa isa = current_isa();
   nb::gil_scoped_release release;
   const Routing r = make_routing(where, f.in.ids.data, f.in.w.data, f.in.n, f.in.k, p.experts(), expert_parallel);
-  p.forward(r, f.in.x.data, f.y_sorted.data, f.y.data, threads, isa);
+  p.forward(r, f.in.x.data, f.y_sorted.data, f.y.data, threads, isa, bf16_activations);
 }
 
 /// The median seconds of `reps` forwards on these inputs (the routing built each time, as the op does),
@@ -190,7 +190,7 @@ void packed_forward(const PackedExperts& p, const Array& x, const Array& ids, co
 /// against (tools/bench_python.py).
 double packed_forward_seconds(const PackedExperts& p, const Array& x, const Array& ids, const Array& w,
                               bool expert_parallel, const MutArray& y, const MutArray& y_sorted, int threads,
-                              int reps) {
+                              int reps, bool bf16_activations) {
   constexpr const char* where = "apex_ffn.PackedExperts.forward_seconds";
   if (reps < 1) throw ConfigError(std::string(where) + ": reps must be at least 1, got " + std::to_string(reps));
   const ForwardCall f = forward_call_of(where, p, x, ids, w, y, y_sorted);
@@ -200,7 +200,7 @@ double packed_forward_seconds(const PackedExperts& p, const Array& x, const Arra
   for (int i = 0; i < reps; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     const Routing r = make_routing(where, f.in.ids.data, f.in.w.data, f.in.n, f.in.k, p.experts(), expert_parallel);
-    p.forward(r, f.in.x.data, f.y_sorted.data, f.y.data, threads, isa);
+    p.forward(r, f.in.x.data, f.y_sorted.data, f.y.data, threads, isa, bf16_activations);
     seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   std::nth_element(seconds.begin(), seconds.begin() + reps / 2, seconds.end());
@@ -281,10 +281,13 @@ void bind_packed_experts(nb::module_& m) {
       .def_prop_ro("mapped", &PackedExperts::mapped, "True if the weights are views into a mapped pack-once file.")
       .def("train_work_cols", &PackedExperts::train_work_cols, nb::arg("r_gate_up"), nb::arg("r_down"))
       .def("forward", &packed_forward, nb::arg("hidden_states"), nb::arg("top_k_index"), nb::arg("top_k_weights"),
-           nb::arg("expert_parallel"), nb::arg("y"), nb::arg("y_sorted"), nb::arg("threads"))
+           nb::arg("expert_parallel"), nb::arg("y"), nb::arg("y_sorted"), nb::arg("threads"),
+           nb::arg("bf16_activations") = false,
+           "bf16_activations: the inputs hold bf16 values (a bf16 model); bf16 experts on the avx512_bf16 path then\n"
+           "multiply in pairs with `vdpbf16ps`, rounding the hidden activations to bf16 as the model would.")
       .def("forward_seconds", &packed_forward_seconds, nb::arg("hidden_states"), nb::arg("top_k_index"),
            nb::arg("top_k_weights"), nb::arg("expert_parallel"), nb::arg("y"), nb::arg("y_sorted"),
-           nb::arg("threads"), nb::arg("reps"),
+           nb::arg("threads"), nb::arg("reps"), nb::arg("bf16_activations") = false,
            "Median seconds of `reps` forwards timed in C++ (the reference for the Python call's overhead).")
       .def("train_forward", &packed_train_forward, nb::arg("hidden_states"), nb::arg("top_k_index"), nb::arg("top_k_weights"),
            nb::arg("a_gate_up").none(), nb::arg("b_gate_up").none(), nb::arg("a_down").none(), nb::arg("b_down").none(),

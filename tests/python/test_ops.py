@@ -100,6 +100,33 @@ def test_packed_f32_equals_float_experts():
 
 
 @pytest.mark.parametrize("gate,transposed", [("silu", False), ("clamped", True)])
+def test_bf16_activations_pair_products_only_where_they_can(gate, transposed):
+    """bf16 SiLU experts on the avx512_bf16 path multiply in bf16 pairs when told the inputs are a bf16
+    model's; every other path, type and gate gives the widened (exact-activation) bits either way."""
+    x, ids, w, *_ = case(n=40, requires_grad=False)
+    x = x.bfloat16().float()  # a bf16 model's values
+    first = apex_ffn.isa()
+    try:
+        for types in ("bf16", "f16", "f32"):
+            p, h, (gu, dn, gb, db) = packed(gate, transposed, types)
+            y_ref = reference(x, ids, w, gu, dn, gb, db, gate, transposed, transposed and gate == "clamped")
+            for isa in apex_ffn.available_isas():
+                apex_ffn.set_isa(isa)
+                wide = ops.packed_experts(x, ids, w, h, False)
+                pairs = ops.packed_experts(x, ids, w, h, False, True)
+                assert torch.equal(ops.packed_forward(x, ids, w, h, False, True), pairs)
+                if types == "bf16" and gate == "silu" and isa == "avx512_bf16":
+                    assert not torch.equal(pairs, wide)  # A rounded to bf16: other bits
+                    assert rel(pairs, y_ref) <= 1e-2 and rel(wide, y_ref) <= 1e-2
+                else:
+                    assert torch.equal(pairs, wide), (types, gate, isa)
+            torch.library.opcheck(torch.ops.apex_ffn.packed_experts.default, (x, ids, w, h, False, True))
+            ops.release_packed(h)
+    finally:
+        apex_ffn.set_isa(first)
+
+
+@pytest.mark.parametrize("gate,transposed", [("silu", False), ("clamped", True)])
 def test_packed_train_with_lora(gate, transposed):
     p, h, (gu, dn, gb, db) = packed(gate, transposed)
     x, ids, w, *_ = case(requires_grad=True)
