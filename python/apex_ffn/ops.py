@@ -51,7 +51,7 @@ def packed_of(handle):
 def _cpu(op, **tensors):
     """ValueError naming the op and argument for a tensor on another device (the C++ side checks again)."""
     for name, t in tensors.items():
-        if t is not None and t.device.type != "cpu":
+        if t is not None and not t.is_cpu:
             raise _core.ValueError(f"apex_ffn::{op}: argument '{name}' is on {t.device}; apex_ffn computes on CPU "
                                    "tensors: move it with .cpu()")
 
@@ -149,13 +149,12 @@ def packed_forward(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, handle
     """The packed_experts op's computation without torch's dispatcher: what inference under no_grad calls
     (PackedExpertsModule), where the dispatcher's tens of microseconds are a visible share of a decode step.
     bf16_activations: x holds a bf16 model's values (PackedExperts.forward: bf16 experts then multiply in
-    bf16 pairs where the kernel path has them)."""
+    bf16 pairs where the kernel path has them). The experts' outputs in plan order go to the extension's
+    scratch: nothing reads them after an inference forward."""
     _cpu("packed_experts", hidden_states=x, top_k_index=top_k_index, top_k_weights=top_k_weights)
     p = packed_of(handle)
-    n, d = x.shape
-    k = top_k_index.shape[1]
-    y, ys = _empty(n, d, like=x), _empty(n * k, d, like=x)
-    p.forward(x, top_k_index, top_k_weights, expert_parallel, y, ys, get_num_threads(), bf16_activations)
+    y = _empty(*x.shape, like=x)
+    p.forward(x, top_k_index, top_k_weights, expert_parallel, y, None, get_num_threads(), bf16_activations)
     return y
 
 

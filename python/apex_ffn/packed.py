@@ -37,6 +37,16 @@ from .layout import experts_layout
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 
 
+def _float32(t):
+    """t as contiguous float32; t itself when it is (no call into torch's dispatcher: at decode a module's
+    call is a few hundred microseconds after a step has left the interpreter's caches cold)."""
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
+
+
+def _int64(t):
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.long().contiguous()
+
+
 class PackedExpertsModule(nn.Module):
     """The routed experts of one MoE block, packed; forward as transformers' experts modules:
     (hidden_states (T, H), top_k_index (T, K), top_k_weights (T, K)) → (T, H) in the input's dtype."""
@@ -54,9 +64,7 @@ class PackedExpertsModule(nn.Module):
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         dtype = hidden_states.dtype
-        x = hidden_states.float().contiguous()
-        w = top_k_weights.float().contiguous()
-        ids = top_k_index.long().contiguous()
+        x, w, ids = _float32(hidden_states), _float32(top_k_weights), _int64(top_k_index)
         bf16 = dtype == torch.bfloat16  # a bf16 model: bf16 experts may multiply in bf16 pairs
         if self.lora is not None:
             y = self.lora.run(self.handle, x, ids, w, self.layout.expert_parallel)
@@ -64,7 +72,7 @@ class PackedExpertsModule(nn.Module):
             y = ops.packed_experts(x, ids, w, self.handle, self.layout.expert_parallel, bf16)
         else:  # inference: the op's body without the dispatcher (ops.packed_forward)
             y = ops.packed_forward(x, ids, w, self.handle, self.layout.expert_parallel, bf16)
-        return y.to(dtype)
+        return y if dtype == torch.float32 else y.to(dtype)
 
     def __deepcopy__(self, memo):
         """A copy sharing the packed weights (never written) under a handle of its own; adapters copied."""

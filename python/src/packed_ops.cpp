@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include <apex/ffn/core/workspace.hpp>
 #include <apex/ffn/kernels/weight_types.hpp>
 
 #include "packed_experts.hpp"
@@ -166,17 +167,27 @@ struct ForwardCall {
   View<float> y, y_sorted;  // n × d, n·k × d
 };
 
+struct YSortedTag {};
+
+/// y_sorted absent (inference from Python: nothing reads it afterwards): the
+/// calling thread's scratch, so the call allocates and imports one tensor
+/// less (each costs microseconds when the step has left the caches cold).
 ForwardCall forward_call_of(const char* where, const PackedExperts& p, const Array& x, const Array& ids,
-                            const Array& w, const MutArray& y, const MutArray& y_sorted) {
-  ForwardCall f{call_of(where, p, x, ids, w), view<float>(where, "y", y, Elem::f32, 2),
-                view<float>(where, "y_sorted", y_sorted, Elem::f32, 2)};
+                            const Array& w, const MutArray& y, const std::optional<MutArray>& y_sorted) {
+  ForwardCall f{call_of(where, p, x, ids, w), view<float>(where, "y", y, Elem::f32, 2), {}};
   expect_shape(where, "y", f.y, {f.in.n, p.d_model()});
-  expect_shape(where, "y_sorted", f.y_sorted, {f.in.n * f.in.k, p.d_model()});
+  if (y_sorted) {
+    f.y_sorted = view<float>(where, "y_sorted", *y_sorted, Elem::f32, 2);
+    expect_shape(where, "y_sorted", f.y_sorted, {f.in.n * f.in.k, p.d_model()});
+  } else {
+    const Index rows = apex::detail::checked_product(where, "rows x k", {f.in.n, f.in.k});
+    f.y_sorted.data = apex::detail::thread_workspace<float, YSortedTag>(rows, p.d_model()).data();
+  }
   return f;
 }
 
 void packed_forward(const PackedExperts& p, const Array& x, const Array& ids, const Array& w, bool expert_parallel,
-                    const MutArray& y, const MutArray& y_sorted, int threads, bool bf16_activations) {
+                    const MutArray& y, const std::optional<MutArray>& y_sorted, int threads, bool bf16_activations) {
   constexpr const char* where = "apex_ffn.PackedExperts.forward";
   const ForwardCall f = forward_call_of(where, p, x, ids, w, y, y_sorted);
   const packed::Isa isa = current_isa();
@@ -189,8 +200,8 @@ void packed_forward(const PackedExperts& p, const Array& x, const Array& ids, co
 /// timed inside C++ with no Python between calls: the reference the Python call's overhead is measured
 /// against (tools/bench_python.py).
 double packed_forward_seconds(const PackedExperts& p, const Array& x, const Array& ids, const Array& w,
-                              bool expert_parallel, const MutArray& y, const MutArray& y_sorted, int threads,
-                              int reps, bool bf16_activations) {
+                              bool expert_parallel, const MutArray& y, const std::optional<MutArray>& y_sorted,
+                              int threads, int reps, bool bf16_activations) {
   constexpr const char* where = "apex_ffn.PackedExperts.forward_seconds";
   if (reps < 1) throw ConfigError(std::string(where) + ": reps must be at least 1, got " + std::to_string(reps));
   const ForwardCall f = forward_call_of(where, p, x, ids, w, y, y_sorted);
@@ -281,12 +292,13 @@ void bind_packed_experts(nb::module_& m) {
       .def_prop_ro("mapped", &PackedExperts::mapped, "True if the weights are views into a mapped pack-once file.")
       .def("train_work_cols", &PackedExperts::train_work_cols, nb::arg("r_gate_up"), nb::arg("r_down"))
       .def("forward", &packed_forward, nb::arg("hidden_states"), nb::arg("top_k_index"), nb::arg("top_k_weights"),
-           nb::arg("expert_parallel"), nb::arg("y"), nb::arg("y_sorted"), nb::arg("threads"),
+           nb::arg("expert_parallel"), nb::arg("y"), nb::arg("y_sorted").none(), nb::arg("threads"),
            nb::arg("bf16_activations") = false,
+           "y_sorted: the experts' outputs in plan order (N*K x d), or None for the calling thread's scratch.\n"
            "bf16_activations: the inputs hold bf16 values (a bf16 model); bf16 experts on the avx512_bf16 path then\n"
            "multiply in pairs with `vdpbf16ps`, rounding the hidden activations to bf16 as the model would.")
       .def("forward_seconds", &packed_forward_seconds, nb::arg("hidden_states"), nb::arg("top_k_index"),
-           nb::arg("top_k_weights"), nb::arg("expert_parallel"), nb::arg("y"), nb::arg("y_sorted"),
+           nb::arg("top_k_weights"), nb::arg("expert_parallel"), nb::arg("y"), nb::arg("y_sorted").none(),
            nb::arg("threads"), nb::arg("reps"), nb::arg("bf16_activations") = false,
            "Median seconds of `reps` forwards timed in C++ (the reference for the Python call's overhead).")
       .def("train_forward", &packed_train_forward, nb::arg("hidden_states"), nb::arg("top_k_index"), nb::arg("top_k_weights"),

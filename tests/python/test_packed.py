@@ -123,6 +123,15 @@ def test_forward_seconds_computes_the_forward_and_checks_like_it():
     y, ys = torch.empty(n, d), torch.empty(n * k, d)
     seconds = module.packed.forward_seconds(x, ids, w, False, y, ys, 1, 3)
     assert seconds > 0 and torch.equal(y, expected)
+    # y_sorted None: the extension's scratch (what the module's inference forward passes)
+    for call in (lambda out: module.packed.forward(x, ids, w, False, out, None, 1),
+                 lambda out: module.packed.forward_seconds(x, ids, w, False, out, None, 1, 1)):
+        y2 = torch.full((n, d), float("nan"))
+        call(y2)
+        assert torch.equal(y2, expected)
+    ys = torch.full((n * k, d), float("nan"))
+    module.packed.forward(x, ids, w, False, y2, ys, 1)
+    assert torch.equal(y2, expected) and not ys.isnan().any()  # a y_sorted given is written
     with pytest.raises(apex_ffn.ConfigError, match="reps must be at least 1"):
         module.packed.forward_seconds(x, ids, w, False, y, ys, 1, 0)
     with pytest.raises(apex_ffn.ShapeError, match="y_sorted.*expected \\(10, "):
