@@ -38,8 +38,8 @@ _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 
 
 def _float32(t):
-    """t as contiguous float32; t itself when it is (no call into torch's dispatcher: at decode a module's
-    call is a few hundred microseconds after a step has left the interpreter's caches cold)."""
+    """t as contiguous float32; t itself when it is, without a call into torch's dispatcher (at decode,
+    after a step has left the interpreter's caches cold, each such call costs microseconds)."""
     return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
 
 
