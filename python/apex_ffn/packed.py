@@ -40,11 +40,17 @@ _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 def _float32(t):
     """t as contiguous float32; t itself when it is, without a call into torch's dispatcher (at decode,
     after a step has left the interpreter's caches cold, each such call costs microseconds)."""
-    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
+    return t if t.dtype == torch.float32 and t.is_contiguous() and not t.is_neg() else _plain(t.float())
 
 
 def _int64(t):
-    return t if t.dtype == torch.int64 and t.is_contiguous() else t.long().contiguous()
+    return t if t.dtype == torch.int64 and t.is_contiguous() and not t.is_neg() else _plain(t.long())
+
+
+def _plain(t):
+    """t contiguous with its negative bit resolved: DLPack hands over a lazily negated view's memory as it
+    is, un-negated (such views come from e.g. z.conj().imag)."""
+    return t.resolve_neg().contiguous()
 
 
 class PackedExpertsModule(nn.Module):
@@ -63,6 +69,13 @@ class PackedExpertsModule(nn.Module):
         self.lora = None  # apex_ffn.lora.ExpertsLora, when adapters are attached
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
+        if self.lora is None and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # inference: one call into the extension, which reads plain CPU tensors without DLPack and
+            # allocates y (PackedExperts.infer); None for any other input, which the checked path below takes
+            y = self.packed.infer(hidden_states, top_k_index, top_k_weights, self.layout.expert_parallel,
+                                  get_num_threads())
+            if y is not None:
+                return y
         dtype = hidden_states.dtype
         x, w, ids = _float32(hidden_states), _float32(top_k_weights), _int64(top_k_index)
         bf16 = dtype == torch.bfloat16  # a bf16 model: bf16 experts may multiply in bf16 pairs
@@ -142,7 +155,7 @@ def _from_float(name, module, layout, types, threads):
     if any(x.device.type == "meta" for x in t):
         raise _core.ConfigError(f"apex_ffn.pack_experts: {name} has no weights (a meta-initialised model): "
                                 "pack it from a GGUF file (gguf=...)")
-    t = [x.detach().to("cpu", torch.float32).contiguous() for x in t]
+    t = [_plain(x.detach().to("cpu", torch.float32)) for x in t]
     return _core.PackedExperts.from_float(t[0], t[1], t[2] if layout.has_bias else None,
                                           t[3] if layout.has_bias else None, layout.gate, layout.transposed,
                                           layout.interleaved, layout.alpha, layout.limit, types, threads)
@@ -244,7 +257,7 @@ def save_pack_once(model, folder):
         if any(t is not None and t.device.type == "meta" for t in (router.weight, bias)):
             raise _core.ConfigError(f"apex_ffn.save_pack_once: the router {rname} beside {name} has no weights "
                                     "(a meta-initialised model)")
-        t = [None if x is None else x.detach().to("cpu", torch.float32).contiguous() for x in (router.weight, bias)]
+        t = [None if x is None else _plain(x.detach().to("cpu", torch.float32)) for x in (router.weight, bias)]
         jobs[path] = (name, m.packed, t[0], t[1], _top_k(model, router, m.num_experts))
     os.makedirs(folder, exist_ok=True)
     for path, (_, packed, weight, bias, top_k) in jobs.items():

@@ -16,12 +16,14 @@
 #include <vector>
 
 #include <apex/ffn/core/workspace.hpp>
+#include <apex/ffn/kernels/bf16_vectors.hpp>
 #include <apex/ffn/kernels/weight_types.hpp>
 
 #include "packed_experts.hpp"
 #include "routed_experts.hpp"
 #include "runtime.hpp"
 #include "tensor_args.hpp"
+#include "torch_tensors.hpp"
 
 namespace apex::python {
 namespace {
@@ -196,6 +198,54 @@ void packed_forward(const PackedExperts& p, const Array& x, const Array& ids, co
   p.forward(r, f.in.x.data, f.y_sorted.data, f.y.data, threads, isa, bf16_activations);
 }
 
+struct XTag {};
+struct WTag {};
+struct YTag {};
+
+/// The inference forward of PackedExpertsModule's call: the module's own
+/// arguments read without DLPack (torch_tensors.hpp) and y allocated here,
+/// so a decode step crosses into the extension once. x and w both float32,
+/// or both bfloat16 (a bf16 model: widened exactly, y rounded to bf16 as
+/// torch's .to(bfloat16) rounds, and bf16 experts may multiply in pairs as
+/// PackedExperts.forward's bf16_activations says), ids int64. None unless
+/// every argument is plain and the shapes agree: the module then takes the
+/// checked path, which names what is wrong. Expert ids are checked here as
+/// there (make_routing).
+nb::object packed_infer(const PackedExperts& p, nb::handle x, nb::handle ids, nb::handle w, bool expert_parallel,
+                        int threads) {
+  constexpr const char* where = "apex_ffn.PackedExperts.infer";
+  const auto px = plain_2d(x), pi = plain_2d(ids), pw = plain_2d(w);
+  if (!px || !pi || !pw || px->elem == TorchElem::i64 || pi->elem != TorchElem::i64 || pw->elem != px->elem ||
+      px->cols != p.d_model() || pi->rows != px->rows || pw->rows != px->rows || pw->cols != pi->cols)
+    return nb::none();
+  if (threads < 1) throw ConfigError(std::string(where) + ": threads must be at least 1, got " + std::to_string(threads));
+  const Index n = px->rows, k = pi->cols, d = p.d_model();
+  const bool bf16 = px->elem == TorchElem::bf16;
+  nb::object y = torch_empty_2d(n, d, px->elem);
+  void* y_data = data_ptr_of(y);
+  const packed::Isa isa = current_isa();
+  {
+    nb::gil_scoped_release release;
+    const float* xf = static_cast<const float*>(px->data);
+    const float* wf = static_cast<const float*>(pw->data);
+    float* yf = static_cast<float*>(y_data);
+    if (bf16) {  // exact widening in; y computed in float, rounded once on the way out
+      float* xw = apex::detail::thread_workspace<float, XTag>(n, d).data();
+      float* ww = apex::detail::thread_workspace<float, WTag>(n, k).data();
+      packed::to_float(static_cast<const packed::bf16*>(px->data), xw, n * d, isa);
+      packed::to_float(static_cast<const packed::bf16*>(pw->data), ww, n * k, isa);
+      xf = xw, wf = ww, yf = apex::detail::thread_workspace<float, YTag>(n, d).data();
+    }
+    const Index rows = apex::detail::checked_product(where, "rows x k", {n, k});
+    float* y_sorted = apex::detail::thread_workspace<float, YSortedTag>(rows, d).data();
+    const Routing r = make_routing(where, static_cast<const std::int64_t*>(pi->data), wf, n, k, p.experts(),
+                                   expert_parallel);
+    p.forward(r, xf, y_sorted, yf, threads, isa, bf16);
+    if (bf16) packed::to_bf16(yf, static_cast<packed::bf16*>(y_data), n * d, isa);
+  }
+  return y;
+}
+
 /// The median seconds of `reps` forwards on these inputs (the routing built each time, as the op does),
 /// timed inside C++ with no Python between calls: the reference the Python call's overhead is measured
 /// against (tools/bench_python.py).
@@ -297,6 +347,11 @@ void bind_packed_experts(nb::module_& m) {
            "y_sorted: the experts' outputs in plan order (N*K x d), or None for the calling thread's scratch.\n"
            "bf16_activations: the inputs hold bf16 values (a bf16 model); bf16 experts on the avx512_bf16 path then\n"
            "multiply in pairs with `vdpbf16ps`, rounding the hidden activations to bf16 as the model would.")
+      .def("infer", &packed_infer, nb::arg("hidden_states"), nb::arg("top_k_index"), nb::arg("top_k_weights"),
+           nb::arg("expert_parallel"), nb::arg("threads"),
+           "The module's inference forward in one call: y (N x d) in the inputs' dtype, or None unless the\n"
+           "arguments are plain CPU tensors (exact torch.Tensor, contiguous, x and weights both float32 or both\n"
+           "bfloat16, ids int64, shapes agreeing); forward() then checks them and names what is wrong.")
       .def("forward_seconds", &packed_forward_seconds, nb::arg("hidden_states"), nb::arg("top_k_index"),
            nb::arg("top_k_weights"), nb::arg("expert_parallel"), nb::arg("y"), nb::arg("y_sorted").none(),
            nb::arg("threads"), nb::arg("reps"), nb::arg("bf16_activations") = false,

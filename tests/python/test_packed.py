@@ -138,6 +138,55 @@ def test_forward_seconds_computes_the_forward_and_checks_like_it():
         module.packed.forward_seconds(x, ids, w, False, y, torch.empty(n, d), 1, 1)
 
 
+@pytest.mark.parametrize("types", ["bf16", "f32"])
+def test_infer_is_the_checked_forward_in_one_call(types):
+    """PackedExperts.infer (the module's inference call: tensors read through their attributes, y allocated
+    in C++) gives the checked path's bits for float32 and bf16 inputs; anything not plain gives None, and
+    the module's checked path then computes it or names what is wrong."""
+    from apex_ffn import ops
+    model = tiny_model("qwen3_moe")
+    pack_experts(model, types)
+    module = model.get_submodule("model.layers.0.mlp.experts")
+    p, n, k, d = module.packed, 7, 2, model.config.hidden_size
+    g = torch.Generator().manual_seed(4)
+    x32 = torch.randn(n, d, generator=g)
+    ids = torch.stack([torch.randperm(model.config.num_experts, generator=g)[:k] for _ in range(n)])
+    w32 = torch.rand(n, k, generator=g)
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.bfloat16):
+            x, w = x32.to(dtype), w32.to(dtype)
+            checked = ops.packed_forward(x.float(), ids, w.float(), module.handle, False, dtype == torch.bfloat16)
+            y = p.infer(x, ids, w, False, 2)
+            assert y.dtype == dtype and torch.equal(y, checked.to(dtype)), dtype
+            assert torch.equal(module(x, ids, w), y)
+        expected = module(x32, ids, w32)
+        not_plain = {
+            "non-contiguous x": (torch.randn(d, n, generator=g).t(), ids, w32),
+            "float16 x and weights": (x32.half(), ids, w32.half()),
+            "x float32, weights bf16": (x32, ids, w32.bfloat16()),
+            "int32 ids": (x32, ids.int(), w32),
+            "negative-bit view": (torch._neg_view(-x32), ids, w32),
+            "a Parameter": (torch.nn.Parameter(x32, requires_grad=False), ids, w32),
+        }
+        for what, args in not_plain.items():
+            assert p.infer(*args, False, 1) is None, what
+            x, i, w = args  # the checked path: float32 computation, the output in x's dtype
+            plain = module(x.detach().float().contiguous(), i.long(), w.float())
+            assert torch.equal(module(*args), plain.to(x.dtype)), what
+        assert torch.equal(module(torch._neg_view(-x32), ids, w32), expected)
+        for what, args in {"x one column short": (x32[:, 1:].contiguous(), ids, w32),
+                           "3-D x": (x32[None], ids, w32), "weights of another shape": (x32, ids, w32[:, :1])}.items():
+            assert p.infer(*args, False, 1) is None, what
+            with pytest.raises(apex_ffn.ShapeError):
+                module(*args)
+        bad = ids.clone()
+        bad[3, 1] = model.config.num_experts
+        with pytest.raises(apex_ffn.ApexValueError, match="infer: argument 'top_k_index' has expert id"):
+            p.infer(x32, bad, w32, False, 1)
+        with pytest.raises(apex_ffn.ConfigError, match="threads must be at least 1"):
+            p.infer(x32, ids, w32, False, 0)
+
+
 def test_gpt_oss_packed_clamped_with_biases():
     ref = wide_model("gpt_oss")
     ours = copy.deepcopy(ref)
