@@ -39,34 +39,14 @@ APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE inline __m512i dpbusd(__m512i acc, __m
   return _mm512_dpbusd_epi32(acc, u, s);
 }
 
-/// Blocks of 32 4-bit codes (Q4_0, MXFP4), half v of block b, R rows: the
+/// Blocks of 32 4-bit codes (Q4_0, MXFP4), R rows: the
 /// codes, offset and scale of the type's AVX-512BW entry (Tiles<T,
 /// Isa::avx512>), the offset taken off with Σ x.
 template <Dtype T>
 struct Nibble32Vnni {
-  template <int R>
-  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
-                                                              const QuantRows& x, int v, __m512* acc) {
-    using C = Tiles<T, Isa::avx512>;
-    __m512i isum[R];
-    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
-    for (int o = 0; o < 4; ++o) {
-      const __m512i raw = load_half512(slab, o, v);
-      const __m512i lo = C::offset_codes(low_nibbles512(raw)), hi = C::offset_codes(high_nibbles512(raw));
-      for (int r = 0; r < R; ++r) {
-        const std::int8_t* xq = x.q + r * x.ldq + 32 * b + 8 * o;
-        isum[r] = dpbusd(dpbusd(isum[r], lo, bcast4_512(xq)), hi, bcast4_512(xq + 4));
-      }
-    }
-    for (int r = 0; r < R; ++r) isum[r] = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(C::kOffset * x.row(r).sum32(b)));
-    const __m512 dw = C::scale(area, v);
-    for (int r = 0; r < R; ++r)
-      acc[r] = accumulate16(acc[r], isum[r], _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r * x.ldd + b])));
-  }
-
-  /// Both halves of block b at once: block<R>(…, 0, acc0) then (…, 1, acc1)
-  /// in the same integer and float steps (the same bits), each activation
-  /// quad broadcast once for the 32 lanes instead of once per half.
+  /// Block b, R rows, both 16-lane halves (acc0: lanes 0–15, acc1: 16–31):
+  /// per half the integer sums and float step of the AVX-512BW entry (the
+  /// same bits), each activation quad broadcast once for the 32 lanes.
   static constexpr bool kBothHalves = true;
   template <int R>
   APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void both_halves(const std::byte* slab, const std::byte* area,
@@ -99,25 +79,9 @@ struct Nibble32Vnni {
 /// Q8_0: u = w + 128 (the sign bit flipped), Σ w·x = Σ u·x − 128·Σ x; fp16 scale d.
 template <>
 struct Tiles<Dtype::q8_0, Isa::avx512_vnni> {
-  template <int R>
-  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
-                                                              const QuantRows& x, int v, __m512* acc) {
-    __m512i isum[R];
-    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
-    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-    for (int q = 0; q < 8; ++q) {
-      const __m512i u = _mm512_xor_si512(load_half512(slab, q, v), flip);  // w + 128 ∈ [0, 255]
-      for (int r = 0; r < R; ++r) isum[r] = dpbusd(isum[r], u, bcast4_512(x.q + r * x.ldq + 32 * b + 4 * q));
-    }
-    for (int r = 0; r < R; ++r) isum[r] = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(128 * x.row(r).sum32(b)));
-    const __m512 dw = load_fp16x16(area + 32 * v);
-    for (int r = 0; r < R; ++r)
-      acc[r] = accumulate16(acc[r], isum[r], _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r * x.ldd + b])));
-  }
-
-  /// Both halves of block b at once: block<R>(…, 0, acc0) then (…, 1, acc1)
-  /// in the same integer and float steps (the same bits), each activation
-  /// quad broadcast once for the 32 lanes instead of once per half.
+  /// Block b, R rows, both 16-lane halves (acc0: lanes 0–15, acc1: 16–31):
+  /// per half the integer sums and float step of the AVX-512BW entry (the
+  /// same bits), each activation quad broadcast once for the 32 lanes.
   static constexpr bool kBothHalves = true;
   template <int R>
   APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void both_halves(const std::byte* slab, const std::byte* area,
