@@ -43,7 +43,7 @@ def _packed_bf16(module, layout):
     if layout.gate == "silu" and layout.has_bias:
         raise _core.ConfigError(f"apex_ffn: {type(module).__name__}: SiLU-gated experts with biases in "
                                 f"{module.gate_up_proj.dtype} run only in float32 (the packed kinds have no biases)")
-    float_ = [t.detach().float().resolve_neg().contiguous() for t in tensors]
+    float_ = [t.detach().float().contiguous() for t in tensors]
     p = _core.PackedExperts.from_float(float_[0], float_[1], float_[2] if layout.has_bias else None,
                                        float_[3] if layout.has_bias else None, layout.gate, layout.transposed,
                                        layout.interleaved, layout.alpha, layout.limit, "bf16", ops.get_num_threads())
@@ -58,9 +58,9 @@ def apex_experts_forward(module, hidden_states, top_k_index, top_k_weights):
     """transformers' experts function: (T, H), (T, K) ids, (T, K) weights → (T, H) in the input's dtype."""
     layout = cached_layout(module)
     dtype = hidden_states.dtype
-    x = hidden_states.float().resolve_neg().contiguous()  # DLPack ignores the negative bit
-    w = top_k_weights.float().resolve_neg().contiguous()
-    ids = top_k_index.long().resolve_neg().contiguous()
+    x = hidden_states.float().contiguous()
+    w = top_k_weights.float().contiguous()
+    ids = top_k_index.long().contiguous()
     gu, dn = module.gate_up_proj, module.down_proj
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad

@@ -100,3 +100,22 @@ def test_no_gate_and_post_norm_refused():
     with pytest.raises(apex_ffn.ConfigError, match="has_post_expert_norm"):
         apex_ffn.hf.apex_experts_forward(Fake(), torch.randn(1, 4), torch.zeros(1, 1, dtype=torch.long),
                                          torch.ones(1, 1))
+
+
+def test_negative_bit_views_are_read_as_their_values():
+    """A lazily negated view (negative bit set, as z.conj().imag gives) holds its values un-negated in
+    memory, and DLPack hands that memory over as it is: the implementation's ops go through torch's
+    dispatcher, which resolves the bit before a kernel sees the tensor (the packed module's inference
+    call, which skips the dispatcher, resolves it itself: test_packed.py)."""
+    model = tiny_model("qwen3_moe")
+    ours = copy.deepcopy(model)
+    ours.set_experts_implementation("apex_ffn")
+    (_, ref), (_, mod) = experts_modules(model)[0], experts_modules(ours)[0]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, model.config.hidden_size, generator=g)
+    ids = torch.stack([torch.randperm(model.config.num_experts, generator=g)[:2] for _ in range(6)])
+    w = torch.rand(6, 2, generator=g)
+    neg = torch._neg_view(-x)
+    assert neg.is_neg() and torch.equal(neg, x)
+    with torch.no_grad():
+        assert rel(mod(neg, ids, torch._neg_view(-w)), ref(x, ids, w)) <= 1e-5
