@@ -26,6 +26,7 @@ and once at a tiny shape where the call's own cost is all there is.
 """
 import argparse
 import copy
+import random
 import statistics
 import time
 
@@ -122,6 +123,44 @@ def call_cost():
     return f"Python {statistics.median(py) * 1e6:.1f} µs, C++ {statistics.median(cpp) * 1e6:.1f} µs"
 
 
+def call_breakdown(args, types, reps=400):
+    """Where the N = 1 call's overhead goes once a step has left the caches cold: each call below runs right
+    after a C++-timed forward of other experts (fresh routing every call, 16 routings cycled, the calls in
+    shuffled order, one thread), medians: the module's call, its forward() called directly, the extension's
+    one-crossing entry (PackedExperts.infer), the C++-timed entry's own wall time, torch.empty of the output."""
+    torch.set_num_threads(1)
+    _, module = block(args.experts, args.d, args.f, args.k, torch.float32)
+    holder = torch.nn.Module()
+    holder.experts = module
+    pack_experts(holder, types)
+    m = holder.experts
+    p = m.packed
+    cases = [routing(1, args.experts, args.k, args.d, torch.float32, seed=100 + s) for s in range(16)]
+    y = torch.empty(1, args.d)
+    calls = {"module call": lambda c: m(*c), "forward()": lambda c: m.forward(*c),
+             "infer": lambda c: p.infer(c[0], c[1], c[2], False, 1),
+             "forward_seconds wall": lambda c: p.forward_seconds(c[0], c[1], c[2], False, y, None, 1, 1),
+             "torch.empty alone": lambda c: torch.empty(1, args.d)}
+    times, cpp, order, n = {k: [] for k in calls}, [], list(calls.items()), 0
+    rng = random.Random(1)
+    with torch.no_grad():
+        for _ in range(reps):
+            rng.shuffle(order)
+            for name, fn in order:
+                c = cases[n % 16]
+                cpp.append(p.forward_seconds(c[0], c[1], c[2], False, y, None, 1, 1))
+                c = cases[(n + 1) % 16]
+                n += 2
+                t0 = time.perf_counter()
+                fn(c)
+                times[name].append(time.perf_counter() - t0)
+    base = statistics.median(cpp)
+    return f"{types}: C++ forward {base * 1e3:.3f} ms; " + "  ".join(
+        f"{k} {statistics.median(v) * 1e6:.0f} µs" + ("" if k == "torch.empty alone" else
+                                                     f" (+{(statistics.median(v) - base) * 1e6:.0f})")
+        for k, v in times.items())
+
+
 def forward_cells(args, dtype):
     model, module = block(args.experts, args.d, args.f, args.k, dtype)
     impls = {}
@@ -207,9 +246,15 @@ def main():
     ap.add_argument("--skip-slow", action="store_true", help="leave out eager at N = 512")
     ap.add_argument("--no-lora", action="store_true")
     ap.add_argument("--lora-only", action="store_true")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="only where the N = 1 call's overhead goes, from cold caches, for each of --types")
     args = ap.parse_args()
     print(f"apex_ffn {apex_ffn.__version__}, kernel path {apex_ffn.isa()} (best {apex_ffn.best_isa()}), "
           f"torch {torch.__version__}; block E {args.experts} K {args.k} d {args.d} f {args.f}", flush=True)
+    if args.breakdown:
+        for types in args.types:
+            print(call_breakdown(args, types), flush=True)
+        return
     if not args.lora_only:
         print(f"the call's own cost (8 experts of 64 x 64, N = 1): {call_cost()}", flush=True)
         for dtype in (getattr(torch, name) for name in args.dtypes):
