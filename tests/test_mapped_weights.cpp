@@ -166,6 +166,24 @@ TEST_CASE("writes to mapped panels are refused and to_owned makes the copy", "[m
   CHECK(m.get(0, 0, 0) == stored);                      // the mapping is unchanged
 }
 
+TEST_CASE("a pack-once file of Q6_K's former code order is refused by the fact that differs", "[mapped]") {
+  test::TempDir dir;
+  const MoEConfig c = block_config();
+  const std::string good = dir / "q6k.safetensors", old = dir / "q6k_old.safetensors";
+  const auto packed = PackedMoE<float>::from(MoEFFN<float>(c, 3), Dtype::q6_k);
+  save_packed_layout(good, packed);
+  const Matrix<float> x = test::rnd<float>(5, 256, 8);
+  CHECK(bitwise_equal(map_packed_moe<float>(good, c).forward(x), packed.forward(x)));
+  // Files packed before Q6_K's codes were grouped carry the geometry alone.
+  rewrite_header(good, old, [](nlohmann::json& h) {
+    h["__metadata__"]["apex.layout.block.q6_k"] = "256 weights, 210 bytes, 18 scale bytes, group 1";
+  });
+  CHECK_THROWS_AS(map_packed_moe<float>(old, c), FormatError);
+  CHECK_THROWS_WITH(map_packed_moe<float>(old, c),
+                    Catch::Contains("apex.layout.block.q6_k") && Catch::Contains("codes by group of 16") &&
+                        Catch::Contains("pack the layer again"));
+}
+
 TEST_CASE("malformed pack-once files are FormatErrors and leave the layer unchanged", "[mapped]") {
   test::TempDir dir;
   const MoEConfig c = block_config();

@@ -142,6 +142,29 @@ TEST_CASE("block formats: a file row goes into panels and back bit for bit", "[q
   }
 }
 
+TEST_CASE("block formats: Q6_K panels hold each group's codes together, at the documented bytes", "[quant][layout]") {
+  // kernels/quant_k_types.hpp: per group of 16 weights 384 bytes, its 4-bit
+  // codes (k counted from the group) and then its 2-bit parts.
+  using W = WeightType<Dtype::q6_k>;
+  W::Block blk{};
+  const auto code_of = [](Index k) { return unsigned(k * 7 + 3) % 64; };
+  for (Index k = 0; k < 256; ++k) W::set_file_code(blk, k, code_of(k));
+  std::vector<std::byte> codes(std::size_t(kPanelLanes * W::kCodeBytes)), scales(std::size_t(kPanelLanes * W::kScaleBytes));
+  const Index lane = 13;
+  W::put_block(blk, 0, lane, codes.data(), scales.data());
+  for (Index k = 0; k < 256; ++k) {
+    CAPTURE(k);
+    const Index group = 384 * (k / 16), kk = k % 16;
+    const unsigned low = (unsigned(codes[std::size_t(group + 128 * (kk / 8) + 4 * lane + k % 4)]) >> (k & 4)) & 0xFu;
+    const unsigned high = (unsigned(codes[std::size_t(group + 256 + 4 * lane + k % 4)]) >> (2 * (kk / 4))) & 3u;
+    CHECK((low | high << 4) == code_of(k));
+  }
+  std::size_t set = 0;  // the other lanes' bytes are untouched
+  for (std::byte b : codes) set += b != std::byte{0};
+  CHECK(set <= std::size_t(16 * (4 * 2 + 4)));
+  CHECK(W::get_block(codes.data(), scales.data(), 0, lane).ql[5] == blk.ql[5]);
+}
+
 TEST_CASE("block formats: unpacked weights are ggml's dequantized values", "[quant][layout]") {
   for (const Dtype t : kQuantTypes) {
     CAPTURE(dtype_name(t));
@@ -177,7 +200,7 @@ TEST_CASE("block formats: every kernel path gives the scalar path's bits", "[qua
     for (const Shape s : shapes) {
       CAPTURE(dtype_name(t), s.d, s.f);
       const PackedExpert e(weights(s.f, s.d, 7), weights(s.f, s.d, 8), weights(s.d, s.f, 9), t);
-      for (const Index m : {Index(1), Index(3), Index(6), Index(37)}) {
+      for (const Index m : {Index(1), Index(2), Index(3), Index(6), Index(37)}) {  // 1, 2: decode tiles
         const Matrix<float> x = random_matrix(m, s.d, std::uint64_t(10 + m)).cast<float>();  // m × d
         const Matrix<float> want = forward(e, x, {Isa::scalar});
         on_simd_paths([&](Isa isa) {

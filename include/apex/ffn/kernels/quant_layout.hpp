@@ -23,6 +23,10 @@
 ///                 gives 4 k of every lane)
 ///   2-bit parts:  byte ((k/16)·32 + lane)·4 + k mod 4, bits 2·((k/4) mod 4)
 ///                 (Q6_K's high bits: one shift and mask per 4 k)
+///
+/// A type may order its parts inside the slab: Q6_K keeps each group of 16
+/// k's 4-bit codes and then its 2-bit parts together, k counted from the
+/// group (kernels/quant_k_types.hpp).
 
 #include <cstddef>
 #include <cstdint>

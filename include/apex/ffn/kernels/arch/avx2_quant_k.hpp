@@ -129,17 +129,16 @@ struct Tiles<Dtype::q6_k, Isa::avx2> {
   APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
                                                         const QuantRows& x,
                                      int v, float (*acc)[32]) {
-    const std::byte* high = slab + W::kHighBits;
     const __m256i bits45 = _mm256_set1_epi8(0x30);
     __m256i sumi[R];
     for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
     for (int g = 0; g < 16; ++g) {
-      const __m256i hraw = load32(high + (g * kPanelLanes + 8 * v) * 4);
+      const __m256i hraw = load32(W::group_high(slab, g) + 8 * v * 4);
       __m256i isum[R];
       for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
       for (int half = 0; half < 2; ++half) {  // octs 2g, 2g + 1: quads 4g + 2·half, +1
         const int o = 2 * g + half;
-        const __m256i raw = load32(slab + (o * kPanelLanes + 8 * v) * 4);
+        const __m256i raw = load32(W::group_low(slab, g) + (half * kPanelLanes + 8 * v) * 4);
         // the plane's bits 4·half + (0, 1) and + (2, 3) to bits 4–5 by one
         // 16-bit shift each (what crosses a byte is outside 0x30)
         const __m256i h0 = half == 0 ? _mm256_slli_epi16(hraw, 4) : hraw;
@@ -167,9 +166,10 @@ struct Tiles<Dtype::q6_k, Isa::avx2> {
     const std::byte* slab = W::slab(codes, chunk / 8);
     const Index h = chunk % 8;
     for (int r = 0; r < 8; ++r) {
-      const __m256i raw = slab_words8(slab, 4 * h + r / 2, l0);
+      const Index g = 2 * h + r / 4;  // oct 4h + r/2 is oct (r/2) mod 2 of group g
+      const __m256i raw = slab_words8(W::group_low(slab, g), r / 2 % 2, l0);
       const __m256i low = r % 2 ? high_nibbles(raw) : low_nibbles(raw);
-      const __m256i high = slab_words8(slab + W::kHighBits, 2 * h + r / 4, l0);
+      const __m256i high = slab_words8(W::group_high(slab, g), 0, l0);
       const __m256i two = _mm256_and_si256(_mm256_srli_epi16(high, 2 * (r % 4)), _mm256_set1_epi8(3));
       rows[r] = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(two, 4)), _mm256_set1_epi8(32));
     }

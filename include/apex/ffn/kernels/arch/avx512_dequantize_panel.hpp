@@ -47,9 +47,10 @@ APEX_TARGET_AVX512 void code_rows_avx512(const std::byte* codes, Index chunk, In
     const std::byte* slab = W::slab(codes, chunk / 8);
     const Index h = chunk % 8;  // octs 4h … 4h + 3, 2-bit rows 2h, 2h + 1
     for (int r = 0; r < 8; ++r) {
-      const __m512i raw = slab_words16(slab, 4 * h + r / 2, l0);
+      const Index g = 2 * h + r / 4;  // oct 4h + r/2 is oct (r/2) mod 2 of group g
+      const __m512i raw = slab_words16(W::group_low(slab, g), r / 2 % 2, l0);
       const __m512i low = r % 2 ? _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4) : _mm512_and_si512(raw, m4);
-      const __m512i high = slab_words16(slab + W::kHighBits, 2 * h + r / 4, l0);
+      const __m512i high = slab_words16(W::group_high(slab, g), 0, l0);
       const __m512i two = _mm512_and_si512(_mm512_srli_epi16(high, unsigned(2 * (r % 4))), _mm512_set1_epi8(3));
       rows[r] = _mm512_sub_epi8(_mm512_or_si512(low, _mm512_slli_epi16(two, 4)), _mm512_set1_epi8(32));
     }

@@ -71,13 +71,13 @@ struct Tiles<Dtype::q6_k, Isa::avx512> {
     __m512i sumi[R];
     for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
     for (int g = 0; g < 16; ++g) {
-      const __m512i hraw = load_half512(slab + W::kHighBits, g, v);
+      const __m512i hraw = load_half512(W::group_high(slab, g), 0, v);
       __m512i isum[R];
       for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
       for (int half = 0; half < 2; ++half) {
         const int o = 2 * g + half;
         __m512i u0, u1;
-        q6_k_codes16(load_half512(slab, o, v), hraw, half, u0, u1);
+        q6_k_codes16(load_half512(W::group_low(slab, g), half, v), hraw, half, u0, u1);
         for (int r = 0; r < R; ++r) {  // two pairs of 6-bit codes: ≤ 2·2·63·128 < 2^15
           const std::int8_t* xq = x.q + r * x.ldq + 256 * b + 8 * o;
           isum[r] = _mm512_add_epi32(isum[r], widen_pairs512(_mm512_add_epi16(_mm512_maddubs_epi16(u0, bcast4_512(xq)),

@@ -21,8 +21,12 @@
 /// once for 32 lanes instead of once per half. Broadcasts were half the
 /// tile's instructions; at many rows (Zen 4 EPYC, one Qwen3-30B-A3B expert,
 /// hot weights) Q8_0 went from 189 to 297 GFLOP/s and Q4_0 from 208 to 318,
-/// decode unchanged. The K-quants keep one half per pass: their per-half
-/// sums and minima already fill the registers at six rows.
+/// decode unchanged. The K-quants keep one half per pass at many rows: their
+/// per-half sums and minima already fill the registers at six rows. Q6_K
+/// takes both halves at decode row counts, where a pass then reads its
+/// grouped codes front to back (kernels/quant_k_types.hpp says why that
+/// matters); Q4_K done so was within the run's noise (docs/performance.md,
+/// "Q6_K codes by group").
 
 #include "avx512_quant.hpp"
 
@@ -47,7 +51,7 @@ struct Nibble32Vnni {
   /// Block b, R rows, both 16-lane halves (acc0: lanes 0–15, acc1: 16–31):
   /// per half the integer sums and float step of the AVX-512BW entry (the
   /// same bits), each activation quad broadcast once for the 32 lanes.
-  static constexpr bool kBothHalves = true;
+  static constexpr int kBothHalvesRows = kAvx512QuantRows;  // every tile
   template <int R>
   APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void both_halves(const std::byte* slab, const std::byte* area,
                                                                     Index b, const QuantRows& x, __m512* acc0,
@@ -82,7 +86,7 @@ struct Tiles<Dtype::q8_0, Isa::avx512_vnni> {
   /// Block b, R rows, both 16-lane halves (acc0: lanes 0–15, acc1: 16–31):
   /// per half the integer sums and float step of the AVX-512BW entry (the
   /// same bits), each activation quad broadcast once for the 32 lanes.
-  static constexpr bool kBothHalves = true;
+  static constexpr int kBothHalvesRows = kAvx512QuantRows;  // every tile
   template <int R>
   APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void both_halves(const std::byte* slab, const std::byte* area,
                                                                     Index b, const QuantRows& x, __m512* acc0,
@@ -158,44 +162,72 @@ struct Tiles<Dtype::q4_k, Isa::avx512_vnni> {
 };
 
 /// Q6_K, one super-block: Σ_g sc_g·(Σ u·x − 32·Σ x) per lane, then one fma.
+/// At decode row counts both halves group by group, so a pass reads the
+/// slab's grouped codes (kernels/quant_k_types.hpp) front to back.
 template <>
 struct Tiles<Dtype::q6_k, Isa::avx512_vnni> {
   using W = WeightType<Dtype::q6_k>;
+  static constexpr int kBothHalvesRows = 2;
+  /// sumi += sc_g·(Σ u·x − 32·Σ x) of group g, half v.
   template <int R>
-  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
-                                                              const QuantRows& x,
-                                           int v, __m512* acc) {
-    __m512i sumi[R];
-    for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
-    for (int g = 0; g < 16; ++g) {
-      const __m512i hraw = load_half512(slab + W::kHighBits, g, v);
-      __m512i isum[R];
-      for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
-      for (int half = 0; half < 2; ++half) {
-        const int o = 2 * g + half;
-        __m512i u0, u1;
-        q6_k_codes16(load_half512(slab, o, v), hraw, half, u0, u1);
-        for (int r = 0; r < R; ++r) {
-          const std::int8_t* xq = x.q + r * x.ldq + 256 * b + 8 * o;
-          isum[r] = dpbusd(dpbusd(isum[r], u0, bcast4_512(xq)), u1, bcast4_512(xq + 4));
-        }
-      }
-      const __m512i sc = load_i8x16(area + W::kScalePlanes + g * kPanelLanes + 16 * v);
+  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void group(const std::byte* slab, const std::byte* area, Index b,
+                                                              const QuantRows& x, int v, int g, __m512i* sumi) {
+    const __m512i hraw = load_half512(W::group_high(slab, g), 0, v);
+    __m512i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    for (int half = 0; half < 2; ++half) {
+      const int o = 2 * g + half;
+      __m512i u0, u1;
+      q6_k_codes16(load_half512(W::group_low(slab, g), half, v), hraw, half, u0, u1);
       for (int r = 0; r < R; ++r) {
-        const __m512i centred = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(32 * x.s16[r * x.lds + 16 * b + g]));
-        sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(sc, centred));
+        const std::int8_t* xq = x.q + r * x.ldq + 256 * b + 8 * o;
+        isum[r] = dpbusd(dpbusd(isum[r], u0, bcast4_512(xq)), u1, bcast4_512(xq + 4));
       }
     }
+    const __m512i sc = load_i8x16(area + W::kScalePlanes + g * kPanelLanes + 16 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m512i centred = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(32 * x.s16[r * x.lds + 16 * b + g]));
+      sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(sc, centred));
+    }
+  }
+  template <int R>
+  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void finish(const std::byte* area, Index b, const QuantRows& x,
+                                                               int v, const __m512i* sumi, __m512* acc) {
     const __m512 d = load_fp16x16(area + 32 * v);
     for (int r = 0; r < R; ++r) acc[r] = accumulate16(acc[r], sumi[r], _mm512_mul_ps(d, _mm512_set1_ps(x.d[r * x.ldd + b])));
   }
+  /// Half v of block b (every row count).
+  template <int R>
+  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
+                                                              const QuantRows& x, int v, __m512* acc) {
+    __m512i sumi[R];
+    for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
+    for (int g = 0; g < 16; ++g) group<R>(slab, area, b, x, v, g, sumi);
+    finish<R>(area, b, x, v, sumi, acc);
+  }
+  /// Both halves of block b group by group (R ≤ kBothHalvesRows): the same
+  /// integer sums and float step per half as block<R>, so the same bits.
+  template <int R>
+  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void both_halves(const std::byte* slab, const std::byte* area,
+                                                                    Index b, const QuantRows& x, __m512* acc0,
+                                                                    __m512* acc1) {
+    __m512i sumi0[R], sumi1[R];
+    for (int r = 0; r < R; ++r) sumi0[r] = sumi1[r] = _mm512_setzero_si512();
+    for (int g = 0; g < 16; ++g) {
+      group<R>(slab, area, b, x, 0, g, sumi0);
+      group<R>(slab, area, b, x, 1, g, sumi1);
+    }
+    finish<R>(area, b, x, 0, sumi0, acc0);
+    finish<R>(area, b, x, 1, sumi1, acc1);
+  }
 };
 
-/// Whether a VNNI entry multiplies both 16-lane halves of a block in one pass.
+/// Rows up to which a VNNI entry multiplies both 16-lane halves of a block in
+/// one pass (`both_halves`): its kBothHalvesRows, none without one.
 template <class Entry, class = void>
-inline constexpr bool both_halves_v = false;
+inline constexpr int both_halves_rows_v = 0;
 template <class Entry>
-inline constexpr bool both_halves_v<Entry, std::void_t<decltype(Entry::kBothHalves)>> = Entry::kBothHalves;
+inline constexpr int both_halves_rows_v<Entry, std::void_t<decltype(Entry::kBothHalvesRows)>> = Entry::kBothHalvesRows;
 
 /// The VNNI tile loop: QuantTilesAvx512's on the VNNI block products.
 struct QuantTilesVnni {
@@ -212,7 +244,7 @@ struct QuantTilesVnni {
       const std::byte* area = scales + b * area_bytes;
       prefetch_block<T>(slab, area);
       using Entry = Tiles<T, Isa::avx512_vnni>;
-      if constexpr (both_halves_v<Entry>)
+      if constexpr (R <= both_halves_rows_v<Entry>)
         Entry::template both_halves<R>(slab, area, b, x, acc[0], acc[1]);
       else
         for (int v = 0; v < 2; ++v) Entry::template block<R>(slab, area, b, x, v, acc[v]);

@@ -28,11 +28,13 @@
 /// AVX2, AVX-512) reads the same panels, so a file packed on one machine
 /// maps on any little-endian one. What it depends on — the lanes of a
 /// panel, the hidden units of a gate/up panel, the outputs of a down panel,
-/// the byte order and each type's block geometry — is recorded and checked.
+/// the byte order and each type's block geometry and code order — is
+/// recorded and checked.
 
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../../../core/errors.hpp"
@@ -66,6 +68,15 @@ inline packed::ExpertDtypes parse_dtypes(const std::string& where, const std::st
   return {*a, *b};
 }
 
+/// A weight type's panel layout when it is not the first one of its block
+/// geometry (`W::kPanelLayout`, e.g. Q6_K's codes by group), else nullptr:
+/// part of the type's layout fact, so a file packed before the change is
+/// refused with the fact that differs instead of read as other codes.
+template <class W, class = void>
+inline constexpr const char* panel_layout_v = nullptr;
+template <class W>
+inline constexpr const char* panel_layout_v<W, std::void_t<decltype(W::kPanelLayout)>> = W::kPanelLayout;
+
 /// The facts the panel layout depends on, as metadata entries: the
 /// library's constants and the block geometry of each type `types` uses.
 inline safetensors::Metadata layout_facts(const PackedTypes& types) {
@@ -79,7 +90,8 @@ inline safetensors::Metadata layout_facts(const PackedTypes& types) {
       using W = packed::WeightType<decltype(tag)::value>;
       m[std::string("apex.layout.block.") + W::kName] =
           std::to_string(W::kBlockWeights) + " weights, " + std::to_string(W::kBlockBytes) + " bytes, " +
-          std::to_string(W::kScaleBytes) + " scale bytes, group " + std::to_string(W::kGroup);
+          std::to_string(W::kScaleBytes) + " scale bytes, group " + std::to_string(W::kGroup) +
+          (panel_layout_v<W> ? std::string(", ") + panel_layout_v<W> : std::string());
     });
   return m;
 }
