@@ -133,8 +133,9 @@ def _float_backward(ctx, dy, _dys, _dwork):
     need = ctx.needs_input_grad
     weight_grads = bool(need[3] or need[4])
     bias_grads = gb is not None and bool(need[5] or need[6])
-    dx, dw, dgu, ddn, dgb, ddb = float_experts_backward(x, ids, w, gu, dn, gb, db, *ctx.flags, dy.resolve_neg().contiguous(), ys,
-                                                        work, weight_grads, bias_grads)
+    dy = dy.contiguous()  # a negated view autograd hands over is resolved by the op's dispatcher
+    dx, dw, dgu, ddn, dgb, ddb = float_experts_backward(x, ids, w, gu, dn, gb, db, *ctx.flags, dy, ys, work,
+                                                        weight_grads, bias_grads)
     return (dx, None, dw, dgu if weight_grads else None, ddn if weight_grads else None,
             dgb if bias_grads else None, ddb if bias_grads else None, None, None, None, None, None, None)
 
@@ -233,8 +234,9 @@ def _packed_setup(ctx, inputs, output):
 def _packed_backward(ctx, dy, _dys, _dwork):
     x, ids, w, a_gu, b_gu, a_dn, b_dn, ys, work = ctx.saved_tensors
     scale, handle, ep = ctx.flags
+    dy = dy.contiguous()  # a negated view autograd hands over is resolved by the op's dispatcher
     dx, dw, da_gu, db_gu, da_dn, db_dn = packed_experts_train_backward(x, ids, w, a_gu, b_gu, a_dn, b_dn, scale, handle,
-                                                                       ep, dy.resolve_neg().contiguous(), ys, work)
+                                                                       ep, dy, ys, work)
     some = lambda g, t: g if t is not None else None  # noqa: E731
     return (dx, None, dw, some(da_gu, a_gu), some(db_gu, b_gu), some(da_dn, a_dn), some(db_dn, b_dn), None, None,
             None)

@@ -171,6 +171,12 @@ struct ForwardCall {
 
 struct YSortedTag {};
 
+/// The calling thread's y_sorted scratch (n·k × d) for a forward whose caller does not read it.
+float* y_sorted_scratch(const char* where, Index n, Index k, Index d) {
+  const Index rows = apex::detail::checked_product(where, "rows x k", {n, k});
+  return apex::detail::thread_workspace<float, YSortedTag>(rows, d).data();
+}
+
 /// y_sorted absent (inference from Python: nothing reads it afterwards): the
 /// calling thread's scratch, so the call allocates and imports one tensor
 /// less (each costs microseconds when the step has left the caches cold).
@@ -182,8 +188,7 @@ ForwardCall forward_call_of(const char* where, const PackedExperts& p, const Arr
     f.y_sorted = view<float>(where, "y_sorted", *y_sorted, Elem::f32, 2);
     expect_shape(where, "y_sorted", f.y_sorted, {f.in.n * f.in.k, p.d_model()});
   } else {
-    const Index rows = apex::detail::checked_product(where, "rows x k", {f.in.n, f.in.k});
-    f.y_sorted.data = apex::detail::thread_workspace<float, YSortedTag>(rows, p.d_model()).data();
+    f.y_sorted.data = y_sorted_scratch(where, f.in.n, f.in.k, p.d_model());
   }
   return f;
 }
@@ -236,8 +241,7 @@ nb::object packed_infer(const PackedExperts& p, nb::handle x, nb::handle ids, nb
       packed::to_float(static_cast<const packed::bf16*>(pw->data), ww, n * k, isa);
       xf = xw, wf = ww, yf = apex::detail::thread_workspace<float, YTag>(n, d).data();
     }
-    const Index rows = apex::detail::checked_product(where, "rows x k", {n, k});
-    float* y_sorted = apex::detail::thread_workspace<float, YSortedTag>(rows, d).data();
+    float* y_sorted = y_sorted_scratch(where, n, k, d);
     const Routing r = make_routing(where, static_cast<const std::int64_t*>(pi->data), wf, n, k, p.experts(),
                                    expert_parallel);
     p.forward(r, xf, y_sorted, yf, threads, isa, bf16);

@@ -119,3 +119,16 @@ def test_negative_bit_views_are_read_as_their_values():
     assert neg.is_neg() and torch.equal(neg, x)
     with torch.no_grad():
         assert rel(mod(neg, ids, torch._neg_view(-w)), ref(x, ids, w)) <= 1e-5
+    # Autograd hands a gradient to the backward as it is, negative bit included.
+    dy = torch.randn(6, model.config.hidden_size, generator=g)
+    assert torch.equal(grads_for(mod, x, ids, w, torch._neg_view(-dy)), grads_for(mod, x, ids, w, dy))
+
+
+def grads_for(module, x, ids, w, dy):
+    """The gradients of x, w and the module's parameters when its output is given gradient dy, flattened."""
+    module.zero_grad(set_to_none=True)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    module(xr, ids, wr).backward(dy)
+    found = [xr.grad, wr.grad] + [p.grad for p in module.parameters() if p.grad is not None]
+    assert len(found) > 2  # the weights' gradients too
+    return torch.cat([t.reshape(-1) for t in found])

@@ -101,6 +101,28 @@ def test_one_target_and_a_quantized_base(tmp_path):
         assert rel(ours(IDS).logits, theirs(IDS).logits) <= 2e-2
 
 
+def test_a_negated_gradient_view_is_read_as_its_values():
+    """Autograd hands the backward a gradient as it is, negative bit included (a lazily negated view
+    holds its values un-negated in memory): the LoRA op's gradients must be those of the values."""
+    ours = packed_with_random_lora(tiny_model("qwen3_moe"))
+    experts = ours.get_submodule("model.layers.0.mlp.experts")
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, ours.config.hidden_size, generator=g)
+    ids = torch.stack([torch.randperm(ours.config.num_experts, generator=g)[:2] for _ in range(5)])
+    w = torch.rand(5, 2, generator=g)
+    dy = torch.randn(5, ours.config.hidden_size, generator=g)
+
+    def grads(gradient):
+        experts.zero_grad(set_to_none=True)
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        experts(xr, ids, wr).backward(gradient)
+        found = [xr.grad, wr.grad] + [p.grad for n, p in experts.named_parameters() if "lora_" in n]
+        assert all(t is not None for t in found) and len(found) == 6
+        return torch.cat([t.reshape(-1) for t in found])
+
+    assert torch.equal(grads(torch._neg_view(-dy)), grads(dy))
+
+
 def test_trains_with_a_torch_optimizer(tmp_path):
     base = tiny_model("qwen3_moe")
     ours = copy.deepcopy(base)
