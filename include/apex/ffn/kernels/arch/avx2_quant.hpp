@@ -30,6 +30,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "../epilogue.hpp"
 #include "../quant_layout.hpp"
@@ -248,6 +249,14 @@ struct Tiles<Dtype::mxfp4, Isa::avx2> : Nibble32Avx2<Dtype::mxfp4> {
   }
 };
 
+/// Rows up to which an AVX2 entry takes the four quarters of a block in one
+/// pass (`all_quarters`): its kAllQuartersRows, none without one.
+template <class Entry, class = void>
+inline constexpr int all_quarters_rows_v = 0;
+template <class Entry>
+inline constexpr int all_quarters_rows_v<Entry, std::void_t<decltype(Entry::kAllQuartersRows)>> =
+    Entry::kAllQuartersRows;
+
 /// R rows (x already offset to the first) against one panel of type T.
 template <Dtype T, int R, class Epi>
 APEX_TARGET_AVX2 void quant_tile_avx2(const std::byte* codes, const std::byte* scales, Index K, const QuantRows& x,
@@ -259,7 +268,11 @@ APEX_TARGET_AVX2 void quant_tile_avx2(const std::byte* codes, const std::byte* s
     const std::byte* slab = codes + b * slab_bytes;
     const std::byte* area = scales + b * area_bytes;
     prefetch_block<T>(slab, area);
-    for (int v = 0; v < 4; ++v) Tiles<T, Isa::avx2>::template block<R>(slab, area, b, x, v, acc);
+    using Entry = Tiles<T, Isa::avx2>;
+    if constexpr (R <= all_quarters_rows_v<Entry>)
+      Entry::template all_quarters<R>(slab, area, b, x, acc);
+    else
+      for (int v = 0; v < 4; ++v) Entry::template block<R>(slab, area, b, x, v, acc);
   }
   for (int r = 0; r < R; ++r) store_acc_avx2<Epi>(acc[r], out + r * ldo, ncols);
 }

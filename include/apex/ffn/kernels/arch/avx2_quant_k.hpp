@@ -125,40 +125,66 @@ struct Tiles<Dtype::q6_k, Isa::avx2> {
   using W = WeightType<Dtype::q6_k>;
   static constexpr bool kChunkMin = false;
 
+  /// Rows up to which the tile loop takes all four 8-lane quarters of a
+  /// block group by group (all_quarters), so a decode pass reads the grouped
+  /// codes front to back (docs/performance.md, "Q6_K codes by group").
+  static constexpr int kAllQuartersRows = 2;
+
+  /// sumi += sc_g·(Σ u·x − 32·Σ x) of group g, lanes 8v … 8v + 7.
   template <int R>
-  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
-                                                        const QuantRows& x,
-                                     int v, float (*acc)[32]) {
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void group(const std::byte* slab, const std::byte* area, Index b,
+                                                        const QuantRows& x, int v, int g, __m256i* sumi) {
     const __m256i bits45 = _mm256_set1_epi8(0x30);
-    __m256i sumi[R];
-    for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-    for (int g = 0; g < 16; ++g) {
-      const __m256i hraw = load32(W::group_high(slab, g) + 8 * v * 4);
-      __m256i isum[R];
-      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
-      for (int half = 0; half < 2; ++half) {  // octs 2g, 2g + 1: quads 4g + 2·half, +1
-        const int o = 2 * g + half;
-        const __m256i raw = load32(W::group_low(slab, g) + (half * kPanelLanes + 8 * v) * 4);
-        // the plane's bits 4·half + (0, 1) and + (2, 3) to bits 4–5 by one
-        // 16-bit shift each (what crosses a byte is outside 0x30)
-        const __m256i h0 = half == 0 ? _mm256_slli_epi16(hraw, 4) : hraw;
-        const __m256i h1 = half == 0 ? _mm256_slli_epi16(hraw, 2) : _mm256_srli_epi16(hraw, 2);
-        const __m256i u0 = _mm256_or_si256(low_nibbles(raw), _mm256_and_si256(h0, bits45));
-        const __m256i u1 = _mm256_or_si256(high_nibbles(raw), _mm256_and_si256(h1, bits45));
-        for (int r = 0; r < R; ++r) {
-          const std::int8_t* xq = x.q + r * x.ldq + 256 * b + 8 * o;
-          isum[r] = _mm256_add_epi32(isum[r], dot8(u0, bcast4(xq), u1, bcast4(xq + 4)));
-        }
-      }
-      const __m256i sc = load_i8x8(area + W::kScalePlanes + g * kPanelLanes + 8 * v);
+    const __m256i hraw = load32(W::group_high(slab, g) + 8 * v * 4);
+    __m256i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+    for (int half = 0; half < 2; ++half) {  // octs 2g, 2g + 1: quads 4g + 2·half, +1
+      const int o = 2 * g + half;
+      const __m256i raw = load32(W::group_low(slab, g) + (half * kPanelLanes + 8 * v) * 4);
+      // the plane's bits 4·half + (0, 1) and + (2, 3) to bits 4–5 by one
+      // 16-bit shift each (what crosses a byte is outside 0x30)
+      const __m256i h0 = half == 0 ? _mm256_slli_epi16(hraw, 4) : hraw;
+      const __m256i h1 = half == 0 ? _mm256_slli_epi16(hraw, 2) : _mm256_srli_epi16(hraw, 2);
+      const __m256i u0 = _mm256_or_si256(low_nibbles(raw), _mm256_and_si256(h0, bits45));
+      const __m256i u1 = _mm256_or_si256(high_nibbles(raw), _mm256_and_si256(h1, bits45));
       for (int r = 0; r < R; ++r) {
-        const __m256i centred = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(32 * x.s16[r * x.lds + 16 * b + g]));
-        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_mullo_epi32(sc, centred));
+        const std::int8_t* xq = x.q + r * x.ldq + 256 * b + 8 * o;
+        isum[r] = _mm256_add_epi32(isum[r], dot8(u0, bcast4(xq), u1, bcast4(xq + 4)));
       }
     }
+    const __m256i sc = load_i8x8(area + W::kScalePlanes + g * kPanelLanes + 8 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m256i centred = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(32 * x.s16[r * x.lds + 16 * b + g]));
+      sumi[r] = _mm256_add_epi32(sumi[r], _mm256_mullo_epi32(sc, centred));
+    }
+  }
+  template <int R>
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void finish(const std::byte* area, Index b, const QuantRows& x, int v,
+                                                         const __m256i* sumi, float (*acc)[32]) {
     const __m256 d = load_fp16x8(area + 16 * v);
     for (int r = 0; r < R; ++r)
       accumulate8(acc[r] + 8 * v, sumi[r], _mm256_mul_ps(d, _mm256_set1_ps(x.d[r * x.ldd + b])));
+  }
+  /// Lanes 8v … 8v + 7 of block b (every row count).
+  template <int R>
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
+                                                        const QuantRows& x, int v, float (*acc)[32]) {
+    __m256i sumi[R];
+    for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+    for (int g = 0; g < 16; ++g) group<R>(slab, area, b, x, v, g, sumi);
+    finish<R>(area, b, x, v, sumi, acc);
+  }
+  /// All 32 lanes of block b group by group (R ≤ kAllQuartersRows): the same
+  /// integer sums and float step per quarter as block<R>, so the same bits.
+  template <int R>
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void all_quarters(const std::byte* slab, const std::byte* area, Index b,
+                                                               const QuantRows& x, float (*acc)[32]) {
+    __m256i sumi[4][R];
+    for (auto& q : sumi)
+      for (int r = 0; r < R; ++r) q[r] = _mm256_setzero_si256();
+    for (int g = 0; g < 16; ++g)
+      for (int v = 0; v < 4; ++v) group<R>(slab, area, b, x, v, g, sumi[v]);
+    for (int v = 0; v < 4; ++v) finish<R>(area, b, x, v, sumi[v], acc);
   }
   /// Code rows 0 … 7 of chunk `chunk`, lanes l0 … l0 + 7: octs 4h … 4h + 3,
   /// 2-bit rows 2h, 2h + 1 (h = chunk mod 8).
@@ -177,10 +203,10 @@ struct Tiles<Dtype::q6_k, Isa::avx2> {
   APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void factors8(const std::byte* scales, Index chunk, int v, __m256& lo,
                                                            __m256& hi, __m256&) {
     const std::byte* a = W::area(scales, chunk / 8);
-    const std::byte* group = a + W::kScalePlanes + 2 * (chunk % 8) * kPanelLanes + 8 * v;
+    const std::byte* scales_2h = a + W::kScalePlanes + 2 * (chunk % 8) * kPanelLanes + 8 * v;
     const __m256 d = load_fp16x8(a + 16 * v);
-    lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(load_i8x8(group)));
-    hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(load_i8x8(group + kPanelLanes)));
+    lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(load_i8x8(scales_2h)));
+    hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(load_i8x8(scales_2h + kPanelLanes)));
   }
 };
 

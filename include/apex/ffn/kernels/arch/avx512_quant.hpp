@@ -209,6 +209,14 @@ struct Tiles<Dtype::mxfp4, Isa::avx512> : Nibble32Avx512<Dtype::mxfp4> {
   }
 };
 
+/// Rows up to which a tile entry (AVX-512BW or VNNI) multiplies both 16-lane
+/// halves of a block in one pass (`both_halves`): its kBothHalvesRows, none
+/// without one.
+template <class Entry, class = void>
+inline constexpr int both_halves_rows_v = 0;
+template <class Entry>
+inline constexpr int both_halves_rows_v<Entry, std::void_t<decltype(Entry::kBothHalvesRows)>> = Entry::kBothHalvesRows;
+
 /// One panel of a block format, R rows (x offset to the first): the
 /// accumulators of both 16-lane halves in registers across the blocks of K.
 /// The VNNI tile (kernels/arch/avx512_vnni_quant.hpp) repeats these lines
@@ -227,7 +235,11 @@ struct QuantTilesAvx512 {
       const std::byte* slab = codes + b * slab_bytes;
       const std::byte* area = scales + b * area_bytes;
       prefetch_block<T>(slab, area);
-      for (int v = 0; v < 2; ++v) Tiles<T, Isa::avx512>::template block<R>(slab, area, b, x, v, acc[v]);
+      using Entry = Tiles<T, Isa::avx512>;
+      if constexpr (R <= both_halves_rows_v<Entry>)
+        Entry::template both_halves<R>(slab, area, b, x, acc[0], acc[1]);
+      else
+        for (int v = 0; v < 2; ++v) Entry::template block<R>(slab, area, b, x, v, acc[v]);
     }
     for (int r = 0; r < R; ++r) store_row_avx512<Epi>(acc[0][r], acc[1][r], out + r * ldo, ncols);
   }

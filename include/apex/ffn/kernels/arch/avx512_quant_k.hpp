@@ -62,36 +62,63 @@ struct Tiles<Dtype::q4_k, Isa::avx512> {
 };
 
 /// Q6_K, one super-block: Σ_g sc_g·(Σ u·x − 32·Σ x) per lane, then one fma.
+/// At decode row counts both halves group by group, so a pass reads the
+/// slab's grouped codes (kernels/quant_k_types.hpp) front to back.
 template <>
 struct Tiles<Dtype::q6_k, Isa::avx512> {
   using W = WeightType<Dtype::q6_k>;
+  static constexpr int kBothHalvesRows = 2;
+  /// sumi += sc_g·(Σ u·x − 32·Σ x) of group g, half v.
+  template <int R>
+  APEX_TARGET_AVX512 APEX_KERNEL_INLINE static void group(const std::byte* slab, const std::byte* area, Index b,
+                                                          const QuantRows& x, int v, int g, __m512i* sumi) {
+    const __m512i hraw = load_half512(W::group_high(slab, g), 0, v);
+    __m512i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    for (int half = 0; half < 2; ++half) {
+      const int o = 2 * g + half;
+      __m512i u0, u1;
+      q6_k_codes16(load_half512(W::group_low(slab, g), half, v), hraw, half, u0, u1);
+      for (int r = 0; r < R; ++r) {  // two pairs of 6-bit codes: ≤ 2·2·63·128 < 2^15
+        const std::int8_t* xq = x.q + r * x.ldq + 256 * b + 8 * o;
+        isum[r] = _mm512_add_epi32(isum[r], widen_pairs512(_mm512_add_epi16(_mm512_maddubs_epi16(u0, bcast4_512(xq)),
+                                                                             _mm512_maddubs_epi16(u1, bcast4_512(xq + 4)))));
+      }
+    }
+    const __m512i sc = load_i8x16(area + W::kScalePlanes + g * kPanelLanes + 16 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m512i centred = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(32 * x.s16[r * x.lds + 16 * b + g]));
+      sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(sc, centred));
+    }
+  }
+  template <int R>
+  APEX_TARGET_AVX512 APEX_KERNEL_INLINE static void finish(const std::byte* area, Index b, const QuantRows& x, int v,
+                                                           const __m512i* sumi, __m512* acc) {
+    const __m512 d = load_fp16x16(area + 32 * v);
+    for (int r = 0; r < R; ++r) acc[r] = accumulate16(acc[r], sumi[r], _mm512_mul_ps(d, _mm512_set1_ps(x.d[r * x.ldd + b])));
+  }
+  /// Half v of block b (every row count).
   template <int R>
   APEX_TARGET_AVX512 APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
                                                           const QuantRows& x, int v, __m512* acc) {
     __m512i sumi[R];
     for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
+    for (int g = 0; g < 16; ++g) group<R>(slab, area, b, x, v, g, sumi);
+    finish<R>(area, b, x, v, sumi, acc);
+  }
+  /// Both halves of block b group by group (R ≤ kBothHalvesRows): the same
+  /// integer sums and float step per half as block<R>, so the same bits.
+  template <int R>
+  APEX_TARGET_AVX512 APEX_KERNEL_INLINE static void both_halves(const std::byte* slab, const std::byte* area, Index b,
+                                                                const QuantRows& x, __m512* acc0, __m512* acc1) {
+    __m512i sumi0[R], sumi1[R];
+    for (int r = 0; r < R; ++r) sumi0[r] = sumi1[r] = _mm512_setzero_si512();
     for (int g = 0; g < 16; ++g) {
-      const __m512i hraw = load_half512(W::group_high(slab, g), 0, v);
-      __m512i isum[R];
-      for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
-      for (int half = 0; half < 2; ++half) {
-        const int o = 2 * g + half;
-        __m512i u0, u1;
-        q6_k_codes16(load_half512(W::group_low(slab, g), half, v), hraw, half, u0, u1);
-        for (int r = 0; r < R; ++r) {  // two pairs of 6-bit codes: ≤ 2·2·63·128 < 2^15
-          const std::int8_t* xq = x.q + r * x.ldq + 256 * b + 8 * o;
-          isum[r] = _mm512_add_epi32(isum[r], widen_pairs512(_mm512_add_epi16(_mm512_maddubs_epi16(u0, bcast4_512(xq)),
-                                                                               _mm512_maddubs_epi16(u1, bcast4_512(xq + 4)))));
-        }
-      }
-      const __m512i sc = load_i8x16(area + W::kScalePlanes + g * kPanelLanes + 16 * v);
-      for (int r = 0; r < R; ++r) {
-        const __m512i centred = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(32 * x.s16[r * x.lds + 16 * b + g]));
-        sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(sc, centred));
-      }
+      group<R>(slab, area, b, x, 0, g, sumi0);
+      group<R>(slab, area, b, x, 1, g, sumi1);
     }
-    const __m512 d = load_fp16x16(area + 32 * v);
-    for (int r = 0; r < R; ++r) acc[r] = accumulate16(acc[r], sumi[r], _mm512_mul_ps(d, _mm512_set1_ps(x.d[r * x.ldd + b])));
+    finish<R>(area, b, x, 0, sumi0, acc0);
+    finish<R>(area, b, x, 1, sumi1, acc1);
   }
 };
 

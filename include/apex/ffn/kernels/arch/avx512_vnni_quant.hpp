@@ -222,13 +222,6 @@ struct Tiles<Dtype::q6_k, Isa::avx512_vnni> {
   }
 };
 
-/// Rows up to which a VNNI entry multiplies both 16-lane halves of a block in
-/// one pass (`both_halves`): its kBothHalvesRows, none without one.
-template <class Entry, class = void>
-inline constexpr int both_halves_rows_v = 0;
-template <class Entry>
-inline constexpr int both_halves_rows_v<Entry, std::void_t<decltype(Entry::kBothHalvesRows)>> = Entry::kBothHalvesRows;
-
 /// The VNNI tile loop: QuantTilesAvx512's on the VNNI block products.
 struct QuantTilesVnni {
   template <Dtype T, int R, class Epi>
