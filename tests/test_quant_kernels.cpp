@@ -200,7 +200,7 @@ TEST_CASE("block formats: every kernel path gives the scalar path's bits", "[qua
     for (const Shape s : shapes) {
       CAPTURE(dtype_name(t), s.d, s.f);
       const PackedExpert e(weights(s.f, s.d, 7), weights(s.f, s.d, 8), weights(s.d, s.f, 9), t);
-      for (const Index m : {Index(1), Index(2), Index(3), Index(6), Index(37)}) {  // 1, 2: decode tiles
+      for (const Index m : {Index(1), Index(2), Index(3), Index(4), Index(5), Index(6), Index(37)}) {
         const Matrix<float> x = random_matrix(m, s.d, std::uint64_t(10 + m)).cast<float>();  // m × d
         const Matrix<float> want = forward(e, x, {Isa::scalar});
         on_simd_paths([&](Isa isa) {
