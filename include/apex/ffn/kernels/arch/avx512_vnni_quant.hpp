@@ -22,11 +22,10 @@
 /// tile's instructions; at many rows (Zen 4 EPYC, one Qwen3-30B-A3B expert,
 /// hot weights) Q8_0 went from 189 to 297 GFLOP/s and Q4_0 from 208 to 318,
 /// decode unchanged. The K-quants keep one half per pass at many rows: their
-/// per-half sums and minima already fill the registers at six rows. Q6_K
-/// takes both halves at decode row counts, where a pass then reads its
-/// grouped codes front to back (kernels/quant_k_types.hpp says why that
-/// matters); Q4_K done so was within the run's noise (docs/performance.md,
-/// "Q6_K codes by group").
+/// per-half sums and minima already fill the registers at six rows. At
+/// decode row counts they take both halves, so a pass reads the slab's
+/// lines in order (Q6_K up to four rows, Q4_K up to two; their entries say
+/// what it gave).
 
 #include "avx512_quant.hpp"
 
@@ -120,44 +119,85 @@ template <>
 struct Tiles<Dtype::mxfp4, Isa::avx512_vnni> : Nibble32Vnni<Dtype::mxfp4> {};
 
 /// Q4_K, one super-block: Σ_j sc_j·Σ q·x and Σ_j m_j·Σ x per lane, then two fmas.
+/// At one and two rows both halves sub-block by sub-block, so the slab's
+/// lines are read in order: one-thread decode 1.05–1.10× in three A/Bs
+/// (docs/performance.md, "Q6_K codes by group"); at three and four rows
+/// the tile lost from cache and gained nothing at N = 16.
 template <>
 struct Tiles<Dtype::q4_k, Isa::avx512_vnni> {
   using W = WeightType<Dtype::q4_k>;
+  static constexpr int kBothHalvesRows = 2;
+  /// One half's sums over a super-block: sumi = Σ_j sc_j·Σ q·x, mins = Σ_j
+  /// m_j·Σ x, m_even the even sub-block's minima until the odd one.
   template <int R>
-  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
-                                                              const QuantRows& x,
-                                           int v, __m512* acc) {
-    const std::byte* planes = area + W::kScalePlanes + 16 * v;
-    __m512i sumi[R], mins[R], m_even = _mm512_setzero_si512();
-    for (int r = 0; r < R; ++r) sumi[r] = mins[r] = _mm512_setzero_si512();
-    for (int j = 0; j < 8; ++j) {
-      __m512i sc, m;
-      q4_k_scale_min16(planes, j, sc, m);
-      __m512i s[R];  // Σ q·x of sub-block j, |s| ≤ 32·15·128
-      for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
-      for (int o = 4 * j; o < 4 * j + 4; ++o) {
-        const __m512i raw = load_half512(slab, o, v);
-        const __m512i lo = low_nibbles512(raw), hi = high_nibbles512(raw);
-        for (int r = 0; r < R; ++r) {
-          const std::int8_t* xq = x.q + r * x.ldq + 256 * b + 8 * o;
-          s[r] = dpbusd(dpbusd(s[r], lo, bcast4_512(xq)), hi, bcast4_512(xq + 4));
-        }
+  struct HalfSums {
+    __m512i sumi[R], mins[R], m_even;
+  };
+  template <int R>
+  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void zero(HalfSums<R>& h) {
+    h.m_even = _mm512_setzero_si512();
+    for (int r = 0; r < R; ++r) h.sumi[r] = h.mins[r] = _mm512_setzero_si512();
+  }
+  /// Sub-block j (32 weights) of half v into h.
+  template <int R>
+  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void sub_block(const std::byte* slab, const std::byte* area, Index b,
+                                                                  const QuantRows& x, int v, int j, HalfSums<R>& h) {
+    __m512i sc, m;
+    q4_k_scale_min16(area + W::kScalePlanes + 16 * v, j, sc, m);
+    __m512i s[R];  // Σ q·x of sub-block j, |s| ≤ 32·15·128
+    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
+    for (int o = 4 * j; o < 4 * j + 4; ++o) {
+      const __m512i raw = load_half512(slab, o, v);
+      const __m512i lo = low_nibbles512(raw), hi = high_nibbles512(raw);
+      for (int r = 0; r < R; ++r) {
+        const std::int8_t* xq = x.q + r * x.ldq + 256 * b + 8 * o;
+        s[r] = dpbusd(dpbusd(s[r], lo, bcast4_512(xq)), hi, bcast4_512(xq + 4));
       }
-      for (int r = 0; r < R; ++r) sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(sc, s[r]));
-      if (j % 2 == 0) {
-        m_even = m;
-        continue;
-      }
-      for (int r = 0; r < R; ++r) mins[r] = _mm512_add_epi32(mins[r], q4_k_min_pair16(m_even, m, x.row(r), 8 * b + j));
     }
+    for (int r = 0; r < R; ++r) h.sumi[r] = _mm512_add_epi32(h.sumi[r], _mm512_mullo_epi32(sc, s[r]));
+    if (j % 2 == 0) {
+      h.m_even = m;
+      return;
+    }
+    for (int r = 0; r < R; ++r) h.mins[r] = _mm512_add_epi32(h.mins[r], q4_k_min_pair16(h.m_even, m, x.row(r), 8 * b + j));
+  }
+  /// acc += d·d_x·sumi − dmin·d_x·mins for half v.
+  template <int R>
+  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void finish(const std::byte* area, Index b, const QuantRows& x,
+                                                               int v, const HalfSums<R>& h, __m512* acc) {
     const __m512 d = load_fp16x16(area + 32 * v), dmin = load_fp16x16(area + W::kDminPlane + 32 * v);
     const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
     for (int r = 0; r < R; ++r) {
       const __m512 xd = _mm512_set1_ps(x.d[r * x.ldd + b]);
-      acc[r] = accumulate16(acc[r], sumi[r], _mm512_mul_ps(d, xd));
-      acc[r] = accumulate16(acc[r], mins[r],
+      acc[r] = accumulate16(acc[r], h.sumi[r], _mm512_mul_ps(d, xd));
+      acc[r] = accumulate16(acc[r], h.mins[r],
                             _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, xd)), sign)));
     }
+  }
+  /// Half v of block b (every row count).
+  template <int R>
+  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
+                                                              const QuantRows& x, int v, __m512* acc) {
+    HalfSums<R> h;
+    zero(h);
+    for (int j = 0; j < 8; ++j) sub_block(slab, area, b, x, v, j, h);
+    finish(area, b, x, v, h, acc);
+  }
+  /// Both halves of block b sub-block by sub-block (R ≤ kBothHalvesRows):
+  /// the same integer sums and float steps per half as block<R>.
+  template <int R>
+  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void both_halves(const std::byte* slab, const std::byte* area,
+                                                                    Index b, const QuantRows& x, __m512* acc0,
+                                                                    __m512* acc1) {
+    HalfSums<R> h0, h1;
+    zero(h0);
+    zero(h1);
+    for (int j = 0; j < 8; ++j) {
+      sub_block(slab, area, b, x, 0, j, h0);
+      sub_block(slab, area, b, x, 1, j, h1);
+    }
+    finish(area, b, x, 0, h0, acc0);
+    finish(area, b, x, 1, h1, acc1);
   }
 };
 
