@@ -1,16 +1,15 @@
-"""Threads of the operations: torch.get_num_threads() unless set here."""
-import torch
-
-_threads = None
+"""Threads of the operations: torch.get_num_threads() unless set here. The setting lives in the extension,
+which reads it itself in the module's inference call (PackedExperts.infer)."""
+from . import _core
 
 
 def set_num_threads(n):
     """Runs the operations on `n` threads (None: follow torch.get_num_threads())."""
-    global _threads
-    if n is not None and (not isinstance(n, int) or n < 1):
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
         raise ValueError(f"apex_ffn.set_num_threads: expected a positive int or None, got {n!r}")
-    _threads = n
+    _core.set_num_threads(n)
 
 
 def get_num_threads():
-    return _threads if _threads is not None else torch.get_num_threads()
+    """The threads the operations run on."""
+    return _core.get_num_threads()

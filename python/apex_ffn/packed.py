@@ -37,6 +37,14 @@ from .layout import experts_layout
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 
 
+# Looked up once: at decode every step's first Python runs from cold caches, where each lookup and frame
+# costs microseconds. is_dynamo_compiling, not is_compiling: one frame, not two, and the same answer where
+# it matters (dynamo must not trace the extension's call; torch.export without dynamo passes fake tensors,
+# which infer declines).
+_grad_enabled = torch.is_grad_enabled
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
+
+
 def _float32(t):
     """t as contiguous float32; t itself when it is, without a call into torch's dispatcher (at decode,
     after a step has left the interpreter's caches cold, each such call costs microseconds)."""
@@ -69,11 +77,11 @@ class PackedExpertsModule(nn.Module):
         self.lora = None  # apex_ffn.lora.ExpertsLora, when adapters are attached
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        if self.lora is None and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            # inference: one call into the extension, which reads plain CPU tensors without DLPack and
-            # allocates y (PackedExperts.infer); None for any other input, which the checked path below takes
-            y = self.packed.infer(hidden_states, top_k_index, top_k_weights, self.layout.expert_parallel,
-                                  get_num_threads())
+        if self.lora is None and not _grad_enabled() and not _dynamo_compiling():
+            # inference: one call into the extension, which reads plain CPU tensors without DLPack, allocates
+            # y and reads the thread count (PackedExperts.infer); None for any other input (a fake tensor of
+            # a non-strict export among them), which the checked path below takes
+            y = self.packed.infer(hidden_states, top_k_index, top_k_weights, self.layout.expert_parallel)
             if y is not None:
                 return y
         dtype = hidden_states.dtype

@@ -7,6 +7,7 @@
 /// FormatError derive from Python's ValueError).
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -15,6 +16,7 @@
 #include <apex/ffn/core/version.hpp>
 
 #include "runtime.hpp"
+#include "torch_tensors.hpp"
 
 namespace nb = nanobind;
 using namespace apex;
@@ -42,6 +44,11 @@ NB_MODULE(_core, m) {
   }, "The kernel paths this CPU supports.");
   m.def("set_isa", [](const std::string& name) { python::isa_slot().store(int(python::isa_from_name(name))); },
         nb::arg("name"), "Runs the operations on kernel path `name` (ConfigError if the CPU lacks it).");
+  m.def("set_num_threads", [](std::optional<int> n) {
+    if (n && *n < 1) throw ConfigError("apex_ffn.set_num_threads: expected a positive int or None, got " + std::to_string(*n));
+    python::threads_setting().store(n ? *n : 0);
+  }, nb::arg("n").none(), "Runs the operations on `n` threads (None: follow torch.get_num_threads()).");
+  m.def("get_num_threads", &python::package_threads, "The threads the operations run on.");
   m.def("openmp", [] {
 #ifdef _OPENMP
     return true;

@@ -212,21 +212,23 @@ struct YTag {};
 /// so a decode step crosses into the extension once. x and w both float32,
 /// or both bfloat16 (a bf16 model: widened exactly, y rounded to bf16 as
 /// torch's .to(bfloat16) rounds, and bf16 experts may multiply in pairs as
-/// PackedExperts.forward's bf16_activations says), ids int64. None unless
+/// PackedExperts.forward's bf16_activations says), ids int64; threads
+/// apex_ffn.get_num_threads() unless given. None unless
 /// every argument is plain and the shapes agree: the module then takes the
 /// checked path, which names what is wrong. Expert ids are checked here as
 /// there (make_routing).
 nb::object packed_infer(const PackedExperts& p, nb::handle x, nb::handle ids, nb::handle w, bool expert_parallel,
-                        int threads) {
+                        std::optional<int> threads_arg) {
   constexpr const char* where = "apex_ffn.PackedExperts.infer";
   const auto px = plain_2d(x), pi = plain_2d(ids), pw = plain_2d(w);
   if (!px || !pi || !pw || px->elem == TorchElem::i64 || pi->elem != TorchElem::i64 || pw->elem != px->elem ||
       px->cols != p.d_model() || pi->rows != px->rows || pw->rows != px->rows || pw->cols != pi->cols)
     return nb::none();
+  const int threads = threads_arg ? *threads_arg : package_threads();
   if (threads < 1) throw ConfigError(std::string(where) + ": threads must be at least 1, got " + std::to_string(threads));
   const Index n = px->rows, k = pi->cols, d = p.d_model();
   const bool bf16 = px->elem == TorchElem::bf16;
-  nb::object y = torch_empty_2d(n, d, px->elem);
+  nb::object y = OutputSpares::take(n, d, px->elem);
   void* y_data = data_ptr_of(y);
   const packed::Isa isa = current_isa();
   {
@@ -352,7 +354,7 @@ void bind_packed_experts(nb::module_& m) {
            "bf16_activations: the inputs hold bf16 values (a bf16 model); bf16 experts on the avx512_bf16 path then\n"
            "multiply in pairs with `vdpbf16ps`, rounding the hidden activations to bf16 as the model would.")
       .def("infer", &packed_infer, nb::arg("hidden_states"), nb::arg("top_k_index"), nb::arg("top_k_weights"),
-           nb::arg("expert_parallel"), nb::arg("threads"),
+           nb::arg("expert_parallel"), nb::arg("threads").none() = nb::none(),
            "The module's inference forward in one call: y (N x d) in the inputs' dtype, or None unless the\n"
            "arguments are plain CPU tensors (exact torch.Tensor, contiguous, x and weights both float32 or both\n"
            "bfloat16, ids int64, shapes agreeing); forward() then checks them and names what is wrong.")

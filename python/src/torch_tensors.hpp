@@ -1,5 +1,9 @@
 #pragma once
 /// \file torch_tensors.hpp
+/// torch reached from C++ through Python, for the one call a decode step
+/// makes per MoE block (PackedExperts.infer): its tensors' memory, new
+/// outputs, and its thread count.
+///
 /// A torch tensor read through its own Python attributes (type, dtype,
 /// is_cpu, is_neg(), is_contiguous(), shape, data_ptr()) instead of DLPack,
 /// for the one call a decode step makes per MoE block (PackedExperts.infer).
@@ -16,8 +20,11 @@
 
 #include <nanobind/nanobind.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include <apex/ffn/core/types.hpp>
 
@@ -31,13 +38,13 @@ enum class TorchElem { f32, bf16, i64 };
 /// torch's objects the reads compare with, looked up once (the GIL held).
 /// Kept for the process's life: torch outlives every call that uses them.
 struct TorchRefs {
-  nb::object tensor_type, float32, bfloat16, int64, empty;
+  nb::object tensor_type, float32, bfloat16, int64, empty, get_num_threads;
 
   static const TorchRefs& get() {
     static const TorchRefs* refs = [] {
       const nb::module_ torch = nb::module_::import_("torch");
       return new TorchRefs{torch.attr("Tensor"), torch.attr("float32"), torch.attr("bfloat16"), torch.attr("int64"),
-                           torch.attr("empty")};
+                           torch.attr("empty"), torch.attr("get_num_threads")};
     }();
     return *refs;
   }
@@ -81,6 +88,63 @@ inline std::optional<PlainTensor> plain_2d(nb::handle t) {
 inline nb::object torch_empty_2d(Index rows, Index cols, TorchElem elem) {
   const TorchRefs& torch = TorchRefs::get();
   return torch.empty(rows, cols, nb::arg("dtype") = torch.dtype_of(elem));
+}
+
+/// New outputs for inference calls, allocated a few at a time. After a
+/// decode step has streamed the expert weights through the caches, torch
+/// runs from cold caches: the first torch.empty takes about 20 µs on the
+/// 2-vCPU EPYC VM, the ones right after it about 2 µs. So a call that finds
+/// no spare of its shape allocates up to eight (at most 1 MiB in all) and
+/// keeps the rest for the next calls, which every MoE block of a decode step
+/// makes with one shape. A spare was never handed out, so nothing else can
+/// hold it; a call of another shape drops them. The GIL guards the spares.
+class OutputSpares {
+ public:
+  static nb::object take(Index rows, Index cols, TorchElem elem) {
+    static OutputSpares* spares = new OutputSpares;  // kept for the process's life, as TorchRefs
+    return spares->next(rows, cols, elem);
+  }
+
+ private:
+  static constexpr std::size_t kMaxSpares = 8, kMaxBytes = std::size_t(1) << 20;
+
+  // torch.empty may release the GIL, so another thread can take or replace spares while this one
+  // allocates: the state changes only after the last call into torch, and old spares die after it.
+  nb::object next(Index rows, Index cols, TorchElem elem) {
+    const bool same = rows == rows_ && cols == cols_ && elem == elem_;
+    if (same && !spares_.empty()) {
+      nb::object out = std::move(spares_.back());
+      spares_.pop_back();
+      return out;
+    }
+    const std::size_t bytes = std::size_t(rows) * std::size_t(cols) * (elem == TorchElem::i64 ? 8 : elem == TorchElem::f32 ? 4 : 2);
+    const std::size_t count = std::max<std::size_t>(1, std::min(kMaxSpares, kMaxBytes / bytes));
+    std::vector<nb::object> batch;
+    for (std::size_t i = 0; i < count; ++i) batch.push_back(torch_empty_2d(rows, cols, elem));
+    nb::object out = std::move(batch.back());
+    batch.pop_back();
+    if (rows != rows_ || cols != cols_ || elem != elem_) std::swap(batch, spares_), rows_ = rows, cols_ = cols, elem_ = elem;
+    else
+      for (nb::object& t : batch)
+        if (spares_.size() < count) spares_.push_back(std::move(t));
+    return out;  // `batch` (the other shape's spares, if any) dies here
+  }
+
+  Index rows_ = 0, cols_ = 0;
+  TorchElem elem_ = TorchElem::f32;
+  std::vector<nb::object> spares_;
+};
+
+/// apex_ffn.set_num_threads's count; 0: follow torch.get_num_threads().
+inline std::atomic<int>& threads_setting() {
+  static std::atomic<int> threads{0};
+  return threads;
+}
+
+/// The threads an operation runs on (the GIL held: torch is asked through Python).
+inline int package_threads() {
+  const int set = threads_setting().load(std::memory_order_relaxed);
+  return set > 0 ? set : nb::cast<int>(TorchRefs::get().get_num_threads());
 }
 
 }  // namespace apex::python

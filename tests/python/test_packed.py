@@ -187,6 +187,41 @@ def test_infer_is_the_checked_forward_in_one_call(types):
             p.infer(x32, ids, w32, False, 0)
 
 
+def test_infer_outputs_are_new_tensors_of_the_call_shape():
+    """infer allocates its outputs a few at a time and keeps the spares: every output held stays as it was
+    (no two share memory), a call of another shape or dtype gets its own shape and dtype, and the thread
+    count follows apex_ffn.set_num_threads when the call does not name one."""
+    model = tiny_model("qwen3_moe")
+    pack_experts(model, "bf16")
+    module = model.get_submodule("model.layers.0.mlp.experts")
+    p, k, d = module.packed, 2, model.config.hidden_size
+    g = torch.Generator().manual_seed(6)
+
+    def inputs(n, dtype):
+        ids = torch.stack([torch.randperm(model.config.num_experts, generator=g)[:k] for _ in range(n)])
+        return torch.randn(n, d, generator=g).to(dtype), ids, torch.rand(n, k, generator=g).to(dtype)
+
+    held = []
+    with torch.no_grad():
+        for n, dtype in [(1, torch.float32)] * 11 + [(3, torch.float32), (1, torch.bfloat16), (1, torch.float32)]:
+            x, ids, w = inputs(n, dtype)
+            y = module(x, ids, w)
+            assert y.shape == (n, d) and y.dtype == dtype
+            held.append((y, y.clone(), p.infer(x, ids, w, False, 1)))
+        assert len({y.data_ptr() for y, _, _ in held}) == len(held)
+        for y, copy_at_return, again in held:
+            assert torch.equal(y, copy_at_return) and torch.equal(y, again)
+        try:
+            apex_ffn.set_num_threads(2)
+            x, ids, w = inputs(5, torch.float32)
+            assert torch.equal(p.infer(x, ids, w, False), p.infer(x, ids, w, False, 1))
+            assert apex_ffn.get_num_threads() == 2
+        finally:
+            apex_ffn.set_num_threads(None)
+    with pytest.raises(ValueError, match="positive int"):
+        apex_ffn.set_num_threads(True)
+
+
 def test_gpt_oss_packed_clamped_with_biases():
     ref = wide_model("gpt_oss")
     ours = copy.deepcopy(ref)
