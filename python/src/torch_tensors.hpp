@@ -35,21 +35,38 @@ namespace nb = nanobind;
 /// The element types of plain tensors.
 enum class TorchElem { f32, bf16, i64 };
 
-/// torch's objects the reads compare with, looked up once (the GIL held).
+/// torch's objects the reads compare with and the attribute names they read,
+/// looked up and interned once (the GIL held), so a read makes no string.
 /// Kept for the process's life: torch outlives every call that uses them.
 struct TorchRefs {
   nb::object tensor_type, float32, bfloat16, int64, empty, get_num_threads;
+  nb::object dtype_name, is_cpu_name, is_neg_name, is_contiguous_name, shape_name, data_ptr_name;
 
   static const TorchRefs& get() {
     static const TorchRefs* refs = [] {
       const nb::module_ torch = nb::module_::import_("torch");
-      return new TorchRefs{torch.attr("Tensor"), torch.attr("float32"), torch.attr("bfloat16"), torch.attr("int64"),
-                           torch.attr("empty"), torch.attr("get_num_threads")};
+      const auto name = [](const char* s) { return nb::steal(PyUnicode_InternFromString(s)); };
+      return new TorchRefs{torch.attr("Tensor"),   torch.attr("float32"),         torch.attr("bfloat16"),
+                           torch.attr("int64"),    torch.attr("empty"),           torch.attr("get_num_threads"),
+                           name("dtype"),          name("is_cpu"),                name("is_neg"),
+                           name("is_contiguous"),  name("shape"),                 name("data_ptr")};
     }();
     return *refs;
   }
   const nb::object& dtype_of(TorchElem e) const { return e == TorchElem::f32 ? float32 : e == TorchElem::bf16 ? bfloat16 : int64; }
 };
+
+/// t.<name> and t.<name>(), a Python error raised as nb::python_error.
+inline nb::object attribute(nb::handle t, const nb::object& name) {
+  PyObject* r = PyObject_GetAttr(t.ptr(), name.ptr());
+  if (!r) throw nb::python_error();
+  return nb::steal(r);
+}
+inline nb::object call_method(nb::handle t, const nb::object& name) {
+  PyObject* r = PyObject_CallMethodNoArgs(t.ptr(), name.ptr());
+  if (!r) throw nb::python_error();
+  return nb::steal(r);
+}
 
 /// A plain tensor's memory: rows × cols elements of `elem`, row-major.
 struct PlainTensor {
@@ -59,7 +76,7 @@ struct PlainTensor {
 };
 
 inline void* data_ptr_of(nb::handle t) {
-  return reinterpret_cast<void*>(nb::cast<std::uintptr_t>(t.attr("data_ptr")()));
+  return reinterpret_cast<void*>(nb::cast<std::uintptr_t>(call_method(t, TorchRefs::get().data_ptr_name)));
 }
 
 /// t's memory if t is a plain two-dimensional tensor (above), nothing otherwise.
@@ -67,18 +84,19 @@ inline std::optional<PlainTensor> plain_2d(nb::handle t) {
   const TorchRefs& torch = TorchRefs::get();
   if (!t.type().is(torch.tensor_type)) return std::nullopt;
   PlainTensor p;
-  const nb::object dtype = t.attr("dtype");
+  const nb::object dtype = attribute(t, torch.dtype_name);
   if (dtype.is(torch.float32)) p.elem = TorchElem::f32;
   else if (dtype.is(torch.bfloat16)) p.elem = TorchElem::bf16;
   else if (dtype.is(torch.int64)) p.elem = TorchElem::i64;
   else return std::nullopt;
   // the negative bit: a lazily negated view whose memory holds the values un-negated
-  if (!t.attr("is_cpu").is(nb::handle(Py_True)) || t.attr("is_neg")().is(nb::handle(Py_True)) ||
-      !t.attr("is_contiguous")().is(nb::handle(Py_True)))
+  if (!attribute(t, torch.is_cpu_name).is(nb::handle(Py_True)) || call_method(t, torch.is_neg_name).is(nb::handle(Py_True)) ||
+      !call_method(t, torch.is_contiguous_name).is(nb::handle(Py_True)))
     return std::nullopt;
-  const nb::object shape = t.attr("shape");
-  if (nb::len(shape) != 2) return std::nullopt;
-  p.rows = nb::cast<Index>(shape[0]), p.cols = nb::cast<Index>(shape[1]);
+  const nb::object shape = attribute(t, torch.shape_name);  // torch.Size, a tuple
+  if (!PyTuple_Check(shape.ptr()) || PyTuple_GET_SIZE(shape.ptr()) != 2) return std::nullopt;
+  p.rows = nb::cast<Index>(nb::handle(PyTuple_GET_ITEM(shape.ptr(), 0)));
+  p.cols = nb::cast<Index>(nb::handle(PyTuple_GET_ITEM(shape.ptr(), 1)));
   if (p.rows < 1 || p.cols < 1) return std::nullopt;
   p.data = data_ptr_of(t);
   return p;
