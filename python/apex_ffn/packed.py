@@ -85,14 +85,20 @@ class PackedExpertsModule(nn.Module):
             if y is not None:
                 return y
         dtype = hidden_states.dtype
-        x, w, ids = _float32(hidden_states), _float32(top_k_weights), _int64(top_k_index)
         bf16 = dtype == torch.bfloat16  # a bf16 model: bf16 experts may multiply in bf16 pairs
-        if self.lora is not None:
-            y = self.lora.run(self.handle, x, ids, w, self.layout.expert_parallel)
-        elif torch.is_grad_enabled() or torch.compiler.is_compiling():
-            y = ops.packed_experts(x, ids, w, self.handle, self.layout.expert_parallel, bf16)
-        else:  # inference: the op's body without the dispatcher (ops.packed_forward)
-            y = ops.packed_forward(x, ids, w, self.handle, self.layout.expert_parallel, bf16)
+        ep = self.layout.expert_parallel
+        if self.lora is not None or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            # through torch's dispatcher (custom ops): torch.compile traces these casts, and the dispatcher
+            # resolves a lazily negated view before the op's body sees it
+            x, w = hidden_states.float().contiguous(), top_k_weights.float().contiguous()
+            ids = top_k_index.long().contiguous()
+            if self.lora is not None:
+                y = self.lora.run(self.handle, x, ids, w, ep)
+            else:
+                y = ops.packed_experts(x, ids, w, self.handle, ep, bf16)
+        else:  # inference: the op's body without the dispatcher (ops.packed_forward), so the negative bit here
+            x, w, ids = _float32(hidden_states), _float32(top_k_weights), _int64(top_k_index)
+            y = ops.packed_forward(x, ids, w, self.handle, ep, bf16)
         return y if dtype == torch.float32 else y.to(dtype)
 
     def __deepcopy__(self, memo):
