@@ -5,7 +5,7 @@ from . import _core
 
 def set_num_threads(n):
     """Runs the operations on `n` threads (None: follow torch.get_num_threads())."""
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n < 2**31):
         raise ValueError(f"apex_ffn.set_num_threads: expected a positive int or None, got {n!r}")
     _core.set_num_threads(n)
 

@@ -229,6 +229,7 @@ nb::object packed_infer(const PackedExperts& p, nb::handle x, nb::handle ids, nb
   const Index n = px->rows, k = pi->cols, d = p.d_model();
   const bool bf16 = px->elem == TorchElem::bf16;
   nb::object y = OutputSpares::take(n, d, px->elem);
+  if (y.is_none()) return y;
   void* y_data = data_ptr_of(y);
   const packed::Isa isa = current_isa();
   {

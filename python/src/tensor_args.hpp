@@ -70,7 +70,8 @@ struct View {
 };
 
 /// ShapeError / ValueError naming `where` and `name` unless `a` is a CPU
-/// tensor of element type `e`, with `dims` dimensions, C-contiguous.
+/// tensor of element type `e`, with `dims` dimensions, C-contiguous, with
+/// memory.
 template <class Arr>
 void check_tensor(const char* where, const char* name, const Arr& a, Elem e, std::size_t dims) {
   const std::string head = std::string(where) + ": argument '" + name + "' ";
@@ -87,6 +88,8 @@ void check_tensor(const char* where, const char* name, const Arr& a, Elem e, std
       throw ValueError(head + "is not contiguous (strides do not match a row-major layout); call .contiguous() first");
     expected *= std::int64_t(a.shape(i));
   }
+  if (!a.data() && a.size() > 0)  // a fake or functional tensor's wrapper: shape without memory
+    throw ValueError(head + "has no memory (a fake, meta or functional tensor); apex_ffn computes on real CPU tensors");
 }
 
 template <class T>

@@ -39,17 +39,24 @@ enum class TorchElem { f32, bf16, i64 };
 /// looked up and interned once (the GIL held), so a read makes no string.
 /// Kept for the process's life: torch outlives every call that uses them.
 struct TorchRefs {
-  nb::object tensor_type, float32, bfloat16, int64, empty, get_num_threads;
+  nb::object tensor_type, float32, bfloat16, int64, cpu, empty, get_num_threads, is_inference_mode_enabled;
   nb::object dtype_name, is_cpu_name, is_neg_name, is_contiguous_name, shape_name, data_ptr_name;
 
   static const TorchRefs& get() {
     static const TorchRefs* refs = [] {
       const nb::module_ torch = nb::module_::import_("torch");
-      const auto name = [](const char* s) { return nb::steal(PyUnicode_InternFromString(s)); };
-      return new TorchRefs{torch.attr("Tensor"),   torch.attr("float32"),         torch.attr("bfloat16"),
-                           torch.attr("int64"),    torch.attr("empty"),           torch.attr("get_num_threads"),
-                           name("dtype"),          name("is_cpu"),                name("is_neg"),
-                           name("is_contiguous"),  name("shape"),                 name("data_ptr")};
+      const auto name = [](const char* s) {
+        PyObject* n = PyUnicode_InternFromString(s);
+        if (!n) throw nb::python_error();
+        return nb::steal(n);
+      };
+      return new TorchRefs{torch.attr("Tensor"),        torch.attr("float32"),
+                           torch.attr("bfloat16"),      torch.attr("int64"),
+                           torch.attr("device")("cpu"), torch.attr("empty"),
+                           torch.attr("get_num_threads"), torch.attr("is_inference_mode_enabled"),
+                           name("dtype"),               name("is_cpu"),
+                           name("is_neg"),              name("is_contiguous"),
+                           name("shape"),               name("data_ptr")};
     }();
     return *refs;
   }
@@ -99,13 +106,14 @@ inline std::optional<PlainTensor> plain_2d(nb::handle t) {
   p.cols = nb::cast<Index>(nb::handle(PyTuple_GET_ITEM(shape.ptr(), 1)));
   if (p.rows < 1 || p.cols < 1) return std::nullopt;
   p.data = data_ptr_of(t);
+  if (!p.data) return std::nullopt;  // no memory (functionalize's wrappers, a storage-less tensor)
   return p;
 }
 
 /// A new uninitialised rows × cols CPU tensor of `elem` (torch.empty).
 inline nb::object torch_empty_2d(Index rows, Index cols, TorchElem elem) {
   const TorchRefs& torch = TorchRefs::get();
-  return torch.empty(rows, cols, nb::arg("dtype") = torch.dtype_of(elem));
+  return torch.empty(rows, cols, nb::arg("dtype") = torch.dtype_of(elem), nb::arg("device") = torch.cpu);
 }
 
 /// New outputs for inference calls, allocated a few at a time. After a
@@ -115,41 +123,54 @@ inline nb::object torch_empty_2d(Index rows, Index cols, TorchElem elem) {
 /// no spare of its shape allocates up to eight (at most 1 MiB in all) and
 /// keeps the rest for the next calls, which every MoE block of a decode step
 /// makes with one shape. A spare was never handed out, so nothing else can
-/// hold it; a call of another shape drops them. The GIL guards the spares.
+/// hold it; a call of another shape, or under the other inference mode (its
+/// tensors are inference tensors), drops them. None when torch's answer is
+/// not a plain CPU tensor (a mode that makes fake or meta tensors is
+/// active): the caller then takes the checked path. The GIL guards the
+/// spares (the extension is not built for free-threaded Python).
 class OutputSpares {
  public:
   static nb::object take(Index rows, Index cols, TorchElem elem) {
     static OutputSpares* spares = new OutputSpares;  // kept for the process's life, as TorchRefs
-    return spares->next(rows, cols, elem);
+    const bool inference = nb::handle(TorchRefs::get().is_inference_mode_enabled()).is(nb::handle(Py_True));
+    return spares->next({rows, cols, elem, inference});
   }
 
  private:
   static constexpr std::size_t kMaxSpares = 8, kMaxBytes = std::size_t(1) << 20;
 
+  struct Key {
+    Index rows = 0, cols = 0;
+    TorchElem elem = TorchElem::f32;
+    bool inference = false;
+    bool operator==(const Key& o) const { return rows == o.rows && cols == o.cols && elem == o.elem && inference == o.inference; }
+  };
+
   // torch.empty may release the GIL, so another thread can take or replace spares while this one
   // allocates: the state changes only after the last call into torch, and old spares die after it.
-  nb::object next(Index rows, Index cols, TorchElem elem) {
-    const bool same = rows == rows_ && cols == cols_ && elem == elem_;
-    if (same && !spares_.empty()) {
+  nb::object next(const Key& key) {
+    if (key == key_ && !spares_.empty()) {
       nb::object out = std::move(spares_.back());
       spares_.pop_back();
       return out;
     }
-    const std::size_t bytes = std::size_t(rows) * std::size_t(cols) * (elem == TorchElem::i64 ? 8 : elem == TorchElem::f32 ? 4 : 2);
+    const std::size_t elem_bytes = key.elem == TorchElem::i64 ? 8 : key.elem == TorchElem::f32 ? 4 : 2;
+    const std::size_t bytes = std::size_t(key.rows) * std::size_t(key.cols) * elem_bytes;
     const std::size_t count = std::max<std::size_t>(1, std::min(kMaxSpares, kMaxBytes / bytes));
+    nb::object out = torch_empty_2d(key.rows, key.cols, key.elem);
+    if (!out.type().is(TorchRefs::get().tensor_type) || !data_ptr_of(out)) return nb::none();
     std::vector<nb::object> batch;
-    for (std::size_t i = 0; i < count; ++i) batch.push_back(torch_empty_2d(rows, cols, elem));
-    nb::object out = std::move(batch.back());
-    batch.pop_back();
-    if (rows != rows_ || cols != cols_ || elem != elem_) std::swap(batch, spares_), rows_ = rows, cols_ = cols, elem_ = elem;
-    else
+    for (std::size_t i = 1; i < count; ++i) batch.push_back(torch_empty_2d(key.rows, key.cols, key.elem));
+    if (!(key == key_)) {
+      std::swap(batch, spares_), key_ = key;
+    } else {
       for (nb::object& t : batch)
         if (spares_.size() < count) spares_.push_back(std::move(t));
-    return out;  // `batch` (the other shape's spares, if any) dies here
+    }
+    return out;  // `batch` (the other key's spares, if any) dies here
   }
 
-  Index rows_ = 0, cols_ = 0;
-  TorchElem elem_ = TorchElem::f32;
+  Key key_;
   std::vector<nb::object> spares_;
 };
 

@@ -189,8 +189,9 @@ def test_infer_is_the_checked_forward_in_one_call(types):
 
 def test_infer_outputs_are_new_tensors_of_the_call_shape():
     """infer allocates its outputs a few at a time and keeps the spares: every output held stays as it was
-    (no two share memory), a call of another shape or dtype gets its own shape and dtype, and the thread
-    count follows apex_ffn.set_num_threads when the call does not name one."""
+    (no two share memory), a call of another shape or dtype gets its own shape and dtype, an output made
+    under no_grad after calls under inference_mode is an ordinary tensor (and the other way round), and a
+    call without a thread count runs on apex_ffn's setting."""
     model = tiny_model("qwen3_moe")
     pack_experts(model, "bf16")
     module = model.get_submodule("model.layers.0.mlp.experts")
@@ -207,19 +208,66 @@ def test_infer_outputs_are_new_tensors_of_the_call_shape():
             x, ids, w = inputs(n, dtype)
             y = module(x, ids, w)
             assert y.shape == (n, d) and y.dtype == dtype
-            held.append((y, y.clone(), p.infer(x, ids, w, False, 1)))
-        assert len({y.data_ptr() for y, _, _ in held}) == len(held)
-        for y, copy_at_return, again in held:
+            x2, ids2, w2 = inputs(n, dtype)
+            held.append((y, y.clone(), module(x.clone(), ids, w), p.infer(x2, ids2, w2, False, 1), (x2, ids2, w2)))
+        assert len({t.data_ptr() for h in held for t in (h[0], h[3])}) == 2 * len(held)
+        for y, copy_at_return, again, other, other_args in held:
             assert torch.equal(y, copy_at_return) and torch.equal(y, again)
-        try:
-            apex_ffn.set_num_threads(2)
+            assert torch.equal(other, p.infer(*other_args, False, 1))
+    x, ids, w = inputs(1, torch.float32)
+    for first, then in ((torch.inference_mode, torch.no_grad), (torch.no_grad, torch.inference_mode)):
+        with first():
+            made_first = module(x, ids, w)
+        with then():
+            made_then = module(x, ids, w)
+        assert made_first.is_inference() == (first is torch.inference_mode)
+        assert made_then.is_inference() == (then is torch.inference_mode)
+        assert torch.equal(made_first, made_then)
+    try:
+        apex_ffn.set_num_threads(2)
+        assert apex_ffn.get_num_threads() == 2
+        with torch.no_grad():
             x, ids, w = inputs(5, torch.float32)
             assert torch.equal(p.infer(x, ids, w, False), p.infer(x, ids, w, False, 1))
-            assert apex_ffn.get_num_threads() == 2
-        finally:
-            apex_ffn.set_num_threads(None)
-    with pytest.raises(ValueError, match="positive int"):
-        apex_ffn.set_num_threads(True)
+    finally:
+        apex_ffn.set_num_threads(None)
+    for bad in (True, 0, 2**31):
+        with pytest.raises(ValueError, match="positive int"):
+            apex_ffn.set_num_threads(bad)
+
+
+def test_tensors_without_memory_are_refused():
+    """Under a fake-tensor mode or functionalize at inference, tensors have shapes but no memory: a clear
+    error naming the argument, never a write through a null pointer."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    model = tiny_model("qwen3_moe")
+    pack_experts(model, "bf16")
+    module = model.get_submodule("model.layers.0.mlp.experts")
+    x, ids, w = routed_inputs(model, tokens=3)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="has no memory"), FakeTensorMode(allow_non_fake_inputs=True):
+            module(x, ids, w)
+        with pytest.raises(ValueError, match="has no memory"):
+            torch.func.functionalize(module)(x, ids, w)
+        assert torch.equal(module(x, ids, w), module(x.clone(), ids, w))  # and the module still computes
+
+
+def test_packed_module_compiles_fullgraph():
+    """The packed experts module under torch.compile(fullgraph=True), with and without adapters, with and
+    without grad: the same outputs as eager (the compiled graph calls the custom ops)."""
+    from apex_ffn.lora import add_lora
+    for lora in (False, True):
+        model = tiny_model("qwen3_moe")
+        pack_experts(model, "bf16")
+        if lora:
+            add_lora(model, 2, 4)
+        module = model.get_submodule("model.layers.0.mlp.experts")
+        x, ids, w = routed_inputs(model, tokens=5)
+        eager = module(x, ids, w).detach()
+        compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+        assert torch.equal(compiled(x, ids, w).detach(), eager), lora
+        with torch.no_grad():
+            assert torch.equal(compiled(x, ids, w), eager), lora
 
 
 def test_gpt_oss_packed_clamped_with_biases():
