@@ -153,10 +153,28 @@ inline void require_isa(const char* where, Isa isa) {
 /// out-of-range pointer.
 inline constexpr std::uintptr_t kPrefetchBytes = APEX_PACKED_PREFETCH_BYTES;
 
-inline void prefetch_slab(const void* slab) {
+APEX_KERNEL_INLINE inline void prefetch_slab(const void* slab) {
   const std::uintptr_t a = reinterpret_cast<std::uintptr_t>(slab) + kPrefetchBytes;
   _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T0);
   _mm_prefetch(reinterpret_cast<const char*>(a + 64), _MM_HINT_T0);
+}
+/// The cache line kPrefetchBytes ahead of `line`: the K-quant tiles that
+/// read a slab front to back issue it beside each load of a code line, one
+/// prefetch per line, spread over the super-block. A super-block's codes are
+/// 4 KiB a panel (Q4_K; Q6_K 6 KiB), so without it each block starts on a
+/// page the hardware prefetcher has not seen and its first loads wait on
+/// DRAM. One Qwen3-30B-A3B MoE step, cold, prefetch on against off in one
+/// process: Q4_K (VNNI) 1.02–1.18×, Q6_K 1.04–1.29× on the three x86 paths;
+/// a burst of a block's prefetches at its start was slower than none, and
+/// one a line was slower than the burst for Q8_0's 1 KiB blocks
+/// (docs/performance.md, "K-quant decode, one prefetch a line").
+///
+/// Both prefetch helpers are always inlined: GCC counts a function whose
+/// only effect is a prefetch as free of side effects, and where it cannot
+/// inline one into a kernel of another target it deletes the call.
+APEX_KERNEL_INLINE inline void prefetch_line(const void* line) {
+  const std::uintptr_t a = reinterpret_cast<std::uintptr_t>(line) + kPrefetchBytes;
+  _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T0);
 }
 #endif
 

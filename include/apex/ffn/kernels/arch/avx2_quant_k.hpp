@@ -130,17 +130,23 @@ struct Tiles<Dtype::q6_k, Isa::avx2> {
   /// codes front to back (docs/performance.md, "Q6_K codes by group").
   static constexpr int kAllQuartersRows = 2;
 
-  /// sumi += sc_g·(Σ u·x − 32·Σ x) of group g, lanes 8v … 8v + 7.
-  template <int R>
+  /// sumi += sc_g·(Σ u·x − 32·Σ x) of group g, lanes 8v … 8v + 7; Ahead:
+  /// prefetch each line's successor (prefetch_line) when a quarter pair
+  /// starts it (all_quarters, which reads the slab in order).
+  template <int R, bool Ahead>
   APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void group(const std::byte* slab, const std::byte* area, Index b,
                                                         const QuantRows& x, int v, int g, __m256i* sumi) {
     const __m256i bits45 = _mm256_set1_epi8(0x30);
-    const __m256i hraw = load32(W::group_high(slab, g) + 8 * v * 4);
+    const std::byte* high = W::group_high(slab, g) + 8 * v * 4;
+    if (Ahead && v % 2 == 0) prefetch_line(high);  // quarters 2i and 2i + 1 share a line
+    const __m256i hraw = load32(high);
     __m256i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
     for (int half = 0; half < 2; ++half) {  // octs 2g, 2g + 1: quads 4g + 2·half, +1
       const int o = 2 * g + half;
-      const __m256i raw = load32(W::group_low(slab, g) + (half * kPanelLanes + 8 * v) * 4);
+      const std::byte* low = W::group_low(slab, g) + (half * kPanelLanes + 8 * v) * 4;
+      if (Ahead && v % 2 == 0) prefetch_line(low);
+      const __m256i raw = load32(low);
       // the plane's bits 4·half + (0, 1) and + (2, 3) to bits 4–5 by one
       // 16-bit shift each (what crosses a byte is outside 0x30)
       const __m256i h0 = half == 0 ? _mm256_slli_epi16(hraw, 4) : hraw;
@@ -171,7 +177,7 @@ struct Tiles<Dtype::q6_k, Isa::avx2> {
                                                         const QuantRows& x, int v, float (*acc)[32]) {
     __m256i sumi[R];
     for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-    for (int g = 0; g < 16; ++g) group<R>(slab, area, b, x, v, g, sumi);
+    for (int g = 0; g < 16; ++g) group<R, false>(slab, area, b, x, v, g, sumi);
     finish<R>(area, b, x, v, sumi, acc);
   }
   /// All 32 lanes of block b group by group (R ≤ kAllQuartersRows): the same
@@ -183,7 +189,7 @@ struct Tiles<Dtype::q6_k, Isa::avx2> {
     for (auto& q : sumi)
       for (int r = 0; r < R; ++r) q[r] = _mm256_setzero_si256();
     for (int g = 0; g < 16; ++g)
-      for (int v = 0; v < 4; ++v) group<R>(slab, area, b, x, v, g, sumi[v]);
+      for (int v = 0; v < 4; ++v) group<R, true>(slab, area, b, x, v, g, sumi[v]);
     for (int v = 0; v < 4; ++v) finish<R>(area, b, x, v, sumi[v], acc);
   }
   /// Code rows 0 … 7 of chunk `chunk`, lanes l0 … l0 + 7: octs 4h … 4h + 3,

@@ -49,6 +49,14 @@ APEX_TARGET_AVX512 APEX_KERNEL_INLINE inline __m512i bcast4_512(const std::int8_
 APEX_TARGET_AVX512 APEX_KERNEL_INLINE inline __m512i load_half512(const std::byte* slab, Index group, int v) {
   return _mm512_loadu_si512(slab + (group * kPanelLanes + 16 * v) * 4);
 }
+/// load_half512, and if Ahead the line kPrefetchBytes ahead of it prefetched
+/// (prefetch_line): for the K-quant tiles that read a slab front to back;
+/// one pass per half reads every other line, where the prefetch lost.
+template <bool Ahead>
+APEX_TARGET_AVX512 APEX_KERNEL_INLINE inline __m512i load_half512_ahead(const std::byte* slab, Index group, int v) {
+  if constexpr (Ahead) prefetch_line(slab + (group * kPanelLanes + 16 * v) * 4);
+  return load_half512(slab, group, v);
+}
 APEX_TARGET_AVX512 APEX_KERNEL_INLINE inline __m512i low_nibbles512(__m512i v) { return _mm512_and_si512(v,
                                                                     _mm512_set1_epi8(0x0F)); }
 APEX_TARGET_AVX512 APEX_KERNEL_INLINE inline __m512i high_nibbles512(__m512i v) {

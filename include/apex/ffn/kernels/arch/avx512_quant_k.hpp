@@ -72,16 +72,16 @@ struct Tiles<Dtype::q6_k, Isa::avx512> {
   using W = WeightType<Dtype::q6_k>;
   static constexpr int kBothHalvesRows = 4;
   /// sumi += sc_g·(Σ u·x − 32·Σ x) of group g, half v.
-  template <int R>
+  template <int R, bool Ahead>
   APEX_TARGET_AVX512 APEX_KERNEL_INLINE static void group(const std::byte* slab, const std::byte* area, Index b,
                                                           const QuantRows& x, int v, int g, __m512i* sumi) {
-    const __m512i hraw = load_half512(W::group_high(slab, g), 0, v);
+    const __m512i hraw = load_half512_ahead<Ahead>(W::group_high(slab, g), 0, v);
     __m512i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
     for (int half = 0; half < 2; ++half) {
       const int o = 2 * g + half;
       __m512i u0, u1;
-      q6_k_codes16(load_half512(W::group_low(slab, g), half, v), hraw, half, u0, u1);
+      q6_k_codes16(load_half512_ahead<Ahead>(W::group_low(slab, g), half, v), hraw, half, u0, u1);
       for (int r = 0; r < R; ++r) {  // two pairs of 6-bit codes: ≤ 2·2·63·128 < 2^15
         const std::int8_t* xq = x.q + r * x.ldq + 256 * b + 8 * o;
         isum[r] = _mm512_add_epi32(isum[r], widen_pairs512(_mm512_add_epi16(_mm512_maddubs_epi16(u0, bcast4_512(xq)),
@@ -106,7 +106,7 @@ struct Tiles<Dtype::q6_k, Isa::avx512> {
                                                           const QuantRows& x, int v, __m512* acc) {
     __m512i sumi[R];
     for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
-    for (int g = 0; g < 16; ++g) group<R>(slab, area, b, x, v, g, sumi);
+    for (int g = 0; g < 16; ++g) group<R, false>(slab, area, b, x, v, g, sumi);
     finish<R>(area, b, x, v, sumi, acc);
   }
   /// Both halves of block b group by group (R ≤ kBothHalvesRows): the same
@@ -117,8 +117,8 @@ struct Tiles<Dtype::q6_k, Isa::avx512> {
     __m512i sumi0[R], sumi1[R];
     for (int r = 0; r < R; ++r) sumi0[r] = sumi1[r] = _mm512_setzero_si512();
     for (int g = 0; g < 16; ++g) {
-      group<R>(slab, area, b, x, 0, g, sumi0);
-      group<R>(slab, area, b, x, 1, g, sumi1);
+      group<R, true>(slab, area, b, x, 0, g, sumi0);
+      group<R, true>(slab, area, b, x, 1, g, sumi1);
     }
     finish<R>(area, b, x, 0, sumi0, acc0);
     finish<R>(area, b, x, 1, sumi1, acc1);

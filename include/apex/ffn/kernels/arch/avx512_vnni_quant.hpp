@@ -138,8 +138,9 @@ struct Tiles<Dtype::q4_k, Isa::avx512_vnni> {
     h.m_even = _mm512_setzero_si512();
     for (int r = 0; r < R; ++r) h.sumi[r] = h.mins[r] = _mm512_setzero_si512();
   }
-  /// Sub-block j (32 weights) of half v into h.
-  template <int R>
+  /// Sub-block j (32 weights) of half v into h; Ahead: prefetch each line's
+  /// successor (both_halves, which reads the slab in order).
+  template <int R, bool Ahead>
   APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void sub_block(const std::byte* slab, const std::byte* area, Index b,
                                                                   const QuantRows& x, int v, int j, HalfSums<R>& h) {
     __m512i sc, m;
@@ -147,7 +148,7 @@ struct Tiles<Dtype::q4_k, Isa::avx512_vnni> {
     __m512i s[R];  // Σ q·x of sub-block j, |s| ≤ 32·15·128
     for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
     for (int o = 4 * j; o < 4 * j + 4; ++o) {
-      const __m512i raw = load_half512(slab, o, v);
+      const __m512i raw = load_half512_ahead<Ahead>(slab, o, v);
       const __m512i lo = low_nibbles512(raw), hi = high_nibbles512(raw);
       for (int r = 0; r < R; ++r) {
         const std::int8_t* xq = x.q + r * x.ldq + 256 * b + 8 * o;
@@ -180,7 +181,7 @@ struct Tiles<Dtype::q4_k, Isa::avx512_vnni> {
                                                               const QuantRows& x, int v, __m512* acc) {
     HalfSums<R> h;
     zero(h);
-    for (int j = 0; j < 8; ++j) sub_block(slab, area, b, x, v, j, h);
+    for (int j = 0; j < 8; ++j) sub_block<R, false>(slab, area, b, x, v, j, h);
     finish(area, b, x, v, h, acc);
   }
   /// Both halves of block b sub-block by sub-block (R ≤ kBothHalvesRows):
@@ -193,8 +194,8 @@ struct Tiles<Dtype::q4_k, Isa::avx512_vnni> {
     zero(h0);
     zero(h1);
     for (int j = 0; j < 8; ++j) {
-      sub_block(slab, area, b, x, 0, j, h0);
-      sub_block(slab, area, b, x, 1, j, h1);
+      sub_block<R, true>(slab, area, b, x, 0, j, h0);
+      sub_block<R, true>(slab, area, b, x, 1, j, h1);
     }
     finish(area, b, x, 0, h0, acc0);
     finish(area, b, x, 1, h1, acc1);
@@ -211,17 +212,18 @@ template <>
 struct Tiles<Dtype::q6_k, Isa::avx512_vnni> {
   using W = WeightType<Dtype::q6_k>;
   static constexpr int kBothHalvesRows = 4;
-  /// sumi += sc_g·(Σ u·x − 32·Σ x) of group g, half v.
-  template <int R>
+  /// sumi += sc_g·(Σ u·x − 32·Σ x) of group g, half v; Ahead: prefetch each
+  /// line's successor (both_halves, which reads the slab in order).
+  template <int R, bool Ahead>
   APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void group(const std::byte* slab, const std::byte* area, Index b,
                                                               const QuantRows& x, int v, int g, __m512i* sumi) {
-    const __m512i hraw = load_half512(W::group_high(slab, g), 0, v);
+    const __m512i hraw = load_half512_ahead<Ahead>(W::group_high(slab, g), 0, v);
     __m512i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
     for (int half = 0; half < 2; ++half) {
       const int o = 2 * g + half;
       __m512i u0, u1;
-      q6_k_codes16(load_half512(W::group_low(slab, g), half, v), hraw, half, u0, u1);
+      q6_k_codes16(load_half512_ahead<Ahead>(W::group_low(slab, g), half, v), hraw, half, u0, u1);
       for (int r = 0; r < R; ++r) {
         const std::int8_t* xq = x.q + r * x.ldq + 256 * b + 8 * o;
         isum[r] = dpbusd(dpbusd(isum[r], u0, bcast4_512(xq)), u1, bcast4_512(xq + 4));
@@ -245,7 +247,7 @@ struct Tiles<Dtype::q6_k, Isa::avx512_vnni> {
                                                               const QuantRows& x, int v, __m512* acc) {
     __m512i sumi[R];
     for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
-    for (int g = 0; g < 16; ++g) group<R>(slab, area, b, x, v, g, sumi);
+    for (int g = 0; g < 16; ++g) group<R, false>(slab, area, b, x, v, g, sumi);
     finish<R>(area, b, x, v, sumi, acc);
   }
   /// Both halves of block b group by group (R ≤ kBothHalvesRows): the same
@@ -257,8 +259,8 @@ struct Tiles<Dtype::q6_k, Isa::avx512_vnni> {
     __m512i sumi0[R], sumi1[R];
     for (int r = 0; r < R; ++r) sumi0[r] = sumi1[r] = _mm512_setzero_si512();
     for (int g = 0; g < 16; ++g) {
-      group<R>(slab, area, b, x, 0, g, sumi0);
-      group<R>(slab, area, b, x, 1, g, sumi1);
+      group<R, true>(slab, area, b, x, 0, g, sumi0);
+      group<R, true>(slab, area, b, x, 1, g, sumi1);
     }
     finish<R>(area, b, x, 0, sumi0, acc0);
     finish<R>(area, b, x, 1, sumi1, acc1);
