@@ -7,6 +7,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -14,6 +15,7 @@
 #include <iterator>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -231,4 +233,68 @@ TEST_CASE("malformed pack-once files are FormatErrors and leave the layer unchan
   PackedLoadOptions o;
   o.types = PackedTypes(Dtype::q8_0);
   CHECK_THROWS_AS(map_packed_moe<float>(good, c, o), ConfigError);
+}
+
+TEST_CASE("owned panel arrays are zeroed, aligned, deep-copied and, from 64 KiB, back to back in chunks", "[mapped]") {
+  using packed::detail::PanelArray;
+  const auto zeroed = [](const PanelArray& a) {
+    return std::all_of(a.data(), a.data() + a.size(), [](std::byte v) { return v == std::byte{0}; });
+  };
+  const Index big = Index(PanelArray::kChunkedBytes) + 3;  // rounds up to a 64-byte step in its chunk
+  const Index step = (big + 63) / 64 * 64;
+  PanelArray small(1000);
+  std::vector<PanelArray> run;
+  for (int i = 0; i < 4; ++i) run.emplace_back(big);
+  CHECK_FALSE(small.chunked());
+  for (const PanelArray* a : {&small, &run[0], &run[1], &run[2], &run[3]}) {
+    CHECK(reinterpret_cast<std::uintptr_t>(a->data()) % 64 == 0);
+    CHECK(zeroed(*a));
+  }
+#if APEX_PANEL_HEAP
+  // Of three consecutive pairs at most one straddles a chunk's end; within a chunk they lie back to back.
+  int adjacent = 0;
+  for (int i = 0; i < 3; ++i) {
+    REQUIRE(run[i].chunked());
+    if (run[i].chunk() == run[i + 1].chunk()) {
+      CHECK(run[i + 1].data() == run[i].data() + step);
+      ++adjacent;
+    }
+  }
+  CHECK(adjacent >= 2);
+  // Arrays over a quarter chunk get a chunk of their own, on a huge-page boundary.
+  PanelArray own(Index(packed::detail::PanelHeap::kOwnChunkBytes) + 1);
+  CHECK(own.chunk() != run[3].chunk());
+  CHECK(reinterpret_cast<std::uintptr_t>(own.data()) % (std::uintptr_t(2) << 20) == 0);
+  CHECK(zeroed(own));
+#endif
+  // Copies are deep; a moved-from array is empty.
+  std::memset(run[1].data(), 7, std::size_t(big));
+  PanelArray copy = run[1];
+  CHECK(copy.data() != run[1].data());
+  CHECK(std::memcmp(copy.data(), run[1].data(), std::size_t(big)) == 0);
+  copy.data()[0] = std::byte{1};
+  CHECK(run[1].data()[0] == std::byte{7});
+  CHECK(zeroed(run[2]));  // the neighbour is untouched
+  PanelArray moved = std::move(copy);
+  CHECK(moved.size() == big);
+  CHECK(copy.size() == 0);
+  CHECK(moved.data()[0] == std::byte{1});
+  // Arrays taken from two threads at once never overlap.
+  std::vector<PanelArray> a(64), b(64);
+  const auto fill = [big](std::vector<PanelArray>& out, int tag) {
+    for (auto& x : out) {
+      x = PanelArray(big);
+      std::memset(x.data(), tag, std::size_t(big));
+    }
+  };
+  std::thread t1(fill, std::ref(a), 1), t2(fill, std::ref(b), 2);
+  t1.join();
+  t2.join();
+  const auto all = [big](const std::vector<PanelArray>& v, int tag) {
+    return std::all_of(v.begin(), v.end(), [&](const PanelArray& x) {
+      return std::all_of(x.data(), x.data() + big, [&](std::byte c) { return c == std::byte(tag); });
+    });
+  };
+  CHECK(all(a, 1));
+  CHECK(all(b, 2));
 }

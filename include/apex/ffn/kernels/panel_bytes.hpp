@@ -1,7 +1,7 @@
 #pragma once
 /// \file kernels/panel_bytes.hpp
 /// `PanelBytes`: the bytes of a panel matrix's codes or scales, either owned
-/// (a zeroed, 64-byte aligned heap array, kernels/aligned_array.hpp) or a
+/// (zeroed, 64-byte aligned, large arrays on huge pages: kernels/panel_heap.hpp) or a
 /// read-only view of 64-byte aligned bytes inside a memory mapping
 /// (core/mapped_bytes.hpp: a mapped file, io/file/mapped_file.hpp), kept
 /// alive by a shared pointer to the mapping. The kernels name no file type.
@@ -28,7 +28,7 @@
 #include "../core/errors.hpp"
 #include "../core/types.hpp"
 #include "../core/mapped_bytes.hpp"
-#include "aligned_array.hpp"
+#include "panel_heap.hpp"
 
 namespace apex::packed {
 
@@ -89,7 +89,7 @@ class PanelBytes {
   }
 
  private:
-  detail::AlignedArray<std::byte> owned_;
+  detail::PanelArray owned_;
   const std::byte* view_ = nullptr;  // into *file_, when mapped
   Index n_ = 0;
   std::shared_ptr<const MappedBytes> file_;

@@ -1,0 +1,180 @@
+#pragma once
+/// \file kernels/panel_heap.hpp
+/// `PanelArray`: the owned bytes of a panel matrix (kernels/panel_bytes.hpp).
+/// Arrays of 64 KiB or more are carved back to back out of 2 MiB-aligned
+/// chunks offered to transparent huge pages; smaller ones are AlignedArrays.
+///
+/// Why: a decode step streams its experts' panels once, from DRAM. An
+/// expert's matrix is often under 2 MiB (Qwen3-30B-A3B in Q4_K: gate and up
+/// codes 1.5 MiB, down 0.75 MiB), and an array of its own under 2 MiB cannot
+/// sit on a huge page (kernels/aligned_array.hpp offers only arrays of 2 MiB
+/// or more), so each 4 KiB of weights cost a TLB miss and a new page for the
+/// hardware prefetcher. Packed into chunks they share huge pages: one
+/// Qwen3-30B-A3B MoE step in Q4_K, one thread, cold caches, 1.11-1.12×
+/// faster (docs/performance.md, "K-quant decode, one prefetch a line").
+///
+/// Lifetime: each array holds its chunk (shared ownership); a chunk is
+/// unmapped when its last array goes. The space of an array released while
+/// its chunk lives is not reused, so a long-lived array can hold at most one
+/// chunk's worth of released space: right for weights, packed once and kept;
+/// scratch stays on AlignedArray. Fresh mappings read as zeros, so arrays
+/// need no clearing, and a chunk's untouched tail is never resident (at most
+/// the one huge page it ends in).
+///
+/// Address-sanitizer builds and systems without `mmap` keep every array on
+/// the ordinary heap, so the sanitizer still sees each array's bounds.
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <tuple>
+#include <utility>
+
+#include "aligned_array.hpp"
+
+#if defined(__SANITIZE_ADDRESS__)
+#define APEX_PANEL_HEAP 0
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define APEX_PANEL_HEAP 0
+#endif
+#endif
+#if !defined(APEX_PANEL_HEAP)
+#if defined(__linux__)
+#define APEX_PANEL_HEAP 1
+#else
+#define APEX_PANEL_HEAP 0
+#endif
+#endif
+
+#if APEX_PANEL_HEAP
+#include <sys/mman.h>
+#endif
+
+namespace apex::packed::detail {
+
+#if APEX_PANEL_HEAP
+/// One anonymous mapping on a 2 MiB boundary, advised for huge pages.
+class HugeChunk {
+ public:
+  static constexpr std::size_t kHugePage = std::size_t(2) << 20;
+  /// bytes rounded up to whole huge pages; std::bad_alloc if the mapping fails.
+  explicit HugeChunk(std::size_t bytes) : size_((bytes + kHugePage - 1) / kHugePage * kHugePage) {
+    // map a huge page more than asked, then trim to the 2 MiB boundary inside
+    void* raw = ::mmap(nullptr, size_ + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (raw == MAP_FAILED) throw std::bad_alloc();
+    const std::uintptr_t start = reinterpret_cast<std::uintptr_t>(raw);
+    const std::uintptr_t base = (start + kHugePage - 1) / kHugePage * kHugePage;
+    if (base > start) ::munmap(raw, base - start);
+    if (const std::uintptr_t tail = start + kHugePage - base; tail > 0)
+      ::munmap(reinterpret_cast<void*>(base + size_), tail);
+    base_ = reinterpret_cast<std::byte*>(base);
+    ::madvise(base_, size_, MADV_HUGEPAGE);  // advice only: a no-op where THP is off
+  }
+  HugeChunk(const HugeChunk&) = delete;
+  HugeChunk& operator=(const HugeChunk&) = delete;
+  ~HugeChunk() { ::munmap(base_, size_); }
+  std::byte* base() const { return base_; }
+  std::size_t size() const { return size_; }
+
+ private:
+  std::size_t size_;
+  std::byte* base_ = nullptr;
+};
+
+/// The process's chunks being filled: one at a time, handed out in order.
+class PanelHeap {
+ public:
+  /// Virtual size of a chunk. Resident is what its arrays touch, plus at
+  /// most the rest of the huge page the last one ends in: ≤ 0.8 % of a full
+  /// chunk (64 MiB chunks left 1.4–3.4 % over the weights of 32 Qwen3-30B-A3B
+  /// experts; 256 MiB, 0.3–1.2 %).
+  static constexpr std::size_t kChunkBytes = std::size_t(256) << 20;
+  /// Arrays above this get a chunk of their own.
+  static constexpr std::size_t kOwnChunkBytes = kChunkBytes / 4;
+
+  static PanelHeap& instance() {
+    static PanelHeap heap;
+    return heap;
+  }
+  /// `bytes` (a multiple of 64) in a chunk, and the chunk that holds them.
+  std::pair<std::shared_ptr<HugeChunk>, std::byte*> take(std::size_t bytes) {
+    if (bytes > kOwnChunkBytes) {
+      auto own = std::make_shared<HugeChunk>(bytes);
+      return {own, own->base()};
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::shared_ptr<HugeChunk> chunk = current_.lock();  // expired once its arrays are all gone
+    if (!chunk || used_ + bytes > chunk->size()) {
+      chunk = std::make_shared<HugeChunk>(kChunkBytes);
+      current_ = chunk;
+      used_ = 0;
+    }
+    std::byte* p = chunk->base() + used_;
+    used_ += bytes;
+    return {std::move(chunk), p};
+  }
+
+ private:
+  std::mutex mutex_;
+  std::weak_ptr<HugeChunk> current_;  // weak: the heap alone never keeps a chunk mapped
+  std::size_t used_ = 0;
+};
+#endif
+
+/// Zeroed, 64-byte aligned bytes of one panel array (see the file comment).
+class PanelArray {
+ public:
+  /// Arrays from this size on go to the chunks.
+  static constexpr std::size_t kChunkedBytes = std::size_t(64) << 10;
+
+  PanelArray() = default;
+  explicit PanelArray(Index n) : n_(n) {
+#if APEX_PANEL_HEAP
+    const std::size_t bytes = (std::size_t(n) + 63) / 64 * 64;
+    if (bytes >= kChunkedBytes) {
+      std::tie(chunk_, p_) = PanelHeap::instance().take(bytes);
+      return;
+    }
+#endif
+    small_ = AlignedArray<std::byte>(n);
+  }
+  PanelArray(const PanelArray& o) : PanelArray(o.n_) {
+    if (n_) std::memcpy(data(), o.data(), std::size_t(n_));
+  }
+  PanelArray(PanelArray&& o) noexcept
+      : small_(std::move(o.small_)), chunk_(std::move(o.chunk_)), p_(std::exchange(o.p_, nullptr)),
+        n_(std::exchange(o.n_, 0)) {}
+  PanelArray& operator=(PanelArray o) noexcept {
+    swap(o);
+    return *this;
+  }
+  std::byte* data() { return chunked() ? p_ : small_.data(); }
+  const std::byte* data() const { return chunked() ? p_ : small_.data(); }
+  Index size() const { return n_; }
+  /// True if the bytes are in a chunk (on huge pages where the system gives them).
+  bool chunked() const { return p_ != nullptr; }
+  /// The chunk holding the bytes (null if not chunked): arrays in one chunk lie back to back.
+  const void* chunk() const { return chunk_.get(); }
+
+ private:
+  void swap(PanelArray& o) noexcept {
+    std::swap(small_, o.small_);
+    std::swap(chunk_, o.chunk_);
+    std::swap(p_, o.p_);
+    std::swap(n_, o.n_);
+  }
+  AlignedArray<std::byte> small_;
+#if APEX_PANEL_HEAP
+  std::shared_ptr<HugeChunk> chunk_;
+#else
+  std::shared_ptr<void> chunk_;  // never set
+#endif
+  std::byte* p_ = nullptr;  // into *chunk_, when chunked
+  Index n_ = 0;
+};
+
+}  // namespace apex::packed::detail
