@@ -153,9 +153,9 @@ class PackedExpert {
   bool mapped() const { return gate_up_.mapped() || down_.mapped(); }
   /// The same expert in owned storage (a copy of mapped weights).
   PackedExpert to_owned() const {
-    PackedExpert e = *this;
-    e.gate_up_ = gate_up_.to_owned();
-    e.down_ = down_.to_owned();
+    PackedExpert e = *this;  // owned matrices copied once, mapped ones shared until copied here
+    if (gate_up_.mapped()) e.gate_up_ = gate_up_.to_owned();
+    if (down_.mapped()) e.down_ = down_.to_owned();
     return e;
   }
 

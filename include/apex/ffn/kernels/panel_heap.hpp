@@ -14,15 +14,18 @@
 /// faster (docs/performance.md, "K-quant decode, one prefetch a line").
 ///
 /// Lifetime: each array holds its chunk (shared ownership); a chunk is
-/// unmapped when its last array goes. The space of an array released while
-/// its chunk lives is not reused, so a long-lived array can hold at most one
-/// chunk's worth of released space: right for weights, packed once and kept;
-/// scratch stays on AlignedArray. Fresh mappings read as zeros, so arrays
-/// need no clearing, and a chunk's untouched tail is never resident (at most
-/// the one huge page it ends in).
+/// unmapped when its last array goes. Space is handed out once, never
+/// reused: fresh mappings read as zeros, so arrays need no clearing, and a
+/// chunk's untouched tail is never resident (at most the one huge page it
+/// ends in). An array released while its chunk lives gives its whole 4 KiB
+/// pages back (`MADV_DONTNEED`, which splits the huge pages it touches), so
+/// what stays resident is at most the two pages at its ends. Right for
+/// weights, packed once and kept; scratch stays on AlignedArray.
 ///
 /// Address-sanitizer builds and systems without `mmap` keep every array on
-/// the ordinary heap, so the sanitizer still sees each array's bounds.
+/// the ordinary heap, so the sanitizer still sees each array's bounds
+/// (`-DAPEX_PANEL_HEAP=0` does the same anywhere). Under strict overcommit
+/// (`vm.overcommit_memory=2`) each chunk is charged whole when mapped.
 
 #include <cstddef>
 #include <cstdint>
@@ -35,23 +38,24 @@
 
 #include "aligned_array.hpp"
 
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#if !defined(APEX_PANEL_HEAP) && defined(__SANITIZE_ADDRESS__)
 #define APEX_PANEL_HEAP 0
-#elif defined(__has_feature)
+#endif
+#if !defined(APEX_PANEL_HEAP) && defined(__has_feature)
 #if __has_feature(address_sanitizer)
 #define APEX_PANEL_HEAP 0
 #endif
 #endif
 #if !defined(APEX_PANEL_HEAP)
-#if defined(__linux__)
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
 #define APEX_PANEL_HEAP 1
 #else
 #define APEX_PANEL_HEAP 0
 #endif
-#endif
-
-#if APEX_PANEL_HEAP
-#include <sys/mman.h>
 #endif
 
 namespace apex::packed::detail {
@@ -62,7 +66,7 @@ class HugeChunk {
  public:
   static constexpr std::size_t kHugePage = std::size_t(2) << 20;
   /// bytes rounded up to whole huge pages; std::bad_alloc if the mapping fails.
-  explicit HugeChunk(std::size_t bytes) : size_((bytes + kHugePage - 1) / kHugePage * kHugePage) {
+  explicit HugeChunk(std::size_t bytes) : size_(rounded(bytes)) {
     // map a huge page more than asked, then trim to the 2 MiB boundary inside
     void* raw = ::mmap(nullptr, size_ + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (raw == MAP_FAILED) throw std::bad_alloc();
@@ -81,6 +85,10 @@ class HugeChunk {
   std::size_t size() const { return size_; }
 
  private:
+  static std::size_t rounded(std::size_t bytes) {
+    if (bytes == 0 || bytes > (std::size_t(1) << 62)) throw std::bad_alloc();  // no wrap below
+    return (bytes + kHugePage - 1) / kHugePage * kHugePage;
+  }
   std::size_t size_;
   std::byte* base_ = nullptr;
 };
@@ -97,7 +105,7 @@ class PanelHeap {
   static constexpr std::size_t kOwnChunkBytes = kChunkBytes / 4;
 
   static PanelHeap& instance() {
-    static PanelHeap heap;
+    static PanelHeap& heap = *new PanelHeap;  // never destroyed: arrays may be made during exit
     return heap;
   }
   /// `bytes` (a multiple of 64) in a chunk, and the chunk that holds them.
@@ -132,7 +140,9 @@ class PanelArray {
   static constexpr std::size_t kChunkedBytes = std::size_t(64) << 10;
 
   PanelArray() = default;
+  /// n zeroed bytes; std::bad_alloc for n < 0 (as AlignedArray).
   explicit PanelArray(Index n) : n_(n) {
+    if (n < 0) throw std::bad_alloc();
 #if APEX_PANEL_HEAP
     const std::size_t bytes = (std::size_t(n) + 63) / 64 * 64;
     if (bytes >= kChunkedBytes) {
@@ -142,6 +152,7 @@ class PanelArray {
 #endif
     small_ = AlignedArray<std::byte>(n);
   }
+  ~PanelArray() { give_back(); }
   PanelArray(const PanelArray& o) : PanelArray(o.n_) {
     if (n_) std::memcpy(data(), o.data(), std::size_t(n_));
   }
@@ -161,6 +172,18 @@ class PanelArray {
   const void* chunk() const { return chunk_.get(); }
 
  private:
+  /// A chunked array's whole 4 KiB pages back to the system while others
+  /// hold its chunk (they read as zeros again; the space is never handed
+  /// out twice). The last holder unmaps the chunk instead.
+  void give_back() noexcept {
+#if APEX_PANEL_HEAP
+    if (!p_ || chunk_.use_count() <= 1) return;
+    constexpr std::uintptr_t page = 4096;
+    const std::uintptr_t begin = (reinterpret_cast<std::uintptr_t>(p_) + page - 1) / page * page;
+    const std::uintptr_t end = (reinterpret_cast<std::uintptr_t>(p_) + std::size_t(n_)) / page * page;
+    if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+#endif
+  }
   void swap(PanelArray& o) noexcept {
     std::swap(small_, o.small_);
     std::swap(chunk_, o.chunk_);
@@ -168,12 +191,8 @@ class PanelArray {
     std::swap(n_, o.n_);
   }
   AlignedArray<std::byte> small_;
-#if APEX_PANEL_HEAP
-  std::shared_ptr<HugeChunk> chunk_;
-#else
-  std::shared_ptr<void> chunk_;  // never set
-#endif
-  std::byte* p_ = nullptr;  // into *chunk_, when chunked
+  std::shared_ptr<void> chunk_;  // the HugeChunk holding p_ (one layout whatever APEX_PANEL_HEAP says)
+  std::byte* p_ = nullptr;       // into *chunk_, when chunked
   Index n_ = 0;
 };
 

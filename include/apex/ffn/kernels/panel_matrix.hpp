@@ -74,9 +74,9 @@ class PanelMatrix {
   const std::shared_ptr<const MappedBytes>& mapping() const { return codes_.mapping(); }
   /// The same matrix in owned storage (a copy of a mapped one's bytes).
   PanelMatrix to_owned() const {
-    PanelMatrix m = *this;
-    m.codes_ = codes_.to_owned();
-    m.scales_ = scales_.to_owned();
+    PanelMatrix m = *this;  // owned bytes copied once, mapped ones shared until copied here
+    if (codes_.mapped()) m.codes_ = codes_.to_owned();
+    if (scales_.mapped()) m.scales_ = scales_.to_owned();
     return m;
   }
 
