@@ -243,7 +243,6 @@ TEST_CASE("owned panel arrays are zeroed, aligned, deep-copied and, from 64 KiB,
     return std::all_of(a.data(), a.data() + a.size(), [](std::byte v) { return v == std::byte{0}; });
   };
   const Index big = Index(PanelArray::kChunkedBytes) + 3;  // rounds up to a 64-byte step in its chunk
-  const Index step = (big + 63) / 64 * 64;
   PanelArray small(1000);
   std::vector<PanelArray> run;
   for (int i = 0; i < 4; ++i) run.emplace_back(big);
@@ -253,6 +252,7 @@ TEST_CASE("owned panel arrays are zeroed, aligned, deep-copied and, from 64 KiB,
     CHECK(zeroed(*a));
   }
 #if APEX_PANEL_HEAP
+  const Index step = (big + 63) / 64 * 64;
   // Of three consecutive pairs at most one straddles a chunk's end; within a chunk they lie back to back.
   int adjacent = 0;
   for (int i = 0; i < 3; ++i) {
