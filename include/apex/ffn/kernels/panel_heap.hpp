@@ -10,8 +10,9 @@
 /// sit on a huge page (kernels/aligned_array.hpp offers only arrays of 2 MiB
 /// or more), so each 4 KiB of weights cost a TLB miss and a new page for the
 /// hardware prefetcher. Packed into chunks they share huge pages: one
-/// Qwen3-30B-A3B MoE step in Q4_K, one thread, cold caches, 1.11-1.12×
-/// faster (docs/performance.md, "K-quant decode, one prefetch a line").
+/// Qwen3-30B-A3B MoE decode step, cold caches, Q4_K 1.23–1.35×, Q8_0
+/// 1.05–1.13×, Q6_K 1.04–1.10× faster (docs/performance.md, "K-quant decode,
+/// one prefetch a line, and panels on huge pages").
 ///
 /// Lifetime: each array holds its chunk (shared ownership); a chunk is
 /// unmapped when its last array goes. Space is handed out once, never
@@ -64,7 +65,7 @@ namespace apex::packed::detail {
 /// One anonymous mapping on a 2 MiB boundary, advised for huge pages.
 class HugeChunk {
  public:
-  static constexpr std::size_t kHugePage = std::size_t(2) << 20;
+  static constexpr std::size_t kHugePage = AlignedArray<std::byte>::kHugePage;
   /// bytes rounded up to whole huge pages; std::bad_alloc if the mapping fails.
   explicit HugeChunk(std::size_t bytes) : size_(rounded(bytes)) {
     // map a huge page more than asked, then trim to the 2 MiB boundary inside
@@ -99,7 +100,7 @@ class PanelHeap {
   /// Virtual size of a chunk. Resident is what its arrays touch, plus at
   /// most the rest of the huge page the last one ends in: ≤ 0.8 % of a full
   /// chunk (64 MiB chunks left 1.4–3.4 % over the weights of 32 Qwen3-30B-A3B
-  /// experts; 256 MiB, 0.3–1.2 %).
+  /// experts; 256 MiB, 0.0–1.6 % for 32 and 128).
   static constexpr std::size_t kChunkBytes = std::size_t(256) << 20;
   /// Arrays above this get a chunk of their own.
   static constexpr std::size_t kOwnChunkBytes = kChunkBytes / 4;
