@@ -43,46 +43,53 @@ struct Tiles<Dtype::q4_k, Isa::avx2> {
   using W = WeightType<Dtype::q4_k>;
   static constexpr bool kChunkMin = true;  ///< w = float(q)·(d·sc_j) − dmin·m_j
 
+  /// Rows up to which the tile loop takes all four 8-lane quarters of a
+  /// block sub-block by sub-block (all_quarters), so a decode pass reads the
+  /// slab's lines in order and prefetches one a line: one Qwen3-30B-A3B
+  /// step, cold, against one quarter a pass, 1.31–1.48× at N = 1 and 4, one
+  /// and two threads (docs/performance.md, "Q4_K in order on AVX-512BW and
+  /// AVX2"). The minima are summed in finish, from the scale planes alone,
+  /// so the code loop keeps only the sums of Σ q·x live.
+  static constexpr int kAllQuartersRows = 2;
+
+  /// sumi += sc_j·Σ q·x of sub-block j, lanes 8v … 8v + 7; Ahead: prefetch
+  /// each line's successor when a quarter pair starts it (all_quarters).
+  template <int R, bool Ahead>
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void sub_block(const std::byte* slab, const std::byte* area, Index b,
+                                                            const QuantRows& x, int v, int j, __m256i* sumi) {
+    __m256i sc, m;
+    q4_k_scale_min8(area + W::kScalePlanes + 8 * v, j, sc, m);
+    __m256i p16[R];  // ≤ 4 octs · 2 · 2 · 15 · 128 < 2^15
+    for (int r = 0; r < R; ++r) p16[r] = _mm256_setzero_si256();
+    for (int o = 4 * j; o < 4 * j + 4; ++o) {
+      const std::byte* line = slab + (o * kPanelLanes + 8 * v) * 4;
+      if (Ahead && v % 2 == 0) prefetch_line(line);  // quarters 2i and 2i + 1 share a line
+      const __m256i raw = load32(line);
+      const __m256i lo = low_nibbles(raw), hi = high_nibbles(raw);
+      for (int r = 0; r < R; ++r) {
+        const std::int8_t* xq = x.q + r * x.ldq + 256 * b + 8 * o;
+        p16[r] = _mm256_add_epi16(p16[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xq)),
+                                                           _mm256_maddubs_epi16(hi, bcast4(xq + 4))));
+      }
+    }
+    // sc_j in both int16 halves of each lane: vpmaddwd gives sc_j·Σ q·x at once
+    // (|Σ| ≤ 2·63·2^15 fits int32), the same integer as the scalar path's
+    const __m256i sc2 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
+    for (int r = 0; r < R; ++r) sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p16[r], sc2));
+  }
+  /// acc += d·d_x·sumi − dmin·d_x·Σ_j m_j·Σ x_j for lanes 8v … 8v + 7 (the
+  /// minima from the scale planes alone, after the codes).
   template <int R>
-  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
-                                                        const QuantRows& x,
-                                     int v, float (*acc)[32]) {
-    const std::byte* planes = area + W::kScalePlanes + 8 * v;  // byte plane j at planes + 32·j
-    __m256i sumi[R], mins[R];
-    for (int r = 0; r < R; ++r) sumi[r] = mins[r] = _mm256_setzero_si256();
-    const __m256i m6 = _mm256_set1_epi32(63), m4 = _mm256_set1_epi32(15);
-    __m256i m_even = _mm256_setzero_si256();
-    for (int j = 0; j < 8; ++j) {
-      __m256i sc, m;  // quant::q4_k_scale_min, 8 lanes
-      if (j < 4) {
-        sc = _mm256_and_si256(load_u8x8(planes + 32 * j), m6);
-        m = _mm256_and_si256(load_u8x8(planes + 32 * (j + 4)), m6);
-      } else {
-        const __m256i hi = load_u8x8(planes + 32 * (j + 4));
-        sc = _mm256_or_si256(_mm256_and_si256(hi, m4), _mm256_slli_epi32(_mm256_srli_epi32(load_u8x8(planes + 32 * (j - 4)), 6), 4));
-        m = _mm256_or_si256(_mm256_srli_epi32(hi, 4), _mm256_slli_epi32(_mm256_srli_epi32(load_u8x8(planes + 32 * j), 6), 4));
-      }
-      __m256i p16[R];  // ≤ 4 octs · 2 · 2 · 15 · 128 < 2^15
-      for (int r = 0; r < R; ++r) p16[r] = _mm256_setzero_si256();
-      for (int o = 4 * j; o < 4 * j + 4; ++o) {
-        const __m256i raw = load32(slab + (o * kPanelLanes + 8 * v) * 4);
-        const __m256i lo = low_nibbles(raw), hi = high_nibbles(raw);
-        for (int r = 0; r < R; ++r) {
-          const std::int8_t* xq = x.q + r * x.ldq + 256 * b + 8 * o;
-          p16[r] = _mm256_add_epi16(p16[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xq)),
-                                                             _mm256_maddubs_epi16(hi, bcast4(xq + 4))));
-        }
-      }
-      // sc_j in both int16 halves of each lane: vpmaddwd gives sc_j·Σ q·x at once
-      // (|Σ| ≤ 2·63·2^15 fits int32), the same integer as the scalar path's
-      const __m256i sc2 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
-      for (int r = 0; r < R; ++r) sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p16[r], sc2));
-      if (j % 2 == 0) {
-        m_even = m;
-        continue;
-      }
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void finish(const std::byte* area, Index b, const QuantRows& x, int v,
+                                                         const __m256i* sumi, float (*acc)[32]) {
+    __m256i mins[R];
+    for (int r = 0; r < R; ++r) mins[r] = _mm256_setzero_si256();
+    for (int j = 1; j < 8; j += 2) {
+      __m256i sc, m_even, m_odd;
+      q4_k_scale_min8(area + W::kScalePlanes + 8 * v, j - 1, sc, m_even);
+      q4_k_scale_min8(area + W::kScalePlanes + 8 * v, j, sc, m_odd);
       // m_{j−1}·Σx_{j−1} + m_j·Σx_j as one vpmaddwd of int16 pairs (|Σx| ≤ 32·128)
-      const __m256i m2 = _mm256_or_si256(m_even, _mm256_slli_epi32(m, 16));
+      const __m256i m2 = _mm256_or_si256(m_even, _mm256_slli_epi32(m_odd, 16));
       for (int r = 0; r < R; ++r) {
         const std::uint32_t lo16 = std::uint16_t(x.row(r).sum32(8 * b + j - 1));
         const std::uint32_t pair = lo16 | (std::uint32_t(std::uint16_t(x.row(r).sum32(8 * b + j))) << 16);
@@ -96,6 +103,28 @@ struct Tiles<Dtype::q4_k, Isa::avx2> {
       accumulate8(acc[r] + 8 * v, sumi[r], _mm256_mul_ps(d, xd));
       accumulate8(acc[r] + 8 * v, mins[r], _mm256_xor_ps(_mm256_mul_ps(dmin, xd), sign));
     }
+  }
+  /// Lanes 8v … 8v + 7 of block b (every row count).
+  template <int R>
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
+                                                        const QuantRows& x, int v, float (*acc)[32]) {
+    __m256i sumi[R];
+    for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) sub_block<R, false>(slab, area, b, x, v, j, sumi);
+    finish<R>(area, b, x, v, sumi, acc);
+  }
+  /// All 32 lanes of block b sub-block by sub-block (R ≤ kAllQuartersRows):
+  /// the same integer sums and float steps per quarter as block<R>, so the
+  /// same bits.
+  template <int R>
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void all_quarters(const std::byte* slab, const std::byte* area, Index b,
+                                                               const QuantRows& x, float (*acc)[32]) {
+    __m256i sumi[4][R];
+    for (auto& q : sumi)
+      for (int r = 0; r < R; ++r) q[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j)
+      for (int v = 0; v < 4; ++v) sub_block<R, true>(slab, area, b, x, v, j, sumi[v]);
+    for (int v = 0; v < 4; ++v) finish<R>(area, b, x, v, sumi[v], acc);
   }
   /// Code rows 0 … 7 of chunk `chunk` (sub-block chunk mod 8 of super-block chunk / 8), lanes l0 … l0 + 7.
   APEX_TARGET_AVX2 static void code_rows(const std::byte* codes, Index chunk, Index l0, __m256i* rows) {

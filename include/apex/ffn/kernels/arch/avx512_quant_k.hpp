@@ -18,46 +18,96 @@
 #if APEX_PACKED_X86
 namespace apex::packed::detail {
 
-/// Q4_K, one super-block: Σ_j sc_j·Σ q·x and Σ_j m_j·Σ x per lane, then two fmas.
-template <>
-struct Tiles<Dtype::q4_k, Isa::avx512> {
-  using W = WeightType<Dtype::q4_k>;
-  template <int R>
-  APEX_TARGET_AVX512 APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
-                                                          const QuantRows& x, int v, __m512* acc) {
-    const std::byte* planes = area + W::kScalePlanes + 16 * v;
-    __m512i sumi[R], mins[R], m_even = _mm512_setzero_si512();
+/// Q4_K: one 16-lane half's sums over a super-block, shared by the
+/// AVX-512BW and VNNI entries (which differ only in how a sub-block's Σ q·x
+/// is formed): sumi = Σ_j sc_j·Σ q·x, mins = Σ_j m_j·Σ x, m_even the even
+/// sub-block's minima until the odd one pairs with it.
+template <int R>
+struct Q4kHalfSums {
+  __m512i sumi[R], mins[R], m_even;
+  APEX_TARGET_AVX512 APEX_KERNEL_INLINE void zero() {
+    m_even = _mm512_setzero_si512();
     for (int r = 0; r < R; ++r) sumi[r] = mins[r] = _mm512_setzero_si512();
-    for (int j = 0; j < 8; ++j) {
-      __m512i sc, m;
-      q4_k_scale_min16(planes, j, sc, m);
-      __m512i p16[R];  // ≤ 4 octs · 2 · 2 · 15 · 128 < 2^15
-      for (int r = 0; r < R; ++r) p16[r] = _mm512_setzero_si512();
-      for (int o = 4 * j; o < 4 * j + 4; ++o) {
-        const __m512i raw = load_half512(slab, o, v);
-        const __m512i lo = low_nibbles512(raw), hi = high_nibbles512(raw);
-        for (int r = 0; r < R; ++r) {
-          const std::int8_t* xq = x.q + r * x.ldq + 256 * b + 8 * o;
-          p16[r] = _mm512_add_epi16(p16[r], _mm512_add_epi16(_mm512_maddubs_epi16(lo, bcast4_512(xq)),
-                                                             _mm512_maddubs_epi16(hi, bcast4_512(xq + 4))));
-        }
-      }
-      const __m512i sc2 = _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16));  // sc_j in both int16 halves
-      for (int r = 0; r < R; ++r) sumi[r] = _mm512_add_epi32(sumi[r], _mm512_madd_epi16(p16[r], sc2));
-      if (j % 2 == 0) {
-        m_even = m;
-        continue;
-      }
-      for (int r = 0; r < R; ++r) mins[r] = _mm512_add_epi32(mins[r], q4_k_min_pair16(m_even, m, x.row(r), 8 * b + j));
+  }
+  /// Sub-block j's minima m: kept at even j, added with j − 1's at odd j.
+  APEX_TARGET_AVX512 APEX_KERNEL_INLINE void add_min(__m512i m, const QuantRows& x, Index b, int j) {
+    if (j % 2 == 0) {
+      m_even = m;
+      return;
     }
+    for (int r = 0; r < R; ++r) mins[r] = _mm512_add_epi32(mins[r], q4_k_min_pair16(m_even, m, x.row(r), 8 * b + j));
+  }
+  /// acc += d·d_x·sumi − dmin·d_x·mins for half v.
+  APEX_TARGET_AVX512 APEX_KERNEL_INLINE void finish(const std::byte* area, Index b, const QuantRows& x, int v,
+                                                    __m512* acc) const {
+    using W = WeightType<Dtype::q4_k>;
     const __m512 d = load_fp16x16(area + 32 * v), dmin = load_fp16x16(area + W::kDminPlane + 32 * v);
-    const __m512 sign = _mm512_set1_ps(-0.0f);
+    const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
     for (int r = 0; r < R; ++r) {
       const __m512 xd = _mm512_set1_ps(x.d[r * x.ldd + b]);
       acc[r] = accumulate16(acc[r], sumi[r], _mm512_mul_ps(d, xd));
-      acc[r] = accumulate16(acc[r], mins[r], _mm512_castsi512_ps(_mm512_xor_si512(
-                                                 _mm512_castps_si512(_mm512_mul_ps(dmin, xd)), _mm512_castps_si512(sign))));
+      acc[r] = accumulate16(acc[r], mins[r],
+                            _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, xd)), sign)));
     }
+  }
+};
+
+/// Q4_K, one super-block: Σ_j sc_j·Σ q·x and Σ_j m_j·Σ x per lane, then two
+/// fmas. At one and two rows both halves sub-block by sub-block, so a pass
+/// reads the slab's lines in order and prefetches one a line, as the VNNI
+/// entry does: one Qwen3-30B-A3B step, cold, against one half a pass,
+/// 1.24–1.51× at N = 1 and 4, one and two threads; two rows in order against
+/// two rows a half a pass 1.09× at N = 4 (docs/performance.md, "Q4_K in
+/// order on AVX-512BW and AVX2").
+template <>
+struct Tiles<Dtype::q4_k, Isa::avx512> {
+  using W = WeightType<Dtype::q4_k>;
+  static constexpr int kBothHalvesRows = 2;
+  /// Sub-block j (32 weights) of half v into h; Ahead: prefetch each line's
+  /// successor (both_halves, which reads the slab in order).
+  template <int R, bool Ahead>
+  APEX_TARGET_AVX512 APEX_KERNEL_INLINE static void sub_block(const std::byte* slab, const std::byte* area, Index b,
+                                                              const QuantRows& x, int v, int j, Q4kHalfSums<R>& h) {
+    __m512i sc, m;
+    q4_k_scale_min16(area + W::kScalePlanes + 16 * v, j, sc, m);
+    __m512i p16[R];  // ≤ 4 octs · 2 · 2 · 15 · 128 < 2^15
+    for (int r = 0; r < R; ++r) p16[r] = _mm512_setzero_si512();
+    for (int o = 4 * j; o < 4 * j + 4; ++o) {
+      const __m512i raw = load_half512_ahead<Ahead>(slab, o, v);
+      const __m512i lo = low_nibbles512(raw), hi = high_nibbles512(raw);
+      for (int r = 0; r < R; ++r) {
+        const std::int8_t* xq = x.q + r * x.ldq + 256 * b + 8 * o;
+        p16[r] = _mm512_add_epi16(p16[r], _mm512_add_epi16(_mm512_maddubs_epi16(lo, bcast4_512(xq)),
+                                                           _mm512_maddubs_epi16(hi, bcast4_512(xq + 4))));
+      }
+    }
+    const __m512i sc2 = _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16));  // sc_j in both int16 halves
+    for (int r = 0; r < R; ++r) h.sumi[r] = _mm512_add_epi32(h.sumi[r], _mm512_madd_epi16(p16[r], sc2));
+    h.add_min(m, x, b, j);
+  }
+  /// Half v of block b (every row count).
+  template <int R>
+  APEX_TARGET_AVX512 APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
+                                                          const QuantRows& x, int v, __m512* acc) {
+    Q4kHalfSums<R> h;
+    h.zero();
+    for (int j = 0; j < 8; ++j) sub_block<R, false>(slab, area, b, x, v, j, h);
+    h.finish(area, b, x, v, acc);
+  }
+  /// Both halves of block b sub-block by sub-block (R ≤ kBothHalvesRows):
+  /// the same integer sums and float steps per half as block<R>.
+  template <int R>
+  APEX_TARGET_AVX512 APEX_KERNEL_INLINE static void both_halves(const std::byte* slab, const std::byte* area, Index b,
+                                                                const QuantRows& x, __m512* acc0, __m512* acc1) {
+    Q4kHalfSums<R> h0, h1;
+    h0.zero();
+    h1.zero();
+    for (int j = 0; j < 8; ++j) {
+      sub_block<R, true>(slab, area, b, x, 0, j, h0);
+      sub_block<R, true>(slab, area, b, x, 1, j, h1);
+    }
+    h0.finish(area, b, x, 0, acc0);
+    h1.finish(area, b, x, 1, acc1);
   }
 };
 

@@ -28,6 +28,7 @@
 /// what it gave).
 
 #include "avx512_quant.hpp"
+#include "avx512_quant_k.hpp"  // Q4kHalfSums
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
@@ -118,31 +119,21 @@ struct Tiles<Dtype::q4_0, Isa::avx512_vnni> : Nibble32Vnni<Dtype::q4_0> {};
 template <>
 struct Tiles<Dtype::mxfp4, Isa::avx512_vnni> : Nibble32Vnni<Dtype::mxfp4> {};
 
-/// Q4_K, one super-block: Σ_j sc_j·Σ q·x and Σ_j m_j·Σ x per lane, then two fmas.
-/// At one and two rows both halves sub-block by sub-block, so the slab's
-/// lines are read in order: one-thread decode 1.05–1.10× in three A/Bs
+/// Q4_K, one super-block: Σ_j sc_j·Σ q·x and Σ_j m_j·Σ x per lane, then two
+/// fmas (the per-half sums and float step: Q4kHalfSums). At one and two
+/// rows both halves sub-block by sub-block, so the slab's lines are read in
+/// order: one-thread decode 1.05–1.10× in three A/Bs
 /// (docs/performance.md, "Q6_K codes by group"); at three and four rows
 /// the tile lost from cache and gained nothing at N = 16.
 template <>
 struct Tiles<Dtype::q4_k, Isa::avx512_vnni> {
   using W = WeightType<Dtype::q4_k>;
   static constexpr int kBothHalvesRows = 2;
-  /// One half's sums over a super-block: sumi = Σ_j sc_j·Σ q·x, mins = Σ_j
-  /// m_j·Σ x, m_even the even sub-block's minima until the odd one.
-  template <int R>
-  struct HalfSums {
-    __m512i sumi[R], mins[R], m_even;
-  };
-  template <int R>
-  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void zero(HalfSums<R>& h) {
-    h.m_even = _mm512_setzero_si512();
-    for (int r = 0; r < R; ++r) h.sumi[r] = h.mins[r] = _mm512_setzero_si512();
-  }
   /// Sub-block j (32 weights) of half v into h; Ahead: prefetch each line's
   /// successor (both_halves, which reads the slab in order).
   template <int R, bool Ahead>
   APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void sub_block(const std::byte* slab, const std::byte* area, Index b,
-                                                                  const QuantRows& x, int v, int j, HalfSums<R>& h) {
+                                                                  const QuantRows& x, int v, int j, Q4kHalfSums<R>& h) {
     __m512i sc, m;
     q4_k_scale_min16(area + W::kScalePlanes + 16 * v, j, sc, m);
     __m512i s[R];  // Σ q·x of sub-block j, |s| ≤ 32·15·128
@@ -156,33 +147,16 @@ struct Tiles<Dtype::q4_k, Isa::avx512_vnni> {
       }
     }
     for (int r = 0; r < R; ++r) h.sumi[r] = _mm512_add_epi32(h.sumi[r], _mm512_mullo_epi32(sc, s[r]));
-    if (j % 2 == 0) {
-      h.m_even = m;
-      return;
-    }
-    for (int r = 0; r < R; ++r) h.mins[r] = _mm512_add_epi32(h.mins[r], q4_k_min_pair16(h.m_even, m, x.row(r), 8 * b + j));
-  }
-  /// acc += d·d_x·sumi − dmin·d_x·mins for half v.
-  template <int R>
-  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void finish(const std::byte* area, Index b, const QuantRows& x,
-                                                               int v, const HalfSums<R>& h, __m512* acc) {
-    const __m512 d = load_fp16x16(area + 32 * v), dmin = load_fp16x16(area + W::kDminPlane + 32 * v);
-    const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
-    for (int r = 0; r < R; ++r) {
-      const __m512 xd = _mm512_set1_ps(x.d[r * x.ldd + b]);
-      acc[r] = accumulate16(acc[r], h.sumi[r], _mm512_mul_ps(d, xd));
-      acc[r] = accumulate16(acc[r], h.mins[r],
-                            _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, xd)), sign)));
-    }
+    h.add_min(m, x, b, j);
   }
   /// Half v of block b (every row count).
   template <int R>
   APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
                                                               const QuantRows& x, int v, __m512* acc) {
-    HalfSums<R> h;
-    zero(h);
+    Q4kHalfSums<R> h;
+    h.zero();
     for (int j = 0; j < 8; ++j) sub_block<R, false>(slab, area, b, x, v, j, h);
-    finish(area, b, x, v, h, acc);
+    h.finish(area, b, x, v, acc);
   }
   /// Both halves of block b sub-block by sub-block (R ≤ kBothHalvesRows):
   /// the same integer sums and float steps per half as block<R>.
@@ -190,15 +164,15 @@ struct Tiles<Dtype::q4_k, Isa::avx512_vnni> {
   APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void both_halves(const std::byte* slab, const std::byte* area,
                                                                     Index b, const QuantRows& x, __m512* acc0,
                                                                     __m512* acc1) {
-    HalfSums<R> h0, h1;
-    zero(h0);
-    zero(h1);
+    Q4kHalfSums<R> h0, h1;
+    h0.zero();
+    h1.zero();
     for (int j = 0; j < 8; ++j) {
       sub_block<R, true>(slab, area, b, x, 0, j, h0);
       sub_block<R, true>(slab, area, b, x, 1, j, h1);
     }
-    finish(area, b, x, 0, h0, acc0);
-    finish(area, b, x, 1, h1, acc1);
+    h0.finish(area, b, x, 0, acc0);
+    h1.finish(area, b, x, 1, acc1);
   }
 };
 
