@@ -13,6 +13,7 @@
 #include <apex/ffn/layers/ffn_sublayer.hpp>
 #include <apex/ffn/layers/kappa_swiglu.hpp>
 #include <apex/ffn/layers/skip_gate.hpp>
+#include <apex/ffn/kernels/panel_heap.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -388,4 +389,30 @@ TEST_CASE("per-thread copies of a gated sublayer train concurrently to the seque
     if (!bitwise_equal(flat_grads(mine.params()), g_ref)) return "parameter gradients differ";
     return "";
   });
+}
+
+// The panel heap (kernels/panel_heap.hpp) hands out chunk space under a lock:
+// arrays taken from several threads at once never overlap, and each keeps its
+// bytes while the others are written and released.
+TEST_CASE("panel arrays taken from several threads at once never overlap", "[concurrency][packed]") {
+  using packed::detail::PanelArray;
+  const Index big = Index(PanelArray::kChunkedBytes) + 3;
+  std::vector<std::vector<PanelArray>> kept(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&kept, big, t] {
+      for (int i = 0; i < 64; ++i) {
+        kept[t].emplace_back(big);
+        std::memset(kept[t].back().data(), t + 1, std::size_t(big));
+        if (i % 4 == 3) kept[t].erase(kept[t].begin() + i / 4);  // release one: its pages go back
+      }
+    });
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < kThreads; ++t) {
+    INFO("thread " << t);
+    CHECK(kept[t].size() == 48);
+    CHECK(std::all_of(kept[t].begin(), kept[t].end(), [&](const PanelArray& x) {
+      return std::all_of(x.data(), x.data() + big, [&](std::byte c) { return c == std::byte(t + 1); });
+    }));
+  }
 }

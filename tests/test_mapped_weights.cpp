@@ -6,10 +6,13 @@
 #include <catch2/catch.hpp>
 
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -309,22 +312,67 @@ TEST_CASE("owned panel arrays are zeroed, aligned, deep-copied and, from 64 KiB,
   CHECK(moved.size() == big);
   CHECK(copy.size() == 0);
   CHECK(moved.data()[0] == std::byte{1});
-  // Arrays taken from two threads at once never overlap.
-  std::vector<PanelArray> a(64), b(64);
-  const auto fill = [big](std::vector<PanelArray>& out, int tag) {
-    for (auto& x : out) {
-      x = PanelArray(big);
-      std::memset(x.data(), tag, std::size_t(big));
-    }
-  };
-  std::thread t1(fill, std::ref(a), 1), t2(fill, std::ref(b), 2);
-  t1.join();
-  t2.join();
-  const auto all = [big](const std::vector<PanelArray>& v, int tag) {
-    return std::all_of(v.begin(), v.end(), [&](const PanelArray& x) {
-      return std::all_of(x.data(), x.data() + big, [&](std::byte c) { return c == std::byte(tag); });
-    });
-  };
-  CHECK(all(a, 1));
-  CHECK(all(b, 2));
 }
+
+#if APEX_PANEL_HEAP
+// Forks: the child of a fork made while another thread takes arrays must
+// find the heap's lock free. Each array of the other thread is the only one
+// in its chunk, so every take maps a new chunk under the lock: most forks
+// land while it is held.
+TEST_CASE("a child forked while another thread takes panel arrays takes them too", "[mapped]") {
+  using packed::detail::PanelArray;
+  std::atomic<bool> stop{false};
+  std::thread churn([&stop] {
+    while (!stop.load(std::memory_order_relaxed)) PanelArray a(Index(1) << 20);
+  });
+  int hung = 0, failed = 0;
+  for (int i = 0; i < 40; ++i) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      ::alarm(10);  // a child stuck on the lock dies of SIGALRM
+      PanelArray a(Index(1) << 20);
+      ::_exit(a.chunked() ? 0 : 1);
+    }
+    int status = 0;
+    if (pid < 0 || ::waitpid(pid, &status, 0) != pid) break;
+    hung += WIFSIGNALED(status) ? 1 : 0;
+    failed += WIFEXITED(status) && WEXITSTATUS(status) != 0 ? 1 : 0;
+  }
+  stop = true;
+  churn.join();
+  CHECK(hung == 0);
+  CHECK(failed == 0);
+}
+
+// No chunk can be mapped (here an address-space limit, in a child): arrays
+// go to the ordinary heap, zeroed and aligned, instead of failing.
+TEST_CASE("panel arrays fall back to the ordinary heap when no chunk can be mapped", "[mapped]") {
+  using packed::detail::PanelArray;
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    long pages = 0;
+    std::ifstream("/proc/self/statm") >> pages;  // the address space's size, in pages
+    const rlim_t room = rlim_t(pages) * rlim_t(::sysconf(_SC_PAGESIZE)) + (rlim_t(96) << 20);
+    const rlimit limit{room, room};
+    if (::setrlimit(RLIMIT_AS, &limit) != 0) ::_exit(5);
+    try {
+      std::vector<PanelArray> taken;  // 1 MiB each: past the current chunk's room within 256 of them
+      for (int i = 0; i < 300; ++i) {
+        taken.emplace_back(Index(1) << 20);
+        const PanelArray& a = taken.back();
+        if (a.chunked()) continue;
+        const bool zeroed = std::all_of(a.data(), a.data() + a.size(), [](std::byte v) { return v == std::byte{0}; });
+        ::_exit(!zeroed ? 3 : reinterpret_cast<std::uintptr_t>(a.data()) % 64 != 0 ? 4 : 0);
+      }
+      ::_exit(2);  // every array found a chunk: the limit did not bite
+    } catch (const std::bad_alloc&) {
+      ::_exit(6);
+    }
+  }
+  int status = 0;
+  REQUIRE(::waitpid(pid, &status, 0) == pid);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+}
+#endif

@@ -26,7 +26,14 @@
 /// Address-sanitizer builds and systems without `mmap` keep every array on
 /// the ordinary heap, so the sanitizer still sees each array's bounds
 /// (`-DAPEX_PANEL_HEAP=0` does the same anywhere). Under strict overcommit
-/// (`vm.overcommit_memory=2`) each chunk is charged whole when mapped.
+/// (`vm.overcommit_memory=2`) each chunk is charged whole when mapped; an
+/// array whose chunk cannot be mapped (that charge, an address-space limit,
+/// the map count) goes to the ordinary heap, so the heap never fails an
+/// allocation the ordinary heap would have served.
+///
+/// Fork: the heap's lock is taken around `fork` (`pthread_atfork`), so a
+/// child forked while another thread takes an array (a data loader's
+/// workers) finds it free, as the C library's malloc does.
 
 #include <cstddef>
 #include <cstdint>
@@ -40,6 +47,7 @@
 #include "aligned_array.hpp"
 
 #if defined(__linux__)
+#include <pthread.h>
 #include <sys/mman.h>
 #endif
 
@@ -128,6 +136,12 @@ class PanelHeap {
   }
 
  private:
+  PanelHeap() {
+    // Held across fork, released on both sides: the child's copy is free
+    // whatever another thread of the parent was doing.
+    ::pthread_atfork([] { instance().mutex_.lock(); }, [] { instance().mutex_.unlock(); },
+                     [] { instance().mutex_.unlock(); });
+  }
   std::mutex mutex_;
   std::weak_ptr<HugeChunk> current_;  // weak: the heap alone never keeps a chunk mapped
   std::size_t used_ = 0;
@@ -147,8 +161,11 @@ class PanelArray {
 #if APEX_PANEL_HEAP
     const std::size_t bytes = (std::size_t(n) + 63) / 64 * 64;
     if (bytes >= kChunkedBytes) {
-      std::tie(chunk_, p_) = PanelHeap::instance().take(bytes);
-      return;
+      try {
+        std::tie(chunk_, p_) = PanelHeap::instance().take(bytes);
+        return;
+      } catch (const std::bad_alloc&) {  // no chunk could be mapped: the ordinary heap may still serve n
+      }
     }
 #endif
     small_ = AlignedArray<std::byte>(n);
