@@ -35,11 +35,40 @@ APEX_TARGET_AVX2 APEX_KERNEL_INLINE inline void q4_k_scale_min8(const std::byte*
   m = _mm256_or_si256(_mm256_srli_epi32(hi, 4), _mm256_slli_epi32(m_top, 4));
 }
 
+/// The two pass orders of an AVX2 K-quant entry, whose super-block is Steps
+/// steps (Entry::step<R, Ahead>: sub-block or group s of quarter v into
+/// int32 sums) finished per quarter (Entry::finish<R>). Per quarter both
+/// orders form the same integer sums and float steps, so the same bits.
+template <class Entry, int Steps>
+struct QuarterPasses {
+  /// Lanes 8v … 8v + 7 of block b (every row count).
+  template <int R>
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
+                                                        const QuantRows& x, int v, float (*acc)[32]) {
+    __m256i sumi[R];
+    for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+    for (int s = 0; s < Steps; ++s) Entry::template step<R, false>(slab, area, b, x, v, s, sumi);
+    Entry::template finish<R>(area, b, x, v, sumi, acc);
+  }
+  /// All 32 lanes of block b step by step (R ≤ Entry::kAllQuartersRows), so
+  /// a decode pass reads the slab's lines in order and prefetches one a line.
+  template <int R>
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void all_quarters(const std::byte* slab, const std::byte* area, Index b,
+                                                               const QuantRows& x, float (*acc)[32]) {
+    __m256i sumi[4][R];
+    for (auto& q : sumi)
+      for (int r = 0; r < R; ++r) q[r] = _mm256_setzero_si256();
+    for (int s = 0; s < Steps; ++s)
+      for (int v = 0; v < 4; ++v) Entry::template step<R, true>(slab, area, b, x, v, s, sumi[v]);
+    for (int v = 0; v < 4; ++v) Entry::template finish<R>(area, b, x, v, sumi[v], acc);
+  }
+};
+
 /// Q4_K. Block product of one super-block: Σ_j sc_j·Σ q·x and Σ_j m_j·Σ x
 /// per lane, then two fmas. Unpacking: chunk j of a super-block is its
 /// sub-block j (4-bit codes as they are), factors d·sc_j and dmin·m_j.
 template <>
-struct Tiles<Dtype::q4_k, Isa::avx2> {
+struct Tiles<Dtype::q4_k, Isa::avx2> : QuarterPasses<Tiles<Dtype::q4_k, Isa::avx2>, 8> {
   using W = WeightType<Dtype::q4_k>;
   static constexpr bool kChunkMin = true;  ///< w = float(q)·(d·sc_j) − dmin·m_j
 
@@ -52,10 +81,11 @@ struct Tiles<Dtype::q4_k, Isa::avx2> {
   /// so the code loop keeps only the sums of Σ q·x live.
   static constexpr int kAllQuartersRows = 2;
 
-  /// sumi += sc_j·Σ q·x of sub-block j, lanes 8v … 8v + 7; Ahead: prefetch
-  /// each line's successor when a quarter pair starts it (all_quarters).
+  /// Step j: sumi += sc_j·Σ q·x of sub-block j, lanes 8v … 8v + 7; Ahead:
+  /// prefetch each line's successor when a quarter pair starts it
+  /// (all_quarters).
   template <int R, bool Ahead>
-  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void sub_block(const std::byte* slab, const std::byte* area, Index b,
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void step(const std::byte* slab, const std::byte* area, Index b,
                                                             const QuantRows& x, int v, int j, __m256i* sumi) {
     __m256i sc, m;
     q4_k_scale_min8(area + W::kScalePlanes + 8 * v, j, sc, m);
@@ -104,28 +134,6 @@ struct Tiles<Dtype::q4_k, Isa::avx2> {
       accumulate8(acc[r] + 8 * v, mins[r], _mm256_xor_ps(_mm256_mul_ps(dmin, xd), sign));
     }
   }
-  /// Lanes 8v … 8v + 7 of block b (every row count).
-  template <int R>
-  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
-                                                        const QuantRows& x, int v, float (*acc)[32]) {
-    __m256i sumi[R];
-    for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-    for (int j = 0; j < 8; ++j) sub_block<R, false>(slab, area, b, x, v, j, sumi);
-    finish<R>(area, b, x, v, sumi, acc);
-  }
-  /// All 32 lanes of block b sub-block by sub-block (R ≤ kAllQuartersRows):
-  /// the same integer sums and float steps per quarter as block<R>, so the
-  /// same bits.
-  template <int R>
-  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void all_quarters(const std::byte* slab, const std::byte* area, Index b,
-                                                               const QuantRows& x, float (*acc)[32]) {
-    __m256i sumi[4][R];
-    for (auto& q : sumi)
-      for (int r = 0; r < R; ++r) q[r] = _mm256_setzero_si256();
-    for (int j = 0; j < 8; ++j)
-      for (int v = 0; v < 4; ++v) sub_block<R, true>(slab, area, b, x, v, j, sumi[v]);
-    for (int v = 0; v < 4; ++v) finish<R>(area, b, x, v, sumi[v], acc);
-  }
   /// Code rows 0 … 7 of chunk `chunk` (sub-block chunk mod 8 of super-block chunk / 8), lanes l0 … l0 + 7.
   APEX_TARGET_AVX2 static void code_rows(const std::byte* codes, Index chunk, Index l0, __m256i* rows) {
     const std::byte* slab = W::slab(codes, chunk / 8);
@@ -150,7 +158,7 @@ struct Tiles<Dtype::q4_k, Isa::avx2> {
 /// lane, then one fma. Unpacking: chunk h of a super-block is its groups 2h
 /// and 2h + 1, codes q − 32, factors d·sc_2h (columns < 16) and d·sc_2h+1.
 template <>
-struct Tiles<Dtype::q6_k, Isa::avx2> {
+struct Tiles<Dtype::q6_k, Isa::avx2> : QuarterPasses<Tiles<Dtype::q6_k, Isa::avx2>, 16> {
   using W = WeightType<Dtype::q6_k>;
   static constexpr bool kChunkMin = false;
 
@@ -159,11 +167,11 @@ struct Tiles<Dtype::q6_k, Isa::avx2> {
   /// codes front to back (docs/performance.md, "Q6_K codes by group").
   static constexpr int kAllQuartersRows = 2;
 
-  /// sumi += sc_g·(Σ u·x − 32·Σ x) of group g, lanes 8v … 8v + 7; Ahead:
-  /// prefetch each line's successor (prefetch_line) when a quarter pair
-  /// starts it (all_quarters, which reads the slab in order).
+  /// Step g: sumi += sc_g·(Σ u·x − 32·Σ x) of group g, lanes 8v … 8v + 7;
+  /// Ahead: prefetch each line's successor (prefetch_line) when a quarter
+  /// pair starts it (all_quarters, which reads the slab in order).
   template <int R, bool Ahead>
-  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void group(const std::byte* slab, const std::byte* area, Index b,
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void step(const std::byte* slab, const std::byte* area, Index b,
                                                         const QuantRows& x, int v, int g, __m256i* sumi) {
     const __m256i bits45 = _mm256_set1_epi8(0x30);
     const std::byte* high = W::group_high(slab, g) + 8 * v * 4;
@@ -199,27 +207,6 @@ struct Tiles<Dtype::q6_k, Isa::avx2> {
     const __m256 d = load_fp16x8(area + 16 * v);
     for (int r = 0; r < R; ++r)
       accumulate8(acc[r] + 8 * v, sumi[r], _mm256_mul_ps(d, _mm256_set1_ps(x.d[r * x.ldd + b])));
-  }
-  /// Lanes 8v … 8v + 7 of block b (every row count).
-  template <int R>
-  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
-                                                        const QuantRows& x, int v, float (*acc)[32]) {
-    __m256i sumi[R];
-    for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-    for (int g = 0; g < 16; ++g) group<R, false>(slab, area, b, x, v, g, sumi);
-    finish<R>(area, b, x, v, sumi, acc);
-  }
-  /// All 32 lanes of block b group by group (R ≤ kAllQuartersRows): the same
-  /// integer sums and float step per quarter as block<R>, so the same bits.
-  template <int R>
-  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void all_quarters(const std::byte* slab, const std::byte* area, Index b,
-                                                               const QuantRows& x, float (*acc)[32]) {
-    __m256i sumi[4][R];
-    for (auto& q : sumi)
-      for (int r = 0; r < R; ++r) q[r] = _mm256_setzero_si256();
-    for (int g = 0; g < 16; ++g)
-      for (int v = 0; v < 4; ++v) group<R, true>(slab, area, b, x, v, g, sumi[v]);
-    for (int v = 0; v < 4; ++v) finish<R>(area, b, x, v, sumi[v], acc);
   }
   /// Code rows 0 … 7 of chunk `chunk`, lanes l0 … l0 + 7: octs 4h … 4h + 3,
   /// 2-bit rows 2h, 2h + 1 (h = chunk mod 8).
