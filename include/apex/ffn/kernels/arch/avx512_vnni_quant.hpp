@@ -52,6 +52,12 @@ struct Nibble32Vnni {
   /// per half the integer sums and float step of the AVX-512BW entry (the
   /// same bits), each activation quad broadcast once for the 32 lanes.
   static constexpr int kBothHalvesRows = kAvx512QuantRows;  // every tile
+  /// A pass reads the block's lines in order and prefetches each one's
+  /// successor 4 KiB ahead (prefetch_line) instead of the tile loop's burst
+  /// at each block: one Qwen3-30B-A3B step, cold, Q4_0 1.00–1.16× and MXFP4
+  /// 1.01–1.24× at N = 1 to 64, 1.02 at N = 512 (docs/performance.md,
+  /// "Q4_0 and MXFP4: one prefetch a line on VNNI"). Q8_0 lost with it.
+  static constexpr bool kPrefetchesLines = true;
   template <int R>
   APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void both_halves(const std::byte* slab, const std::byte* area,
                                                                     Index b, const QuantRows& x, __m512* acc0,
@@ -60,7 +66,7 @@ struct Nibble32Vnni {
     __m512i is0[R], is1[R];
     for (int r = 0; r < R; ++r) is0[r] = is1[r] = _mm512_setzero_si512();
     for (int o = 0; o < 4; ++o) {
-      const __m512i raw0 = load_half512(slab, o, 0), raw1 = load_half512(slab, o, 1);
+      const __m512i raw0 = load_half512_ahead<true>(slab, o, 0), raw1 = load_half512_ahead<true>(slab, o, 1);
       const __m512i lo0 = C::offset_codes(low_nibbles512(raw0)), hi0 = C::offset_codes(high_nibbles512(raw0));
       const __m512i lo1 = C::offset_codes(low_nibbles512(raw1)), hi1 = C::offset_codes(high_nibbles512(raw1));
       for (int r = 0; r < R; ++r) {
@@ -241,6 +247,13 @@ struct Tiles<Dtype::q6_k, Isa::avx512_vnni> {
   }
 };
 
+/// Whether a VNNI entry prefetches its code lines itself (kPrefetchesLines),
+/// so the tile loop issues no burst for its blocks.
+template <class Entry, class = void>
+inline constexpr bool prefetches_lines_v = false;
+template <class Entry>
+inline constexpr bool prefetches_lines_v<Entry, std::void_t<decltype(Entry::kPrefetchesLines)>> = Entry::kPrefetchesLines;
+
 /// The VNNI tile loop: QuantTilesAvx512's on the VNNI block products.
 struct QuantTilesVnni {
   template <Dtype T, int R, class Epi>
@@ -254,8 +267,8 @@ struct QuantTilesVnni {
     for (Index b = 0; b < K / W::kBlockWeights; ++b) {
       const std::byte* slab = codes + b * slab_bytes;
       const std::byte* area = scales + b * area_bytes;
-      prefetch_block<T>(slab, area);
       using Entry = Tiles<T, Isa::avx512_vnni>;
+      if constexpr (!prefetches_lines_v<Entry>) prefetch_block<T>(slab, area);
       if constexpr (R <= both_halves_rows_v<Entry>)
         Entry::template both_halves<R>(slab, area, b, x, acc[0], acc[1]);
       else
