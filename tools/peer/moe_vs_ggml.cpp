@@ -19,6 +19,12 @@
 //   cmake --build build/peer -j2
 //   build/peer/moe_vs_ggml [--d 2048] [--f 768] [--experts 128] [--k 8] [--reps 15]
 //                          [--types q4_0,q8_0,q4_k,q6_k,mxfp4,bf16] [--n 1,4,16,512] [--threads 1,2]
+//                          [--isa avx2|avx512|avx512_vnni|avx512_bf16]
+// --isa runs the library on that kernel path (the default: the build's best).
+// To compare a path with ggml built for the same instructions, configure with
+// -DGGML_PEER_ARCH=avx2 or avx512 (AVX-512F/BW/DQ/VL, no VNNI or BF16) in a
+// build directory of its own (the harness is then built for x86-64-v3 / -v4,
+// so that path is its default); ggml has no run-time switch on that build.
 #include <apex/ffn/inference.hpp>
 #include <apex/ffn/moe/moe_ffn.hpp>
 
@@ -49,6 +55,7 @@ struct Options {
   std::vector<std::string> types{"q4_0", "q8_0", "q4_k", "q6_k", "mxfp4", "bf16"};
   std::vector<Index> n{1, 4, 16, 512};
   std::vector<int> threads{1, 2};
+  packed::Isa isa = packed::kDefaultIsa;  // the library's kernel path (--isa)
 };
 
 template <class T>
@@ -60,6 +67,16 @@ std::vector<T> split(const std::string& s) {
     else out.push_back(T(std::stoll(item)));
   }
   return out;
+}
+
+/// The kernel path called `name` (packed::isa_name), one this CPU runs.
+packed::Isa isa_named(const std::string& name) {
+  for (packed::Isa i : packed::kAllIsas)
+    if (name == packed::isa_name(i)) {
+      if (!packed::cpu_supports(i)) throw std::invalid_argument("this CPU does not run kernel path " + name);
+      return i;
+    }
+  throw std::invalid_argument("unknown kernel path " + name + " (scalar, avx2, avx512, avx512_vnni, avx512_bf16)");
 }
 
 Options parse(int argc, char** argv) {
@@ -74,6 +91,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--types") o.types = split<std::string>(v);
     else if (a == "--n") o.n = split<Index>(v);
     else if (a == "--threads") o.threads = split<int>(v);
+    else if (a == "--isa") o.isa = isa_named(v);
     else throw std::invalid_argument("unknown option " + a);
   }
   return o;
@@ -250,6 +268,7 @@ Matrix<float> tokens(Index n, Index d, std::mt19937& rng) {
 template <class S>
 void run_type(const Options& o, const MoEFFN<float>& layer, packed::Dtype t) {
   PackedMoE<S> apex_layer = PackedMoE<S>::from(layer);
+  apex_layer.set_kernel_options({o.isa});
   // the types ggml repacks on x86 (repack.cpp: Q6_K and Q8_0 only on ARM)
   const bool has_repack = t == packed::Dtype::q4_0 || t == packed::Dtype::q4_k || t == packed::Dtype::mxfp4;
   GgmlMoE plain(layer, ggml_type_of(t), false);
@@ -306,9 +325,11 @@ int main(int argc, char** argv) try {
   }, nullptr);
   ggml_cpu_init();
   MoEFFN<float> layer(MoEConfig{o.d, o.f, o.experts, o.k, 0}, 7);
-  std::printf("apex-ffn kernel path %s (block tiles %s); ggml CPU backend; d %lld f %lld experts %lld top-%lld; "
+  std::printf("apex-ffn kernel path %s (block tiles %s); ggml CPU backend built for AVX2 %d AVX-512 %d VNNI %d "
+              "BF16 %d; d %lld f %lld experts %lld top-%lld; "
               "medians of %d, cold caches, fresh tokens each step; ratio = ggml / apex\n",
-              packed::isa_name(packed::kDefaultIsa), packed::block_format_tiles(packed::kDefaultIsa),
+              packed::isa_name(o.isa), packed::block_format_tiles(o.isa), ggml_cpu_has_avx2(),
+              ggml_cpu_has_avx512(), ggml_cpu_has_avx512_vnni(), ggml_cpu_has_avx512_bf16(),
               static_cast<long long>(o.d), static_cast<long long>(o.f), static_cast<long long>(o.experts),
               static_cast<long long>(o.k), o.reps);
   for (const std::string& name : o.types) {

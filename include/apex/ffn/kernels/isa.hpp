@@ -158,16 +158,18 @@ APEX_KERNEL_INLINE inline void prefetch_slab(const void* slab) {
   _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T0);
   _mm_prefetch(reinterpret_cast<const char*>(a + 64), _MM_HINT_T0);
 }
-/// The cache line kPrefetchBytes ahead of `line`: the K-quant tiles that
-/// read a slab front to back issue it beside each load of a code line, one
-/// prefetch per line, spread over the super-block. A super-block's codes are
-/// 4 KiB a panel (Q4_K; Q6_K 6 KiB), so without it each block starts on a
-/// page the hardware prefetcher has not seen and its first loads wait on
-/// DRAM. One Qwen3-30B-A3B MoE step, cold, prefetch on against off in one
-/// process: Q4_K (VNNI) 1.02–1.18×, Q6_K 1.04–1.29× on the three x86 paths;
-/// a burst of a block's prefetches at its start was slower than none, and
-/// one a line was slower than the burst for Q8_0's 1 KiB blocks
-/// (docs/performance.md, "K-quant decode, one prefetch a line").
+/// The cache line kPrefetchBytes ahead of `line`: a tile that reads a slab
+/// front to back issues it beside each load of a code line, one prefetch per
+/// line, spread over the block, instead of a burst at the block's start.
+/// It began with the K-quant tiles: a super-block's codes are 4 KiB a panel
+/// (Q4_K; Q6_K 6 KiB), so without it each block starts on a page the
+/// hardware prefetcher has not seen and its first loads wait on DRAM (one
+/// Qwen3-30B-A3B MoE step, cold, on against off: Q4_K 1.02–1.18×, Q6_K
+/// 1.04–1.29× on the three x86 paths; docs/performance.md, "K-quant decode,
+/// one prefetch a line"). Which tiles take it, and what it gave each, is
+/// written at the tile: the `Ahead` passes of the K-quant entries (every
+/// x86 path) and the VNNI Q4_0/MXFP4 entry (`kPrefetchesLines`). Q8_0's
+/// 1 KiB blocks keep the burst (prefetch_block): one a line lost there.
 ///
 /// Both prefetch helpers are always inlined: GCC counts a function whose
 /// only effect is a prefetch as free of side effects, and where it cannot
