@@ -19,7 +19,7 @@
 //   cmake --build build/peer -j2
 //   build/peer/moe_vs_ggml [--d 2048] [--f 768] [--experts 128] [--k 8] [--reps 15]
 //                          [--types q4_0,q8_0,q4_k,q6_k,mxfp4,bf16] [--n 1,4,16,512] [--threads 1,2]
-//                          [--isa avx2|avx512|avx512_vnni|avx512_bf16]
+//                          [--isa avx2|avx512|avx512_vnni|avx512_bf16] [--settle 3]
 // --isa runs the library on that kernel path (the default: the build's best).
 // To compare a path with ggml built for the same instructions, configure with
 // -DGGML_PEER_ARCH=avx2 or avx512 (AVX-512F/BW/DQ/VL, no VNNI or BF16) in a
@@ -56,6 +56,7 @@ struct Options {
   std::vector<Index> n{1, 4, 16, 512};
   std::vector<int> threads{1, 2};
   packed::Isa isa = packed::kDefaultIsa;  // the library's kernel path (--isa)
+  double settle_seconds = 3;              // untimed steps before a type's first cell (--settle)
 };
 
 template <class T>
@@ -92,6 +93,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--n") o.n = split<Index>(v);
     else if (a == "--threads") o.threads = split<int>(v);
     else if (a == "--isa") o.isa = isa_named(v);
+    else if (a == "--settle") o.settle_seconds = std::stod(v);
     else throw std::invalid_argument("unknown option " + a);
   }
   return o;
@@ -265,6 +267,28 @@ Matrix<float> tokens(Index n, Index d, std::mt19937& rng) {
   return x;
 }
 
+/// Untimed one-token steps of every engine in turn for o.settle_seconds.
+/// Right after a type's three engines were built (gigabytes of weights
+/// quantized and written), the first timed cell of the type was up to 2×
+/// slower for the library in some runs, over most of its repetitions, and
+/// not in a second cell of the same shape run right after it; a layer
+/// packed and stepped alone shows no slow first steps
+/// (docs/performance.md). The settle keeps that from a type's first cell.
+template <class S>
+void settle(const Options& o, PackedMoE<S>& apex_layer, GgmlMoE& plain, GgmlMoE* repacked) {
+  std::mt19937 rng(7);
+  Matrix<float> y(1, o.d);
+  plain.set_tokens(1);
+  if (repacked) repacked->set_tokens(1);
+  const auto t0 = Clock::now();
+  while (std::chrono::duration<double>(Clock::now() - t0).count() < o.settle_seconds) {
+    const Matrix<float> x = tokens(1, o.d, rng);
+    apex_layer.forward_into(x, y);
+    plain.forward(x, y);
+    if (repacked) repacked->forward(x, y);
+  }
+}
+
 template <class S>
 void run_type(const Options& o, const MoEFFN<float>& layer, packed::Dtype t) {
   PackedMoE<S> apex_layer = PackedMoE<S>::from(layer);
@@ -274,6 +298,7 @@ void run_type(const Options& o, const MoEFFN<float>& layer, packed::Dtype t) {
   GgmlMoE plain(layer, ggml_type_of(t), false);
   std::unique_ptr<GgmlMoE> repacked;
   if (has_repack) repacked = std::make_unique<GgmlMoE>(layer, ggml_type_of(t), true);
+  settle(o, apex_layer, plain, repacked.get());
   for (int threads : o.threads) {
     apex_layer.set_threads(threads);
     plain.set_threads(threads);
