@@ -168,8 +168,9 @@ APEX_KERNEL_INLINE inline void prefetch_slab(const void* slab) {
 /// 1.04–1.29× on the three x86 paths; docs/performance.md, "K-quant decode,
 /// one prefetch a line"). Which tiles take it, and what it gave each, is
 /// written at the tile: the `Ahead` passes of the K-quant entries (every
-/// x86 path) and the VNNI Q4_0/MXFP4 entry (`kPrefetchesLines`). Q8_0's
-/// 1 KiB blocks keep the burst (prefetch_block): one a line lost there.
+/// x86 path), the AVX2 Q8_0 entry's in-order pass and the VNNI Q4_0/MXFP4
+/// entry (`kPrefetchesLines`). The VNNI and AVX-512BW Q8_0 tiles keep the
+/// burst (prefetch_block): one a line lost there.
 ///
 /// Both prefetch helpers are always inlined: GCC counts a function whose
 /// only effect is a prefetch as free of side effects, and where it cannot

@@ -181,24 +181,65 @@ struct Nibble32Avx2 {
   }
 };
 
-/// Q8_0: signed byte codes (the sign trick), fp16 scale d.
-template <>
-struct Tiles<Dtype::q8_0, Isa::avx2> {
-  using W = WeightType<Dtype::q8_0>;
-  static constexpr bool kChunkMin = false;
-
+/// The two pass orders of an AVX2 entry whose block is Steps steps
+/// (Entry::step<R, Ahead>: step s of quarter v into int32 sums; Q8_0's
+/// 4-weight groups, Q4_K's sub-blocks, Q6_K's groups) finished per quarter
+/// (Entry::finish<R>). Per quarter both orders form the same integer sums
+/// and float steps, so the same bits.
+template <class Entry, int Steps>
+struct QuarterPasses {
+  /// Lanes 8v … 8v + 7 of block b (every row count).
   template <int R>
   APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
-                                                        const QuantRows& x,
-                                     int v, float (*acc)[32]) {
-    __m256i isum[R];
-    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
-    for (int q = 0; q < 8; ++q) {
-      const __m256i w = load32(slab + (q * kPanelLanes + 8 * v) * 4);
-      const __m256i aw = _mm256_sign_epi8(w, w);
-      for (int r = 0; r < R; ++r)
-        isum[r] = _mm256_add_epi32(isum[r], dot4(aw, _mm256_sign_epi8(bcast4(x.q + r * x.ldq + 32 * b + 4 * q), w)));
-    }
+                                                        const QuantRows& x, int v, float (*acc)[32]) {
+    __m256i sumi[R];
+    for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+    for (int s = 0; s < Steps; ++s) Entry::template step<R, false>(slab, area, b, x, v, s, sumi);
+    Entry::template finish<R>(area, b, x, v, sumi, acc);
+  }
+  /// All 32 lanes of block b step by step (R ≤ Entry::kAllQuartersRows), so
+  /// a decode pass reads the slab's lines in order and prefetches one a line.
+  template <int R>
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void all_quarters(const std::byte* slab, const std::byte* area, Index b,
+                                                               const QuantRows& x, float (*acc)[32]) {
+    __m256i sumi[4][R];
+    for (auto& q : sumi)
+      for (int r = 0; r < R; ++r) q[r] = _mm256_setzero_si256();
+    for (int s = 0; s < Steps; ++s)
+      for (int v = 0; v < 4; ++v) Entry::template step<R, true>(slab, area, b, x, v, s, sumi[v]);
+    for (int v = 0; v < 4; ++v) Entry::template finish<R>(area, b, x, v, sumi[v], acc);
+  }
+};
+
+/// Q8_0: signed byte codes (the sign trick), fp16 scale d.
+template <>
+struct Tiles<Dtype::q8_0, Isa::avx2> : QuarterPasses<Tiles<Dtype::q8_0, Isa::avx2>, 8> {
+  using W = WeightType<Dtype::q8_0>;
+  static constexpr bool kChunkMin = false;
+  /// Rows up to which the tile loop takes all four 8-lane quarters of a
+  /// block group by group (all_quarters): the pass reads the block's 1 KiB
+  /// in order with one prefetch a line and no burst, where one quarter a
+  /// pass after the block's burst read every other 32 bytes four times
+  /// over. One Qwen3-30B-A3B step, cold, N = 1 and 4, one and two threads:
+  /// 1.16–1.89× (docs/performance.md, "Q8_0 in order on AVX2").
+  static constexpr int kAllQuartersRows = 2;
+
+  /// Step q: isum += Σ w·x of weights 4q … 4q + 3, lanes 8v … 8v + 7;
+  /// Ahead: prefetch each line's successor when a quarter pair starts it
+  /// (all_quarters).
+  template <int R, bool Ahead>
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void step(const std::byte* slab, const std::byte*, Index b,
+                                                       const QuantRows& x, int v, int q, __m256i* isum) {
+    const std::byte* line = slab + (q * kPanelLanes + 8 * v) * 4;
+    if (Ahead && v % 2 == 0) prefetch_line(line);  // quarters 2i and 2i + 1 share a line
+    const __m256i w = load32(line);
+    const __m256i aw = _mm256_sign_epi8(w, w);
+    for (int r = 0; r < R; ++r)
+      isum[r] = _mm256_add_epi32(isum[r], dot4(aw, _mm256_sign_epi8(bcast4(x.q + r * x.ldq + 32 * b + 4 * q), w)));
+  }
+  template <int R>
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void finish(const std::byte* area, Index b, const QuantRows& x, int v,
+                                                         const __m256i* isum, float (*acc)[32]) {
     const __m256 dw = load_fp16x8(area + 16 * v);
     for (int r = 0; r < R; ++r)
       accumulate8(acc[r] + 8 * v, isum[r], _mm256_mul_ps(dw, _mm256_set1_ps(x.d[r * x.ldd + b])));
@@ -267,12 +308,13 @@ APEX_TARGET_AVX2 void quant_tile_avx2(const std::byte* codes, const std::byte* s
   for (Index b = 0; b < K / W::kBlockWeights; ++b) {
     const std::byte* slab = codes + b * slab_bytes;
     const std::byte* area = scales + b * area_bytes;
-    prefetch_block<T>(slab, area);
     using Entry = Tiles<T, Isa::avx2>;
-    if constexpr (R <= all_quarters_rows_v<Entry>)
-      Entry::template all_quarters<R>(slab, area, b, x, acc);
-    else
+    if constexpr (R <= all_quarters_rows_v<Entry>) {
+      Entry::template all_quarters<R>(slab, area, b, x, acc);  // prefetches its own lines
+    } else {
+      prefetch_block<T>(slab, area);
       for (int v = 0; v < 4; ++v) Entry::template block<R>(slab, area, b, x, v, acc);
+    }
   }
   for (int r = 0; r < R; ++r) store_acc_avx2<Epi>(acc[r], out + r * ldo, ncols);
 }

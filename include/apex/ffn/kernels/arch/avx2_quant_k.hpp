@@ -35,35 +35,6 @@ APEX_TARGET_AVX2 APEX_KERNEL_INLINE inline void q4_k_scale_min8(const std::byte*
   m = _mm256_or_si256(_mm256_srli_epi32(hi, 4), _mm256_slli_epi32(m_top, 4));
 }
 
-/// The two pass orders of an AVX2 K-quant entry, whose super-block is Steps
-/// steps (Entry::step<R, Ahead>: sub-block or group s of quarter v into
-/// int32 sums) finished per quarter (Entry::finish<R>). Per quarter both
-/// orders form the same integer sums and float steps, so the same bits.
-template <class Entry, int Steps>
-struct QuarterPasses {
-  /// Lanes 8v … 8v + 7 of block b (every row count).
-  template <int R>
-  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
-                                                        const QuantRows& x, int v, float (*acc)[32]) {
-    __m256i sumi[R];
-    for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-    for (int s = 0; s < Steps; ++s) Entry::template step<R, false>(slab, area, b, x, v, s, sumi);
-    Entry::template finish<R>(area, b, x, v, sumi, acc);
-  }
-  /// All 32 lanes of block b step by step (R ≤ Entry::kAllQuartersRows), so
-  /// a decode pass reads the slab's lines in order and prefetches one a line.
-  template <int R>
-  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void all_quarters(const std::byte* slab, const std::byte* area, Index b,
-                                                               const QuantRows& x, float (*acc)[32]) {
-    __m256i sumi[4][R];
-    for (auto& q : sumi)
-      for (int r = 0; r < R; ++r) q[r] = _mm256_setzero_si256();
-    for (int s = 0; s < Steps; ++s)
-      for (int v = 0; v < 4; ++v) Entry::template step<R, true>(slab, area, b, x, v, s, sumi[v]);
-    for (int v = 0; v < 4; ++v) Entry::template finish<R>(area, b, x, v, sumi[v], acc);
-  }
-};
-
 /// Q4_K. Block product of one super-block: Σ_j sc_j·Σ q·x and Σ_j m_j·Σ x
 /// per lane, then two fmas. Unpacking: chunk j of a super-block is its
 /// sub-block j (4-bit codes as they are), factors d·sc_j and dmin·m_j.
