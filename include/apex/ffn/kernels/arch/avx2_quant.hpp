@@ -136,33 +136,60 @@ struct Nibble32Avx2 {
   using W = WeightType<T>;
   static constexpr bool kChunkMin = false;  ///< no min term (Q4_K has one)
 
-  template <int R>
-  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
-                                                        const QuantRows& x,
-                                     int v, float (*acc)[32]) {
+  /// Oct o (codes 8o … 8o + 7 of each lane) of lanes 8v … 8v + 7 into the
+  /// rows' int16 runs p16, a run added to isum as it closes. Ahead: prefetch
+  /// each line's successor when a quarter pair starts it (all_quarters).
+  template <int R, bool Ahead>
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void oct(const std::byte* slab, Index b, const QuantRows& x, int v, int o,
+                                                      __m256i* p16, __m256i* isum) {
     using C = Tiles<T, Isa::avx2>;
-    __m256i isum[R];
-    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
-    __m256i p16[R];
-    for (int r = 0; r < R; ++r) p16[r] = _mm256_setzero_si256();
-    for (int o = 0; o < 4; ++o) {
-      const __m256i raw = load32(slab + (o * kPanelLanes + 8 * v) * 4);
-      const __m256i lo = C::offset_codes(low_nibbles(raw)), hi = C::offset_codes(high_nibbles(raw));
-      for (int r = 0; r < R; ++r) {
-        const std::int8_t* xq = x.q + r * x.ldq + 32 * b + 8 * o;
-        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xq)), _mm256_maddubs_epi16(hi, bcast4(xq + 4)));
-        p16[r] = _mm256_add_epi16(p16[r], p);
-        if (o % C::kRun == C::kRun - 1) {
-          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p16[r], _mm256_set1_epi16(1)));
-          p16[r] = _mm256_setzero_si256();
-        }
+    const std::byte* line = slab + (o * kPanelLanes + 8 * v) * 4;
+    if (Ahead && v % 2 == 0) prefetch_line(line);  // quarters 2i and 2i + 1 share a line
+    const __m256i raw = load32(line);
+    const __m256i lo = C::offset_codes(low_nibbles(raw)), hi = C::offset_codes(high_nibbles(raw));
+    for (int r = 0; r < R; ++r) {
+      const std::int8_t* xq = x.q + r * x.ldq + 32 * b + 8 * o;
+      const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xq)), _mm256_maddubs_epi16(hi, bcast4(xq + 4)));
+      p16[r] = _mm256_add_epi16(p16[r], p);
+      if (o % C::kRun == C::kRun - 1) {
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p16[r], _mm256_set1_epi16(1)));
+        p16[r] = _mm256_setzero_si256();
       }
     }
+  }
+  /// acc += the block's float step of lanes 8v … 8v + 7 (the offset taken off with Σ x).
+  template <int R>
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void finish(const std::byte* area, Index b, const QuantRows& x, int v,
+                                                         __m256i* isum, float (*acc)[32]) {
+    using C = Tiles<T, Isa::avx2>;
     for (int r = 0; r < R; ++r)
       isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(C::kOffset * x.row(r).sum32(b)));
     const __m256 dw = C::scale(area, v);
     for (int r = 0; r < R; ++r)
       accumulate8(acc[r] + 8 * v, isum[r], _mm256_mul_ps(dw, _mm256_set1_ps(x.d[r * x.ldd + b])));
+  }
+  /// Lanes 8v … 8v + 7 of block b (every row count).
+  template <int R>
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
+                                                        const QuantRows& x, int v, float (*acc)[32]) {
+    __m256i isum[R], p16[R];
+    for (int r = 0; r < R; ++r) isum[r] = p16[r] = _mm256_setzero_si256();
+    for (int o = 0; o < 4; ++o) oct<R, false>(slab, b, x, v, o, p16, isum);
+    finish<R>(area, b, x, v, isum, acc);
+  }
+  /// All 32 lanes of block b oct by oct, reading the block's 512 bytes in
+  /// order with one prefetch a line and no burst, as the AVX2 Q8_0 tile
+  /// does, for an entry that sets kAllQuartersRows (MXFP4); per quarter the
+  /// same integer sums and float step as block<R>, so the same bits.
+  template <int R>
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void all_quarters(const std::byte* slab, const std::byte* area, Index b,
+                                                               const QuantRows& x, float (*acc)[32]) {
+    __m256i isum[4][R], p16[4][R];
+    for (int v = 0; v < 4; ++v)
+      for (int r = 0; r < R; ++r) isum[v][r] = p16[v][r] = _mm256_setzero_si256();
+    for (int o = 0; o < 4; ++o)
+      for (int v = 0; v < 4; ++v) oct<R, true>(slab, b, x, v, o, p16[v], isum[v]);
+    for (int v = 0; v < 4; ++v) finish<R>(area, b, x, v, isum[v], acc);
   }
   /// Code rows 0 … 7 of block `chunk`, lanes l0 … l0 + 7: the low and high
   /// nibbles of slab row i as rows 2i, 2i + 1, each code its signed value.
@@ -273,6 +300,13 @@ struct Tiles<Dtype::q4_0, Isa::avx2> : Nibble32Avx2<Dtype::q4_0> {
 /// Runs of 2 octs: each adds at most 2·2·24·127.
 template <>
 struct Tiles<Dtype::mxfp4, Isa::avx2> : Nibble32Avx2<Dtype::mxfp4> {
+  /// Rows up to which the tile loop takes a block's four quarters oct by
+  /// oct (all_quarters; at two rows four quarters' sums and runs would not
+  /// fit the 16 registers). One Qwen3-30B-A3B step, cold, separate builds
+  /// alternated: 1.06–1.31× at N = 1 and 4, one and two threads; Q4_0, the
+  /// same pass, 1.05–1.13× on one thread but 0.90–1.07× on two, so it keeps
+  /// one quarter a pass (docs/performance.md, "Q8_0 in order on AVX2").
+  static constexpr int kAllQuartersRows = 1;
   static constexpr int kRun = 2;
   static constexpr std::int32_t kOffset = 12;
   APEX_TARGET_AVX2 APEX_KERNEL_INLINE static __m256i offset_codes(__m256i q) {
