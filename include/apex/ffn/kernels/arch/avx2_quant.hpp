@@ -124,6 +124,46 @@ APEX_TARGET_AVX2 APEX_KERNEL_INLINE inline void store_acc_avx2(const float* acc,
   store_row_avx2<Epi>(v, out, ncols);
 }
 
+/// int32 sum vectors a row of an AVX2 entry keeps through a block: its
+/// kSumsPerRow, 1 without one.
+template <class Entry, class = void>
+inline constexpr int sums_per_row_v = 1;
+template <class Entry>
+inline constexpr int sums_per_row_v<Entry, std::void_t<decltype(Entry::kSumsPerRow)>> = Entry::kSumsPerRow;
+
+/// The two pass orders of an AVX2 entry whose block is Steps steps
+/// (Entry::step<R, Ahead>: step s of quarter v into the rows' sums; Q8_0's
+/// 4-weight groups, Q4_K's sub-blocks, Q6_K's groups, the 4-bit blocks'
+/// octs) finished per quarter (Entry::finish<R>). A quarter's sums are
+/// R · sums_per_row_v<Entry> vectors. Per quarter both orders form the same
+/// integer sums and float steps, so the same bits.
+template <class Entry, int Steps>
+struct QuarterPasses {
+  /// Lanes 8v … 8v + 7 of block b (every row count).
+  template <int R>
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
+                                                        const QuantRows& x, int v, float (*acc)[32]) {
+    constexpr int kSums = R * sums_per_row_v<Entry>;
+    __m256i sumi[kSums];
+    for (int r = 0; r < kSums; ++r) sumi[r] = _mm256_setzero_si256();
+    for (int s = 0; s < Steps; ++s) Entry::template step<R, false>(slab, area, b, x, v, s, sumi);
+    Entry::template finish<R>(area, b, x, v, sumi, acc);
+  }
+  /// All 32 lanes of block b step by step (R ≤ Entry::kAllQuartersRows), so
+  /// a decode pass reads the slab's lines in order and prefetches one a line.
+  template <int R>
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void all_quarters(const std::byte* slab, const std::byte* area, Index b,
+                                                               const QuantRows& x, float (*acc)[32]) {
+    constexpr int kSums = R * sums_per_row_v<Entry>;
+    __m256i sumi[4][kSums];
+    for (auto& q : sumi)
+      for (int r = 0; r < kSums; ++r) q[r] = _mm256_setzero_si256();
+    for (int s = 0; s < Steps; ++s)
+      for (int v = 0; v < 4; ++v) Entry::template step<R, true>(slab, area, b, x, v, s, sumi[v]);
+    for (int v = 0; v < 4; ++v) Entry::template finish<R>(area, b, x, v, sumi[v], acc);
+  }
+};
+
 /// Blocks of 32 4-bit codes (Q4_0, MXFP4): the block product, R rows × 8
 /// lanes of block b, and the unpacker's pieces. What differs between the
 /// types comes from the type's entry C = Tiles<T, Isa::avx2>:
@@ -132,9 +172,11 @@ APEX_TARGET_AVX2 APEX_KERNEL_INLINE inline void store_acc_avx2(const float* acc,
 ///   C::values(q)        the signed value v(q) of each code byte (unpacking);
 ///   C::scale(area, v)   the block scale of lanes 8v … 8v + 7 as float.
 template <Dtype T>
-struct Nibble32Avx2 {
+struct Nibble32Avx2 : QuarterPasses<Tiles<T, Isa::avx2>, 4> {
   using W = WeightType<T>;
   static constexpr bool kChunkMin = false;  ///< no min term (Q4_K has one)
+  /// A row's sums through a block: its int32 sum, then its open int16 run.
+  static constexpr int kSumsPerRow = 2;
 
   /// Oct o (codes 8o … 8o + 7 of each lane) of lanes 8v … 8v + 7 into the
   /// rows' int16 runs p16, a run added to isum as it closes. Ahead: prefetch
@@ -157,39 +199,25 @@ struct Nibble32Avx2 {
       }
     }
   }
+  /// Step o of QuarterPasses: oct o, sums = the rows' int32 sums, then
+  /// their int16 runs. An entry that sets kAllQuartersRows (MXFP4) takes a
+  /// block's 512 bytes in order with one prefetch a line and no burst, as
+  /// the AVX2 Q8_0 tile does.
+  template <int R, bool Ahead>
+  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void step(const std::byte* slab, const std::byte*, Index b,
+                                                       const QuantRows& x, int v, int o, __m256i* sums) {
+    oct<R, Ahead>(slab, b, x, v, o, sums + R, sums);
+  }
   /// acc += the block's float step of lanes 8v … 8v + 7 (the offset taken off with Σ x).
   template <int R>
   APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void finish(const std::byte* area, Index b, const QuantRows& x, int v,
-                                                         __m256i* isum, float (*acc)[32]) {
+                                                         const __m256i* sums, float (*acc)[32]) {
     using C = Tiles<T, Isa::avx2>;
-    for (int r = 0; r < R; ++r)
-      isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(C::kOffset * x.row(r).sum32(b)));
     const __m256 dw = C::scale(area, v);
-    for (int r = 0; r < R; ++r)
-      accumulate8(acc[r] + 8 * v, isum[r], _mm256_mul_ps(dw, _mm256_set1_ps(x.d[r * x.ldd + b])));
-  }
-  /// Lanes 8v … 8v + 7 of block b (every row count).
-  template <int R>
-  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
-                                                        const QuantRows& x, int v, float (*acc)[32]) {
-    __m256i isum[R], p16[R];
-    for (int r = 0; r < R; ++r) isum[r] = p16[r] = _mm256_setzero_si256();
-    for (int o = 0; o < 4; ++o) oct<R, false>(slab, b, x, v, o, p16, isum);
-    finish<R>(area, b, x, v, isum, acc);
-  }
-  /// All 32 lanes of block b oct by oct, reading the block's 512 bytes in
-  /// order with one prefetch a line and no burst, as the AVX2 Q8_0 tile
-  /// does, for an entry that sets kAllQuartersRows (MXFP4); per quarter the
-  /// same integer sums and float step as block<R>, so the same bits.
-  template <int R>
-  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void all_quarters(const std::byte* slab, const std::byte* area, Index b,
-                                                               const QuantRows& x, float (*acc)[32]) {
-    __m256i isum[4][R], p16[4][R];
-    for (int v = 0; v < 4; ++v)
-      for (int r = 0; r < R; ++r) isum[v][r] = p16[v][r] = _mm256_setzero_si256();
-    for (int o = 0; o < 4; ++o)
-      for (int v = 0; v < 4; ++v) oct<R, true>(slab, b, x, v, o, p16[v], isum[v]);
-    for (int v = 0; v < 4; ++v) finish<R>(area, b, x, v, isum[v], acc);
+    for (int r = 0; r < R; ++r) {
+      const __m256i isum = _mm256_sub_epi32(sums[r], _mm256_set1_epi32(C::kOffset * x.row(r).sum32(b)));
+      accumulate8(acc[r] + 8 * v, isum, _mm256_mul_ps(dw, _mm256_set1_ps(x.d[r * x.ldd + b])));
+    }
   }
   /// Code rows 0 … 7 of block `chunk`, lanes l0 … l0 + 7: the low and high
   /// nibbles of slab row i as rows 2i, 2i + 1, each code its signed value.
@@ -205,36 +233,6 @@ struct Nibble32Avx2 {
   APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void factors8(const std::byte* scales, Index chunk, int v, __m256& lo,
                                                            __m256& hi, __m256&) {
     lo = hi = Tiles<T, Isa::avx2>::scale(W::area(scales, chunk), v);
-  }
-};
-
-/// The two pass orders of an AVX2 entry whose block is Steps steps
-/// (Entry::step<R, Ahead>: step s of quarter v into int32 sums; Q8_0's
-/// 4-weight groups, Q4_K's sub-blocks, Q6_K's groups) finished per quarter
-/// (Entry::finish<R>). Per quarter both orders form the same integer sums
-/// and float steps, so the same bits.
-template <class Entry, int Steps>
-struct QuarterPasses {
-  /// Lanes 8v … 8v + 7 of block b (every row count).
-  template <int R>
-  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
-                                                        const QuantRows& x, int v, float (*acc)[32]) {
-    __m256i sumi[R];
-    for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-    for (int s = 0; s < Steps; ++s) Entry::template step<R, false>(slab, area, b, x, v, s, sumi);
-    Entry::template finish<R>(area, b, x, v, sumi, acc);
-  }
-  /// All 32 lanes of block b step by step (R ≤ Entry::kAllQuartersRows), so
-  /// a decode pass reads the slab's lines in order and prefetches one a line.
-  template <int R>
-  APEX_TARGET_AVX2 APEX_KERNEL_INLINE static void all_quarters(const std::byte* slab, const std::byte* area, Index b,
-                                                               const QuantRows& x, float (*acc)[32]) {
-    __m256i sumi[4][R];
-    for (auto& q : sumi)
-      for (int r = 0; r < R; ++r) q[r] = _mm256_setzero_si256();
-    for (int s = 0; s < Steps; ++s)
-      for (int v = 0; v < 4; ++v) Entry::template step<R, true>(slab, area, b, x, v, s, sumi[v]);
-    for (int v = 0; v < 4; ++v) Entry::template finish<R>(area, b, x, v, sumi[v], acc);
   }
 };
 
