@@ -261,10 +261,8 @@ class GgmlMoE {
   }
 
  private:
+#if !APEX_PEER_IK
   static ggml_backend_buffer_type_t repack_buffer_type() {
-#if APEX_PEER_IK
-    return nullptr;
-#else
     ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
     auto get = reinterpret_cast<ggml_backend_buffer_type_t* (*)(ggml_backend_dev_t)>(
         ggml_backend_reg_get_proc_address(ggml_backend_dev_backend_reg(dev), "ggml_backend_dev_get_extra_bufts"));
@@ -272,35 +270,34 @@ class GgmlMoE {
     for (ggml_backend_buffer_type_t* b = get(dev); b && *b; ++b)
       if (std::strstr(ggml_backend_buft_name(*b), "REPACK")) return *b;
     return nullptr;
-#endif
   }
+#endif
 
   /// Every expert's matrix (rows × cols float, row-major) in `dtype`, set
   /// whole: a repacked buffer takes a tensor in one piece. Mainline: its own
   /// reference quantizers (ggml_quantize_chunk), whose bytes the library's
   /// are. ik_llama quantizes the same formats to other bytes (its own
   /// searches), so its block types get the library's bytes, ggml's, and the
-  /// two engines read the same weights; bf16 is its rounding, the same.
+  /// two engines read the same weights; the float types are its rounding.
   template <class MatrixOf>
   void set_stacked(ggml_tensor* t, packed::Dtype dtype, Index rows, Index cols, MatrixOf matrix_of) {
     const ggml_type type = ggml_type_of(dtype);
-    const std::size_t one = ggml_row_size(type, cols) * std::size_t(rows);
+    const std::size_t row_bytes = ggml_row_size(type, cols), one = row_bytes * std::size_t(rows);
     std::vector<char> bytes(one * std::size_t(e_));
     for (Index e = 0; e < e_; ++e) {
       const Matrix<float> m = matrix_of(e);
       char* dst = bytes.data() + one * std::size_t(e);
 #if APEX_PEER_IK
-      if (dtype != packed::Dtype::bf16) {
-        packed::visit_dtype(dtype, [&](auto tag) {
-          using W = packed::WeightType<decltype(tag)::value>;
-          if constexpr (W::kBlockWeights > 1)
-            for (Index r = 0; r < rows; ++r)
-              W::quantize(m.data() + r * cols, reinterpret_cast<typename W::Block*>(dst + r * ggml_row_size(type, cols)),
-                          cols);
-        });
-        continue;
-      }
-      ggml_quantize_chunk(type, m.data(), dst, 0, rows, cols, nullptr, nullptr);
+      bool blocks = false;
+      packed::visit_dtype(dtype, [&](auto tag) {
+        using W = packed::WeightType<decltype(tag)::value>;
+        if constexpr (W::kBlockWeights > 1) {
+          blocks = true;
+          for (Index r = 0; r < rows; ++r)
+            W::quantize(m.data() + r * cols, reinterpret_cast<typename W::Block*>(dst + std::size_t(r) * row_bytes), cols);
+        }
+      });
+      if (!blocks) ggml_quantize_chunk(type, m.data(), dst, 0, rows, cols, nullptr, nullptr);
 #else
       ggml_quantize_chunk(type, m.data(), dst, 0, rows, cols, nullptr);
 #endif
