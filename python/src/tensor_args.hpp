@@ -82,11 +82,16 @@ void check_tensor(const char* where, const char* name, const Arr& a, Elem e, std
     throw ValueError(head + "has dtype " + dtype_text(a.dtype()) + ", expected " + elem_name(e));
   if (a.ndim() != dims)
     throw ShapeError(head + "has " + std::to_string(a.ndim()) + " dimensions, expected " + std::to_string(dims));
-  std::int64_t expected = 1;
-  for (std::size_t i = a.ndim(); i-- > 0;) {
-    if (a.shape(i) != 1 && a.stride(i) != expected)
-      throw ValueError(head + "is not contiguous (strides do not match a row-major layout); call .contiguous() first");
-    expected *= std::int64_t(a.shape(i));
+  // A tensor with no elements has no memory to lay out: torch gives such tensors any strides (torch.empty(n, 0)
+  // has (1, 1)) and calls them contiguous, so .contiguous() would not change them and refusing them would ask
+  // for what the caller cannot do.
+  if (a.size() > 0) {
+    std::int64_t expected = 1;
+    for (std::size_t i = a.ndim(); i-- > 0;) {
+      if (a.shape(i) != 1 && a.stride(i) != expected)
+        throw ValueError(head + "is not contiguous (strides do not match a row-major layout); call .contiguous() first");
+      expected *= std::int64_t(a.shape(i));
+    }
   }
   if (!a.data() && a.size() > 0)  // a fake or functional tensor's wrapper: shape without memory
     throw ValueError(head + "has no memory (a fake, meta or functional tensor); apex_ffn computes on real CPU tensors");

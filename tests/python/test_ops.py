@@ -297,3 +297,27 @@ def test_bad_input_errors():
         apex_ffn.PackedExperts.from_float(gu, dn, None, None, "silu", False, False, 1.7, 7.0, "q3_k", 1)
     with pytest.raises(apex_ffn.ConfigError, match="no packed experts with handle 987654"):
         ops.packed_experts(x, ids, w, 987654, False)
+
+
+def test_empty_inputs_of_any_strides():
+    """A tensor without elements has no layout to check: torch gives it any strides (torch.empty(n, 0) has
+    (1, 1), a transposed empty one its transpose's) and calls it contiguous, so none is refused as not
+    contiguous. No tokens give no rows; no slots (K = 0) give zeros."""
+    x, ids, w, gu, dn, _, _ = case(requires_grad=False)
+    _, h, _ = packed()
+    run = {"float": lambda a, b, c: ops.float_experts(a, b, c, gu, dn, None, None, "silu", False, False, 1.7, 7.0,
+                                                      False)[0],
+           "packed": lambda a, b, c: ops.packed_experts(a, b, c, h, False),
+           "forward": lambda a, b, c: ops.packed_forward(a, b, c, h, False),
+           "train": lambda a, b, c: ops.packed_experts_train(a, b, c, None, None, None, None, 1.0, h, False)[0]}
+    no_tokens = (torch.randn(D, 0).T, torch.empty(K, 0, dtype=torch.long).T, torch.empty(K, 0).T)
+    no_slots = (x, torch.empty(N, 0, dtype=torch.long), torch.empty(N, 0))
+    assert no_slots[1].stride() == (1, 1) and no_tokens[0].stride() != (D, 1)
+    for name, f in run.items():
+        assert f(*no_tokens).shape == (0, D), name
+        assert torch.equal(f(*no_slots), torch.zeros(N, D)), name
+    xr = x.clone().requires_grad_()
+    y, _, _ = ops.float_experts(xr, no_slots[1], no_slots[2].requires_grad_(), gu, dn, None, None, "silu", False,
+                                False, 1.7, 7.0, False)
+    y.sum().backward()
+    assert torch.equal(xr.grad, torch.zeros(N, D))
