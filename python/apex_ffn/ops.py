@@ -56,6 +56,14 @@ def _cpu(op, **tensors):
                                    "tensors: move it with .cpu()")
 
 
+def _dims(op, **tensors):
+    """ShapeError naming the op and argument for a tensor without the dimensions the op reads its shapes from
+    (checked before those reads, which would otherwise fail with an unpacking error naming nothing)."""
+    for name, (t, dims) in tensors.items():
+        if t is not None and t.dim() != dims:
+            raise _core.ShapeError(f"apex_ffn::{op}: argument '{name}' has {t.dim()} dimensions, expected {dims}")
+
+
 def _empty(*shape, like):
     return torch.empty(*shape, dtype=torch.float32, device=like.device)
 
@@ -66,6 +74,10 @@ def _none_if_empty(t):
 
 # --- float experts ---------------------------------------------------------
 
+def _float_dims(x, top_k_index, gate_up):
+    _dims("float_experts", hidden_states=(x, 2), top_k_index=(top_k_index, 2), gate_up_proj=(gate_up, 3))
+
+
 @torch.library.custom_op("apex_ffn::float_experts", mutates_args=())
 def float_experts(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor, down: Tensor,
                   gate_up_bias: Optional[Tensor], down_bias: Optional[Tensor], gate: str, transposed: bool,
@@ -73,6 +85,7 @@ def float_experts(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up
                   ) -> Tuple[Tensor, Tensor, Tensor]:
     _cpu("float_experts", hidden_states=x, top_k_index=top_k_index, top_k_weights=top_k_weights,
          gate_up_proj=gate_up, down_proj=down, gate_up_proj_bias=gate_up_bias, down_proj_bias=down_bias)
+    _float_dims(x, top_k_index, gate_up)
     n, d = x.shape
     k = top_k_index.shape[1]
     f = (gate_up.shape[2] if transposed else gate_up.shape[1]) // 2
@@ -85,6 +98,7 @@ def float_experts(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up
 @float_experts.register_fake
 def _(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, gate, transposed, interleaved, alpha,
       limit, expert_parallel):
+    _float_dims(x, top_k_index, gate_up)
     n, d = x.shape
     k = top_k_index.shape[1]
     f = (gate_up.shape[2] if transposed else gate_up.shape[1]) // 2
@@ -167,6 +181,7 @@ def packed_experts(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, handle
 
 @packed_experts.register_fake
 def _(x, top_k_index, top_k_weights, handle, expert_parallel, bf16_activations=False):
+    _dims("packed_experts", hidden_states=(x, 2))
     return x.new_empty(x.shape[0], x.shape[1])
 
 
@@ -178,6 +193,11 @@ def _no_packed_backward(ctx, dy):
 packed_experts.register_autograd(_no_packed_backward)
 
 
+def _train_dims(x, top_k_index, a_gate_up, a_down):
+    _dims("packed_experts_train", hidden_states=(x, 2), top_k_index=(top_k_index, 2), a_gate_up=(a_gate_up, 3),
+          a_down=(a_down, 3))
+
+
 @torch.library.custom_op("apex_ffn::packed_experts_train", mutates_args=())
 def packed_experts_train(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, a_gate_up: Optional[Tensor],
                          b_gate_up: Optional[Tensor], a_down: Optional[Tensor], b_down: Optional[Tensor],
@@ -185,6 +205,7 @@ def packed_experts_train(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, 
     _cpu("packed_experts_train", hidden_states=x, top_k_index=top_k_index, top_k_weights=top_k_weights,
          a_gate_up=a_gate_up, b_gate_up=b_gate_up, a_down=a_down, b_down=b_down)
     p = packed_of(handle)
+    _train_dims(x, top_k_index, a_gate_up, a_down)
     n, d = x.shape
     k = top_k_index.shape[1]
     cols = p.train_work_cols(0 if a_gate_up is None else a_gate_up.shape[1], 0 if a_down is None else a_down.shape[1])
@@ -197,6 +218,7 @@ def packed_experts_train(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, 
 @packed_experts_train.register_fake
 def _(x, top_k_index, top_k_weights, a_gate_up, b_gate_up, a_down, b_down, scale, handle, expert_parallel):
     p = packed_of(handle)
+    _train_dims(x, top_k_index, a_gate_up, a_down)
     n, d = x.shape
     k = top_k_index.shape[1]
     cols = p.train_work_cols(0 if a_gate_up is None else a_gate_up.shape[1], 0 if a_down is None else a_down.shape[1])

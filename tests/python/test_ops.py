@@ -299,6 +299,29 @@ def test_bad_input_errors():
         ops.packed_experts(x, ids, w, 987654, False)
 
 
+def test_inputs_of_other_dimensions_are_shape_errors():
+    """The ops read their output shapes from the inputs' before the extension checks them: an input of other
+    dimensions is a ShapeError naming it, not an unpacking error naming nothing."""
+    x, ids, w, gu, dn, _, _ = case(requires_grad=False)
+    call = lambda *a: ops.float_experts(*a, None, None, "silu", False, False, 1.7, 7.0, False)  # noqa: E731
+    for args, name, dims in (((x[0], ids, w, gu, dn), "hidden_states", 1),
+                             ((x[None], ids, w, gu, dn), "hidden_states", 3),
+                             ((x, ids[:, 0], w, gu, dn), "top_k_index", 1),
+                             ((x, ids, w, gu[0], dn), "gate_up_proj", 2)):
+        with pytest.raises(apex_ffn.ShapeError, match=f"float_experts: argument '{name}' has {dims} dimensions"):
+            call(*args)
+    _, h, _ = packed()
+    train = lambda *a: ops.packed_experts_train(*a, None, None, None, None, 1.0, h, False)  # noqa: E731
+    for args, name, dims in (((x[0], ids, w), "hidden_states", 1), ((x[None], ids, w), "hidden_states", 3),
+                             ((x, ids[:, 0], w), "top_k_index", 1)):
+        with pytest.raises(apex_ffn.ShapeError, match=f"packed_experts_train: argument '{name}' has {dims} dim"):
+            train(*args)
+    with pytest.raises(apex_ffn.ShapeError, match="argument 'a_gate_up' has 2 dimensions, expected 3"):
+        ops.packed_experts_train(x, ids, w, torch.randn(3, D), torch.randn(E, 2 * F, 3), None, None, 1.0, h, False)
+    with pytest.raises(apex_ffn.ShapeError, match="argument 'hidden_states' has 1 dimensions, expected 2"):
+        ops.packed_experts(x[0], ids, w, h, False)
+
+
 def test_empty_inputs_of_any_strides():
     """A tensor without elements has no layout to check: torch gives it any strides (torch.empty(n, 0) has
     (1, 1), a transposed empty one its transpose's) and calls it contiguous, so none is refused as not
