@@ -167,6 +167,10 @@ def packed_forward(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, handle
     bf16 pairs where the kernel path has them). The experts' outputs in plan order go to the extension's
     scratch: nothing reads them after an inference forward."""
     _cpu("packed_experts", hidden_states=x, top_k_index=top_k_index, top_k_weights=top_k_weights)
+    # Called without the dispatcher, which resolves a lazily negated view (e.g. from z.conj().imag) for the ops:
+    # DLPack would hand over its memory un-negated, so the values are resolved here.
+    if x.is_neg() or top_k_index.is_neg() or top_k_weights.is_neg():
+        x, top_k_index, top_k_weights = x.resolve_neg(), top_k_index.resolve_neg(), top_k_weights.resolve_neg()
     p = packed_of(handle)
     y = _empty(*x.shape, like=x)
     p.forward(x, top_k_index, top_k_weights, expert_parallel, y, None, get_num_threads(), bf16_activations)

@@ -322,6 +322,16 @@ def test_inputs_of_other_dimensions_are_shape_errors():
         ops.packed_experts(x[0], ids, w, h, False)
 
 
+def test_packed_forward_reads_negated_views_as_their_values():
+    """ops.packed_forward skips torch's dispatcher, which resolves a lazily negated view for the ops: it
+    resolves the views itself (their memory holds the values un-negated, and DLPack hands it over as it is)."""
+    _, h, _ = packed()
+    x, ids, w, *_ = case(requires_grad=False)
+    y = ops.packed_forward(x, ids, w, h, False)
+    assert torch.equal(ops.packed_forward(torch._neg_view(-x), ids, torch._neg_view(-w), h, False), y)
+    assert torch.equal(ops.packed_forward(x, torch._neg_view(-ids), w, h, False), y)
+
+
 def test_empty_inputs_of_any_strides():
     """A tensor without elements has no layout to check: torch gives it any strides (torch.empty(n, 0) has
     (1, 1), a transposed empty one its transpose's) and calls it contiguous, so none is refused as not
