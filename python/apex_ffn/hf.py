@@ -57,6 +57,7 @@ def _packed_bf16(module, layout):
 def apex_experts_forward(module, hidden_states, top_k_index, top_k_weights):
     """transformers' experts function: (T, H), (T, K) ids, (T, K) weights → (T, H) in the input's dtype."""
     layout = cached_layout(module)
+    ops.check_routed_dtypes(f"apex_ffn: {type(module).__name__}", hidden_states, top_k_index, top_k_weights)
     dtype = hidden_states.dtype
     x = hidden_states.float().contiguous()
     w = top_k_weights.float().contiguous()

@@ -64,6 +64,18 @@ def _dims(op, **tensors):
             raise _core.ShapeError(f"apex_ffn::{op}: argument '{name}' has {t.dim()} dimensions, expected {dims}")
 
 
+def check_routed_dtypes(where, hidden_states, top_k_index, top_k_weights):
+    """ValueError unless the hidden states and routing weights are floating point and the expert ids integers:
+    the experts modules cast what they are given to float32 and int64, which would truncate float ids (1.7 is
+    expert 1), read booleans as ids 0 and 1 and drop a complex input's imaginary part without a word."""
+    for name, t in (("hidden_states", hidden_states), ("top_k_weights", top_k_weights)):
+        if not t.is_floating_point():
+            raise _core.ValueError(f"{where}: argument '{name}' has dtype {t.dtype}, expected a floating-point dtype")
+    if top_k_index.is_floating_point() or top_k_index.is_complex() or top_k_index.dtype == torch.bool:
+        raise _core.ValueError(f"{where}: argument 'top_k_index' has dtype {top_k_index.dtype}, expected an "
+                               "integer dtype (expert ids)")
+
+
 def _empty(*shape, like):
     return torch.empty(*shape, dtype=torch.float32, device=like.device)
 

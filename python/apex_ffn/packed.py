@@ -84,6 +84,7 @@ class PackedExpertsModule(nn.Module):
             y = self.packed.infer(hidden_states, top_k_index, top_k_weights, self.layout.expert_parallel)
             if y is not None:
                 return y
+        ops.check_routed_dtypes("apex_ffn.PackedExpertsModule", hidden_states, top_k_index, top_k_weights)
         dtype = hidden_states.dtype
         bf16 = dtype == torch.bfloat16  # a bf16 model: bf16 experts may multiply in bf16 pairs
         ep = self.layout.expert_parallel

@@ -132,3 +132,20 @@ def grads_for(module, x, ids, w, dy):
     found = [xr.grad, wr.grad] + [p.grad for p in module.parameters() if p.grad is not None]
     assert len(found) > 2  # the weights' gradients too
     return torch.cat([t.reshape(-1) for t in found])
+
+
+def test_inputs_of_wrong_dtypes_are_refused():
+    """The implementation casts its inputs to float32 and int64: float or boolean ids, integer or complex
+    hidden states and integer weights are refused by name instead of truncated; integer ids of any width run."""
+    model = tiny_model("qwen3_moe")
+    _, experts = experts_modules(model)[0]
+    x, ids, w = torch.randn(5, 32), torch.randint(0, 6, (5, 2)), torch.rand(5, 2)
+    for args, name, dtype in (((x, ids.float() + 0.7, w), "top_k_index", "torch.float32"),
+                              ((x, ids > 2, w), "top_k_index", "torch.bool"),
+                              ((x.long(), ids, w), "hidden_states", "torch.int64"),
+                              ((x.to(torch.complex64), ids, w), "hidden_states", "torch.complex64"),
+                              ((x, ids, (w * 3).long()), "top_k_weights", "torch.int64")):
+        with pytest.raises(ValueError, match=f"Qwen3MoeExperts: argument '{name}' has dtype {dtype}"):
+            apex_ffn.hf.apex_experts_forward(experts, *args)
+    y = apex_ffn.hf.apex_experts_forward(experts, x, ids, w)
+    assert torch.equal(apex_ffn.hf.apex_experts_forward(experts, x, ids.int(), w), y)

@@ -395,3 +395,26 @@ def test_transformers_gguf_load_with_packed_experts(tmp_path):
         a = ref.generate(prompt, max_new_tokens=4, do_sample=False)
         b = ours.generate(prompt, max_new_tokens=4, do_sample=False)
     assert torch.equal(a, b)
+
+
+def test_inputs_of_wrong_dtypes_are_refused():
+    """The module casts its inputs to float32 and int64: float or boolean ids (1.7 would be expert 1), integer or
+    complex hidden states and integer weights are refused by name instead, in inference and with gradients.
+    Every integer id dtype and floating-point input dtype is read."""
+    model = tiny_model("qwen3_moe")
+    ref = copy.deepcopy(model)
+    pack_experts(model, "f32")
+    mod, (_, eager) = model.get_submodule("model.layers.0.mlp.experts"), float_experts_modules(ref)[0]
+    x, ids, w = torch.randn(5, 32), torch.randint(0, 6, (5, 2)), torch.rand(5, 2)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            for args, name, dtype in (((x, ids.float() + 0.7, w), "top_k_index", "torch.float32"),
+                                      ((x, ids > 2, w), "top_k_index", "torch.bool"),
+                                      ((x.long(), ids, w), "hidden_states", "torch.int64"),
+                                      ((x.to(torch.complex64), ids, w), "hidden_states", "torch.complex64"),
+                                      ((x, ids, (w * 3).long()), "top_k_weights", "torch.int64")):
+                with pytest.raises(ValueError, match=f"PackedExpertsModule: argument '{name}' has dtype {dtype}"):
+                    mod(*args)
+            y = eager(x, ids, w)
+            for args in ((x, ids.int(), w), (x, ids.to(torch.uint8), w), (x.double(), ids, w.double())):
+                assert rel(mod(*args).float(), y) <= 1e-5
