@@ -98,6 +98,10 @@ def load_model(path, dtype=torch.float32, threads=None, **config_kwargs):
     the library's typed ones (FormatError for a file that is not a complete model of its architecture)."""
     from transformers import AutoModelForCausalLM
     path = os.fspath(path)
+    # The library's reader checks the file first (a regular file, its header, every tensor within its bytes):
+    # transformers' and gguf-py's readers, which run next, answer a directory, a device or a truncated file with
+    # errors that do not name the problem (a Hub lookup's OSError, a failed reshape, a struct error).
+    _core.GgufFile.open(path)
     config = _open_config(path, config_kwargs)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

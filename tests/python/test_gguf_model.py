@@ -75,8 +75,23 @@ def test_config_overrides_reach_the_model(tmp_path):
 
 
 def test_refusals(tmp_path):
-    with pytest.raises((apex_ffn.FormatError, OSError), match="not-there.gguf"):
+    with pytest.raises(apex_ffn.FormatError, match="not-there.gguf"):
         load_model(tmp_path / "not-there.gguf")
+    # what is not a GGUF file, or not all of one: the library's FormatError naming it, before transformers'
+    # reader (a Hub lookup's OSError, a failed reshape) or a read that would wait on a FIFO
+    path = tmp_path / "tiny.gguf"
+    make_tiny_qwen3_moe_gguf(path, "Q8_0")
+    data = path.read_bytes()
+    (tmp_path / "half.gguf").write_bytes(data[:len(data) // 2])
+    (tmp_path / "header.gguf").write_bytes(data[:100])
+    (tmp_path / "folder.gguf").mkdir()
+    os.mkfifo(tmp_path / "fifo.gguf")
+    for name, why in (("half.gguf", "extends past the end"), ("header.gguf", "cannot fit"),
+                      ("folder.gguf", "not a regular file"), ("fifo.gguf", "not a regular file")):
+        with pytest.raises(apex_ffn.FormatError, match=f"{name}.*{why}"):
+            load_model(tmp_path / name)
+    with pytest.raises(apex_ffn.FormatError, match="'/dev/zero' is not a regular file"):
+        load_model("/dev/zero")
     # a file with the experts and routers only (tests/python/test_packed.py's writer): the rest is named
     from test_packed import wide_model, write_gguf
     path = tmp_path / "experts-only.gguf"
