@@ -94,6 +94,13 @@ def add_lora(model, r, lora_alpha, targets=TARGETS, use_rslora=False, seed=0, fr
     found = packed_modules(model)
     if not isinstance(r, int) or r < 1:
         raise _core.ConfigError(f"apex_ffn.add_lora: rank {r}, expected >= 1")
+    # a NaN or infinite alpha would make every adapted output NaN (its scale multiplies B·A, zero or not)
+    try:
+        finite = math.isfinite(lora_alpha)
+    except TypeError:
+        finite = False
+    if not finite:
+        raise _core.ConfigError(f"apex_ffn.add_lora: lora_alpha {lora_alpha!r}, expected a finite number")
     g = torch.Generator().manual_seed(seed)
     made = [ExpertsLora(m.num_experts, m.hidden_dim, m.intermediate_dim, r, _scale(r, lora_alpha, use_rslora),
                         targets, g) for _, m in found]  # every module built before the first is changed
@@ -174,7 +181,7 @@ def save_peft(model, folder, base_model_name_or_path=None, task_type="CAUSAL_LM"
 def load_peft(model, folder):
     """Reads a peft adapter folder into the model's packed experts (adapters made as the config says).
     Every tensor is checked before the first module changes: an error leaves the model as it was."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     cfg = _core.read_peft_config(str(folder))
     targets = [t for t in TARGETS if any(p.endswith("experts." + t) for p in cfg["target_parameters"])]
     others = [p for p in cfg["target_parameters"] if not p.endswith(("experts.gate_up_proj", "experts.down_proj"))]
@@ -189,7 +196,12 @@ def load_peft(model, folder):
         raise _core.FormatError(f"apex_ffn.load_peft: {folder} has no adapter_model.safetensors")
     r = int(cfg["r"])
     staged = []
-    with safe_open(path, framework="pt") as f:
+    try:
+        opened = safe_open(path, framework="pt")
+    except SafetensorError as err:  # a truncated or corrupt file: the library's FormatError, naming it
+        raise _core.FormatError(f"apex_ffn.load_peft: {path} is not a safetensors file that can be read: {err}"
+                                ) from None
+    with opened as f:
         keys = set(f.keys())
         used = set()
         for name, m in found:

@@ -179,3 +179,31 @@ def test_refusals_leave_the_model_unchanged(tmp_path):
     assert all(getattr(m, "lora", None) is None for _, m in ours.named_modules())
     with pytest.raises(apex_ffn.ConfigError, match="rank 0, expected >= 1"):
         add_lora(ours, 0, 8)
+
+
+def test_unreadable_adapter_file_and_non_finite_alpha_leave_the_model_unchanged(tmp_path):
+    base = tiny_model("qwen3_moe")
+    peft_model(base).save_pretrained(tmp_path / "whole")
+    ours = copy.deepcopy(base)
+    pack_experts(ours, "f32")
+    add_lora(ours, 2, 4, seed=7)
+    before = {n: p.detach().clone() for n, p in ours.named_parameters() if "lora" in n}
+
+    def unchanged():
+        after = {n: p.detach() for n, p in ours.named_parameters() if "lora" in n}
+        return after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in after)
+
+    # a truncated tensor file: the library's FormatError naming it (not safetensors' own error type)
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "adapter_config.json").write_bytes((tmp_path / "whole" / "adapter_config.json").read_bytes())
+    data = (tmp_path / "whole" / "adapter_model.safetensors").read_bytes()
+    (cut / "adapter_model.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(apex_ffn.FormatError, match="adapter_model.safetensors is not a safetensors file that can be"):
+        load_peft(ours, cut)
+    assert unchanged()
+    # a NaN or infinite alpha would scale every adapter to NaN
+    for alpha in (float("nan"), float("inf"), "8"):
+        with pytest.raises(apex_ffn.ConfigError, match="lora_alpha .*, expected a finite number"):
+            add_lora(ours, 4, alpha)
+    assert unchanged()
