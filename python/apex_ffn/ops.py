@@ -56,6 +56,17 @@ def _cpu(op, **tensors):
                                    "tensors: move it with .cpu()")
 
 
+def _one_device(op, x, **tensors):
+    """ValueError naming the op and argument for tensors on other devices than hidden_states. The fake
+    implementations need it: torch's dispatcher runs them, not the op's body, when any argument is a meta tensor,
+    and their outputs follow hidden_states' device, so CPU hidden states with meta weights would come back as
+    uninitialised CPU tensors, as if computed."""
+    for name, t in tensors.items():
+        if t is not None and t.device != x.device:
+            raise _core.ValueError(f"apex_ffn::{op}: argument '{name}' is on {t.device} and 'hidden_states' on "
+                                   f"{x.device}; apex_ffn computes on CPU tensors: move them with .cpu()")
+
+
 def _dims(op, **tensors):
     """ShapeError naming the op and argument for a tensor without the dimensions the op reads its shapes from
     (checked before those reads, which would otherwise fail with an unpacking error naming nothing)."""
@@ -110,6 +121,8 @@ def float_experts(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up
 @float_experts.register_fake
 def _(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, gate, transposed, interleaved, alpha,
       limit, expert_parallel):
+    _one_device("float_experts", x, top_k_index=top_k_index, top_k_weights=top_k_weights, gate_up_proj=gate_up,
+                down_proj=down, gate_up_proj_bias=gate_up_bias, down_proj_bias=down_bias)
     _float_dims(x, top_k_index, gate_up)
     n, d = x.shape
     k = top_k_index.shape[1]
@@ -139,6 +152,9 @@ def float_experts_backward(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor
 @float_experts_backward.register_fake
 def _(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, gate, transposed, interleaved, alpha,
       limit, expert_parallel, dy, y_sorted, work, weight_grads, bias_grads):
+    _one_device("float_experts_backward", x, top_k_index=top_k_index, top_k_weights=top_k_weights,
+                gate_up_proj=gate_up, down_proj=down, gate_up_proj_bias=gate_up_bias, down_proj_bias=down_bias, dy=dy,
+                y_sorted=y_sorted, work=work)
     empty = lambda: x.new_empty(0)  # noqa: E731
     return (torch.empty_like(x), torch.empty_like(top_k_weights),
             torch.empty_like(gate_up) if weight_grads else empty(), torch.empty_like(down) if weight_grads else empty(),
@@ -197,6 +213,7 @@ def packed_experts(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, handle
 
 @packed_experts.register_fake
 def _(x, top_k_index, top_k_weights, handle, expert_parallel, bf16_activations=False):
+    _one_device("packed_experts", x, top_k_index=top_k_index, top_k_weights=top_k_weights)
     _dims("packed_experts", hidden_states=(x, 2))
     return x.new_empty(x.shape[0], x.shape[1])
 
@@ -233,6 +250,8 @@ def packed_experts_train(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, 
 
 @packed_experts_train.register_fake
 def _(x, top_k_index, top_k_weights, a_gate_up, b_gate_up, a_down, b_down, scale, handle, expert_parallel):
+    _one_device("packed_experts_train", x, top_k_index=top_k_index, top_k_weights=top_k_weights, a_gate_up=a_gate_up,
+                b_gate_up=b_gate_up, a_down=a_down, b_down=b_down)
     p = packed_of(handle)
     _train_dims(x, top_k_index, a_gate_up, a_down)
     n, d = x.shape
@@ -257,6 +276,9 @@ def packed_experts_train_backward(x: Tensor, top_k_index: Tensor, top_k_weights:
 @packed_experts_train_backward.register_fake
 def _(x, top_k_index, top_k_weights, a_gate_up, b_gate_up, a_down, b_down, scale, handle, expert_parallel, dy,
       y_sorted, work):
+    _one_device("packed_experts_train_backward", x, top_k_index=top_k_index, top_k_weights=top_k_weights,
+                a_gate_up=a_gate_up, b_gate_up=b_gate_up, a_down=a_down, b_down=b_down, dy=dy, y_sorted=y_sorted,
+                work=work)
     return [torch.empty_like(x), torch.empty_like(top_k_weights)] + [
         torch.empty_like(t) if t is not None else x.new_empty(0) for t in (a_gate_up, b_gate_up, a_down, b_down)]
 

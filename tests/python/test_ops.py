@@ -354,3 +354,34 @@ def test_empty_inputs_of_any_strides():
                                 False, 1.7, 7.0, False)
     y.sum().backward()
     assert torch.equal(xr.grad, torch.zeros(N, D))
+
+
+def test_arguments_on_other_devices_than_hidden_states():
+    """torch's dispatcher runs an op's fake implementation, not its body, when any argument is a meta tensor
+    (experts weights left on the meta device, say); the outputs follow hidden_states' device, so CPU hidden
+    states would come back as uninitialised CPU tensors. Such mixes are a ValueError naming the argument;
+    all-meta arguments still give meta outputs (shapes only)."""
+    x, ids, w, gu, dn, _, _ = case(requires_grad=False)
+    meta = lambda t: t.to("meta")  # noqa: E731
+    flags = ("silu", False, False, 1.7, 7.0, False)
+    for i, name in ((1, "top_k_index"), (2, "top_k_weights"), (3, "gate_up_proj"), (4, "down_proj")):
+        args = [x, ids, w, gu, dn]
+        args[i] = meta(args[i])
+        with pytest.raises(ValueError, match=f"float_experts: argument '{name}' is on meta and 'hidden_states' on cpu"):
+            ops.float_experts(*args, None, None, *flags)
+    y, ys, work = ops.float_experts(*map(meta, (x, ids, w, gu, dn)), None, None, *flags)
+    assert y.is_meta and y.shape == (N, D)
+    _, ys, work = ops.float_experts(x, ids, w, gu, dn, None, None, *flags)
+    with pytest.raises(ValueError, match="float_experts_backward: argument 'dy' is on meta"):
+        ops.float_experts_backward(x, ids, w, gu, dn, None, None, *flags, meta(torch.randn(N, D)), ys, work, True,
+                                   False)
+    _, h, _ = packed()
+    with pytest.raises(ValueError, match="packed_experts: argument 'top_k_weights' is on meta and 'hidden_states'"):
+        ops.packed_experts(x, ids, meta(w), h, False)
+    a, b = torch.randn(E, 3, D), torch.zeros(E, 2 * F, 3)
+    with pytest.raises(ValueError, match="packed_experts_train: argument 'a_gate_up' is on meta"):
+        ops.packed_experts_train(x, ids, w, meta(a), meta(b), None, None, 1.0, h, False)
+    _, ys, work = ops.packed_experts_train(x, ids, w, a, b, None, None, 1.0, h, False)
+    with pytest.raises(ValueError, match="packed_experts_train_backward: argument 'work' is on meta"):
+        ops.packed_experts_train_backward(x, ids, w, a, b, None, None, 1.0, h, False, torch.randn(N, D), ys,
+                                          meta(work))
