@@ -20,6 +20,8 @@ narrowed back by autograd). In a bf16 model on the avx512_bf16 path the
 packed SiLU-gated experts multiply in bf16 pairs (`vdpbf16ps`), rounding
 the hidden activations to bf16 as the model's own experts do.
 """
+import weakref
+
 import torch
 
 from . import _core, ops
@@ -27,18 +29,25 @@ from .layout import cached_layout
 
 NAME = "apex_ffn"
 
+# module → (key, handle, weak references to the tensors packed): _packed_bf16's cache, beside the module rather
+# than in its __dict__, where the references would stop the module from pickling
+_PACKED_BF16 = weakref.WeakKeyDictionary()
+
 
 def _bias(module, name, layout):
     return getattr(module, name) if layout.has_bias else None
 
 
 def _packed_bf16(module, layout):
-    """The module's bf16/f16 weights packed as bf16, rebuilt when a weight changes (its version)."""
+    """The module's bf16/f16 weights packed as bf16, rebuilt when a weight changes: written in place (its
+    version) or replaced by another tensor. The cache holds weak references to the tensors it packed: a new
+    tensor can take a freed one's address and version count (del, then a new weight of the same size), which
+    a key of addresses and versions alone would take for the packed weights, silently."""
     tensors = [module.gate_up_proj, module.down_proj] + (
         [module.gate_up_proj_bias, module.down_proj_bias] if layout.has_bias else [])
     key = tuple((t.data_ptr(), t._version) for t in tensors)
-    cached = module.__dict__.get("_apex_ffn_packed")
-    if cached is not None and cached[0] == key:
+    cached = _PACKED_BF16.get(module)
+    if cached is not None and cached[0] == key and all(ref() is t for ref, t in zip(cached[2], tensors)):
         return cached[1]
     if layout.gate == "silu" and layout.has_bias:
         raise _core.ConfigError(f"apex_ffn: {type(module).__name__}: SiLU-gated experts with biases in "
@@ -50,7 +59,7 @@ def _packed_bf16(module, layout):
     if cached is not None:
         ops.release_packed(cached[1])
     handle = ops.register_packed(p)
-    module.__dict__["_apex_ffn_packed"] = (key, handle)
+    _PACKED_BF16[module] = (key, handle, [weakref.ref(t) for t in tensors])
     return handle
 
 

@@ -64,6 +64,26 @@ def test_bf16_model(family):
     assert rel(b, a) <= 3e-2  # bf16 rounding of the activations on either side
 
 
+def test_bf16_weights_replaced_at_a_freed_address_are_packed_again():
+    """Without gradients, bf16 experts run packed, once per weight version. A weight deleted and replaced by a
+    new tensor of its size mostly gets the freed memory back, with the same version count: the new weights
+    are what runs, not the packing of the freed ones."""
+    model = tiny_model("qwen3_moe", dtype=torch.bfloat16)
+    _, experts = experts_modules(model)[0]
+    g = torch.Generator().manual_seed(3)
+    x, ids, w = torch.randn(6, 32, generator=g).bfloat16(), torch.randint(0, 6, (6, 2), generator=g), torch.rand(6, 2)
+    with torch.no_grad():
+        apex_ffn.hf.apex_experts_forward(experts, x, ids, w)
+        for _ in range(4):
+            shape = experts.gate_up_proj.shape
+            del experts.gate_up_proj
+            experts.gate_up_proj = torch.nn.Parameter(torch.empty(shape, dtype=torch.bfloat16), requires_grad=False)
+            experts.gate_up_proj.normal_(0.0, 0.2, generator=g)
+            fresh = copy.deepcopy(experts)  # packs its own copy of the new weights
+            assert torch.equal(apex_ffn.hf.apex_experts_forward(experts, x, ids, w),
+                               apex_ffn.hf.apex_experts_forward(fresh, x, ids, w))
+
+
 def test_expert_parallel_empty_slots():
     model = tiny_model("qwen3_moe")
     _, experts = experts_modules(model)[0]
