@@ -72,9 +72,10 @@ def apex_experts_forward(module, hidden_states, top_k_index, top_k_weights):
     w = top_k_weights.float().contiguous()
     ids = top_k_index.long().contiguous()
     gu, dn = module.gate_up_proj, module.down_proj
-    grad = torch.is_grad_enabled() and any(
+    grad = torch.is_grad_enabled() and any(  # every input with a gradient: the packed path gives none
         t is not None and t.requires_grad
-        for t in (hidden_states, top_k_weights, gu, dn, _bias(module, "gate_up_proj_bias", layout)))
+        for t in (hidden_states, top_k_weights, gu, dn, _bias(module, "gate_up_proj_bias", layout),
+                  _bias(module, "down_proj_bias", layout)))
     if gu.dtype != torch.float32 and not grad:
         y = ops.packed_experts(x, ids, w, _packed_bf16(module, layout), layout.expert_parallel,
                                dtype == torch.bfloat16)

@@ -84,6 +84,24 @@ def test_bf16_weights_replaced_at_a_freed_address_are_packed_again():
                                apex_ffn.hf.apex_experts_forward(fresh, x, ids, w))
 
 
+@pytest.mark.parametrize("trained", ["gate_up_proj_bias", "down_proj_bias", "gate_up_proj", "down_proj"])
+def test_bf16_experts_with_one_trained_tensor_give_its_gradient(trained):
+    """bf16 experts run packed (no gradients) only when nothing needs a gradient: with just one weight or
+    bias of gpt-oss's experts trainable, it gets its gradient, as eager gives it."""
+    model = tiny_model("gpt_oss", dtype=torch.bfloat16)
+    model.requires_grad_(False)
+    _, experts = experts_modules(model)[0]
+    getattr(experts, trained).requires_grad_(True)
+    g = torch.Generator().manual_seed(3)
+    x, ids, w = torch.randn(6, 32, generator=g).bfloat16(), torch.randint(0, 6, (6, 2), generator=g), torch.rand(6, 2)
+    grads = []
+    for run in (apex_ffn.hf.apex_experts_forward, lambda m, *a: type(m).forward(m, *a)):
+        getattr(experts, trained).grad = None
+        run(experts, x, ids, w.bfloat16()).float().pow(2).sum().backward()
+        grads.append(getattr(experts, trained).grad)
+    assert grads[0] is not None and rel(grads[0].float(), grads[1].float()) <= 3e-2
+
+
 def test_expert_parallel_empty_slots():
     model = tiny_model("qwen3_moe")
     _, experts = experts_modules(model)[0]
