@@ -70,9 +70,10 @@ FloatCall float_call(const char* where, const Array& x, const Array& ids, const 
   c.experts.l = l;
   c.experts.gate_up = gu.data;
   c.experts.down = dn.data;
-  if (l.has_bias != (gu_bias.has_value() && down_bias.has_value()))
-    throw ConfigError(std::string(where) + ": has_bias is " + (l.has_bias ? "true" : "false") +
-                      " but the biases were " + (gu_bias ? "" : "not ") + "given");
+  // The callers derive has_bias from gate_up_proj's bias alone: a down_proj bias without it would be dropped.
+  if (gu_bias.has_value() != down_bias.has_value())
+    throw ConfigError(std::string(where) + ": give both biases or neither; only '" +
+                      (gu_bias ? "gate_up_proj_bias" : "down_proj_bias") + "' was given");
   if (l.has_bias) {
     const auto gb = view<const float>(where, "gate_up_proj_bias", *gu_bias, Elem::f32, 2);
     const auto db = view<const float>(where, "down_proj_bias", *down_bias, Elem::f32, 2);

@@ -385,3 +385,15 @@ def test_arguments_on_other_devices_than_hidden_states():
     with pytest.raises(ValueError, match="packed_experts_train_backward: argument 'work' is on meta"):
         ops.packed_experts_train_backward(x, ids, w, a, b, None, None, 1.0, h, False, torch.randn(N, D), ys,
                                           meta(work))
+
+
+def test_one_bias_without_the_other_is_refused():
+    """The biases come as a pair: a down_proj bias without gate_up_proj's was dropped without a word."""
+    x, ids, w, gu, dn, gb, db = case(bias=True, requires_grad=False)
+    flags = ("clamped", False, False, 1.7, 7.0, False)
+    _, ys, work = ops.float_experts(x, ids, w, gu, dn, gb, db, *flags)
+    for biases, given in (((gb, None), "gate_up_proj_bias"), ((None, db), "down_proj_bias")):
+        with pytest.raises(apex_ffn.ConfigError, match=f"give both biases or neither; only '{given}' was given"):
+            ops.float_experts(x, ids, w, gu, dn, *biases, *flags)
+        with pytest.raises(apex_ffn.ConfigError, match=f"give both biases or neither; only '{given}' was given"):
+            ops.float_experts_backward(x, ids, w, gu, dn, *biases, *flags, torch.randn(N, D), ys, work, False, False)
