@@ -16,11 +16,15 @@
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
+#include <sys/resource.h>
+
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -369,6 +373,62 @@ TEST_CASE("peft files: a load refuses a file it cannot read exactly, naming why,
                  "ConfigError", {"layer index 1 is given twice"});
     CHECK(peft_same_bits(before, peft_snapshot(dst)));
   }
+}
+
+TEST_CASE("peft files: a failed save leaves the folder's previous adapter as it was, both files",
+          "[peft][errors][regression]") {
+  // save_peft_adapter (adapters/peft_save.hpp) replaced the tensors, then
+  // wrote the config: a config that could not be written left the new
+  // tensors beside the old config (an adapter of another r that loads as
+  // neither), and a base_model_name_or_path that is not UTF-8 escaped as
+  // nlohmann's type_error after the tensors were replaced. Fixed: the
+  // config's text is made (ValueError) before anything is written, and
+  // both files are written whole before either replaces the old one
+  // (io::write_files_atomic).
+  namespace fs = std::filesystem;
+  test::TempDir dir;
+  const PeftNames names = PeftNames::of(MoEFamily::Qwen3MoE);
+  using Layer = LoraMoE<MoEFFN<double>>;
+  Layer saved(peft_base<double>(MoEFamily::Qwen3MoE, 1), peft_opts(2, kFused), Rng(2));
+  peft_draw_b(saved, 3);
+  const std::string d = dir / "adapter";
+  save_peft_adapter(d, 0, saved, names);
+  const auto bytes = [](const std::string& path) {
+    std::ifstream f(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  };
+  const std::string tensors = bytes(d + "/" + kPeftWeightsName), config = bytes(d + "/" + kPeftConfigName);
+  LoraOptions other = peft_opts(3, kFused);  // another r: the files of the two saves do not mix
+  other.alpha = 5;
+  Layer next(peft_base<double>(MoEFamily::Qwen3MoE, 1), other, Rng(4));
+  peft_draw_b(next, 5);
+  PeftSaveOptions so(names);
+  std::string got;
+  SECTION("a base_model_name_or_path that is not UTF-8") {
+    so.base_model_name_or_path = "org/\xff\xfe";
+    got = test::outcome([&] { save_peft_adapter(d, 0, next, so); });
+    test::expect(got, "ValueError", {"save_peft_adapter", "not valid UTF-8"});
+  }
+  SECTION("the config cannot be written, the tensors could (file size limit)") {
+    so.base_model_name_or_path = std::string(64 * 1024, 'm');  // the config far larger than the tensors
+    // RLIMIT_FSIZE fails write() with EFBIG, as a full disk with ENOSPC; SIGXFSZ would end the process.
+    struct rlimit limit {};
+    REQUIRE(::getrlimit(RLIMIT_FSIZE, &limit) == 0);
+    auto* old_handler = std::signal(SIGXFSZ, SIG_IGN);
+    struct rlimit small = limit;
+    small.rlim_cur = 16 * 1024;
+    REQUIRE(::setrlimit(RLIMIT_FSIZE, &small) == 0);
+    got = test::outcome([&] { save_peft_adapter(d, 0, next, so); });
+    ::setrlimit(RLIMIT_FSIZE, &limit);
+    std::signal(SIGXFSZ, old_handler);
+    test::expect(got, "FormatError", {"cannot write", kPeftConfigName});
+  }
+  CHECK(bytes(d + "/" + kPeftWeightsName) == tensors);
+  CHECK(bytes(d + "/" + kPeftConfigName) == config);
+  CHECK(std::distance(fs::directory_iterator(d), fs::directory_iterator()) == 2);  // no temporary file left
+  Layer back(peft_base<double>(MoEFamily::Qwen3MoE, 1), peft_opts(2, kFused), Rng(6));
+  load_peft_adapter(d, 0, back, names);
+  CHECK(peft_same_bits(peft_snapshot(saved), peft_snapshot(back)));
 }
 
 TEST_CASE("peft files: a save refuses what peft's files cannot express", "[peft][errors]") {

@@ -195,6 +195,7 @@ inline PeftAdapterConfig read_peft_config(const std::string& path, const safeten
 /// The adapter_config.json a save writes for `c`: the keys peft writes for
 /// plain LoRA (sorted, as peft's json.dumps(sort_keys=True) writes them),
 /// without `peft_version` (the file is not peft's) and with lora_dropout 0.
+/// ValueError for text that is not valid UTF-8.
 inline std::string peft_config_text(const PeftAdapterConfig& c) {
   using nlohmann::json;
   const auto text_or_null = [](const std::string& s) { return s.empty() ? json(nullptr) : json(s); };
@@ -223,7 +224,12 @@ inline std::string peft_config_text(const PeftAdapterConfig& c) {
   j["layers_to_transform"] = nullptr;
   j["layers_pattern"] = nullptr;
   j["exclude_modules"] = nullptr;
-  return j.dump(2) + "\n";
+  try {
+    return j.dump(2) + "\n";
+  } catch (const nlohmann::json::exception& e) {  // JSON text is UTF-8; nlohmann refuses other bytes
+    throw ValueError("adapter_config.json: a name or text (base_model_name_or_path, task_type, a target) is not "
+                     "valid UTF-8: " + std::string(e.what()));
+  }
 }
 
 }  // namespace apex

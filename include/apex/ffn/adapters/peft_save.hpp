@@ -6,11 +6,13 @@
 /// same names: what a test compares with peft's autograd).
 ///
 /// Every adapter of the given layers is written, in F32, F64 or BF16 (the
-/// layers' scalar by default: a bit-exact round trip), each file
-/// atomically (safetensors::write_file_atomic: the tensors first, then the
-/// config). Tied adapters are written into every expert's slot, a fused
-/// gate_up into a per-Linear layout as the gate and up projections'
-/// adapters with the same A. The config lists the adapted parameters by
+/// layers' scalar by default: a bit-exact round trip), the two files as one
+/// save (io::write_files_atomic): both are written whole under temporary
+/// names before the tensors', then the config's, replace the old ones, so a
+/// failed save leaves the folder's previous adapter as it was. Tied
+/// adapters are written into every expert's slot, a fused gate_up into a
+/// per-Linear layout as the gate and up projections' adapters with the
+/// same A. The config lists the adapted parameters by
 /// their full path (stacked layouts: `model.layers.3.mlp.experts.gate_up_proj`,
 /// a shared expert's `….shared_expert.gate_proj.weight`), so peft wraps
 /// exactly the saved layers; the apex layout lists its Linear modules as
@@ -21,7 +23,8 @@
 /// separate gate/up adapters on routed experts in a stacked layout, layers
 /// of different r, α or rslora (one config holds one), a trained router
 /// (`train_router`: the files hold only LoRA tensors; save the router with
-/// io/checkpoint.hpp). ValueError for a dtype other than F32, F64, BF16.
+/// io/checkpoint.hpp). ValueError for a dtype other than F32, F64, BF16, or
+/// a base_model_name_or_path or task_type that is not UTF-8.
 
 #include <algorithm>
 #include <cctype>
@@ -173,14 +176,24 @@ void save_peft_adapter(const std::string& folder, const std::vector<PeftLayerRef
     rows_major.emplace_back(m);
     refs.push_back({name, {std::uint64_t(m.rows()), std::uint64_t(m.cols())}, rows_major.back().data()});
   }
+  // The config's text before anything is written: it can fail (text that is
+  // not UTF-8), and a failure must not leave new tensors beside an old config.
+  std::string text;
+  try {
+    text = peft_config_text(c);
+  } catch (const ValueError& e) {
+    throw ValueError(where + ": " + e.what());
+  }
   std::error_code ec;
   std::filesystem::create_directories(folder, ec);
   if (ec) throw FormatError(where + ": cannot create the folder: " + ec.message());
   namespace fs = std::filesystem;
-  safetensors::save((fs::path(folder) / kPeftWeightsName).string(), refs, dtype, {{"format", "pt"}});
-  const std::string text = peft_config_text(c);
-  safetensors::write_file_atomic((fs::path(folder) / kPeftConfigName).string(),
-                                 [&](safetensors::ByteSink& out) { out.write(text.data(), text.size()); });
+  // One save of the pair: both files are written whole before either replaces the old one.
+  io::write_files_atomic(
+      where, {{(fs::path(folder) / kPeftWeightsName).string(),
+               [&](safetensors::ByteSink& out) { safetensors::write(out, refs, dtype, {{"format", "pt"}}); }},
+              {(fs::path(folder) / kPeftConfigName).string(),
+               [&](safetensors::ByteSink& out) { out.write(text.data(), text.size()); }}});
 }
 
 /// The same, `layers` as a braced list: {peft_layer(0, l0), peft_layer(1, l1)}.

@@ -20,6 +20,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "../../core/errors.hpp"
 #include "bytes.hpp"
@@ -80,11 +81,10 @@ inline int create_temp(const ScopedFd& dir, const std::string& name, std::size_t
 }
 
 /// Runs `produce` into the new file `fd` (named `tmp` in `dir`), flushes,
-/// fsyncs and closes it, and renames it over `name`. On any failure the
-/// temporary file is closed and removed and the exception propagates.
-inline void fill_and_rename(const std::string& format, const ScopedFd& dir, int fd, const std::string& tmp,
-                            const std::string& tmp_path, const std::string& name, const std::string& path,
-                            const std::function<void(ByteSink&)>& produce) {
+/// fsyncs and closes it. On any failure the temporary file is closed and
+/// removed and the exception propagates.
+inline void fill_temp(const std::string& format, const ScopedFd& dir, int fd, const std::string& tmp,
+                      const std::string& tmp_path, const std::function<void(ByteSink&)>& produce) {
   try {
     FdSink sink(format, fd, "temporary file '" + tmp_path + "'");
     produce(sink);
@@ -93,8 +93,6 @@ inline void fill_and_rename(const std::string& format, const ScopedFd& dir, int 
     const int rc = ::close(fd);
     fd = -1;
     if (rc != 0) throw FormatError(format + ": cannot close '" + tmp_path + "': " + std::strerror(errno));
-    if (::renameat(dir.fd, tmp.c_str(), dir.fd, name.c_str()) != 0)
-      throw FormatError(format + ": cannot rename '" + tmp_path + "' to '" + path + "': " + std::strerror(errno));
   } catch (...) {
     if (fd >= 0) ::close(fd);
     ::unlinkat(dir.fd, tmp.c_str(), 0);
@@ -102,7 +100,99 @@ inline void fill_and_rename(const std::string& format, const ScopedFd& dir, int 
   }
 }
 
+/// Renames the complete temporary file `tmp` over `name`; if that fails,
+/// removes it and throws FormatError.
+inline void rename_temp(const std::string& format, const ScopedFd& dir, const std::string& tmp,
+                        const std::string& tmp_path, const std::string& name, const std::string& path) {
+  if (::renameat(dir.fd, tmp.c_str(), dir.fd, name.c_str()) == 0) return;
+  const int err = errno;
+  ::unlinkat(dir.fd, tmp.c_str(), 0);
+  throw FormatError(format + ": cannot rename '" + tmp_path + "' to '" + path + "': " + std::strerror(err));
+}
+
 }  // namespace detail
+
+/// One file of a save: its path and what writes its content.
+struct AtomicFile {
+  std::string path;
+  std::function<void(ByteSink&)> produce;
+};
+
+/// Writes files of one folder that belong together (an adapter's tensors
+/// and its config) as write_file_atomic writes one, except that every file
+/// is first written whole to its temporary file (flushed, fsync'ed,
+/// closed), and only then are they renamed over their targets, in order,
+/// and the folder fsync'ed. So a failure while any file is produced or
+/// written (`produce` throws, the disk is full) leaves every target
+/// untouched, never a new file beside an old one. Only the renames are not
+/// one step: a crash, or a rename that fails, between two of them leaves
+/// the earlier files new and the later ones old (a rename that fails says
+/// which). FormatError for I/O errors and for paths in different folders.
+inline void write_files_atomic(const std::string& format, const std::vector<AtomicFile>& files) {
+  namespace fs = std::filesystem;
+  if (files.empty()) return;
+  const fs::path first(files.front().path);
+  const fs::path dir = first.has_parent_path() ? first.parent_path() : fs::path(".");
+  std::vector<std::string> names;
+  for (const AtomicFile& f : files) {
+    const fs::path target(f.path);
+    if (target.filename().empty()) throw FormatError(format + ": '" + f.path + "' does not name a file");
+    if ((target.has_parent_path() ? target.parent_path() : fs::path(".")) != dir)
+      throw FormatError(format + ": '" + f.path + "' is not in the folder '" + dir.string() +
+                        "' of the files saved with it");
+    names.push_back(target.filename().string());
+  }
+
+  detail::ScopedFd folder{::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)};
+  const auto cannot_create = [&](int err, const std::string& path) {
+    return FormatError(format + ": cannot create a temporary file in '" + dir.string() + "' to save '" + path +
+                       "': " + std::strerror(err));
+  };
+  if (folder.fd < 0) throw cannot_create(errno, files.front().path);
+  const std::size_t name_max = detail::folder_name_max(folder.fd);
+  for (std::size_t i = 0; i < files.size(); ++i)
+    if (names[i].size() > name_max)
+      throw FormatError(format + ": cannot save '" + files[i].path + "': its file name has " +
+                        std::to_string(names[i].size()) + " bytes, more than the " + std::to_string(name_max) +
+                        " its folder allows");
+
+  // Every file complete under its temporary name before any target changes.
+  std::vector<std::string> temps;
+  const auto remove_temps = [&](std::size_t from) {
+    for (std::size_t i = from; i < temps.size(); ++i) ::unlinkat(folder.fd, temps[i].c_str(), 0);
+  };
+  try {
+    for (std::size_t i = 0; i < files.size(); ++i) {
+      std::string tmp;
+      const int fd = detail::create_temp(folder, names[i], name_max, tmp);
+      if (fd < 0) throw cannot_create(errno, files[i].path);
+      detail::fill_temp(format, folder, fd, tmp, (dir / tmp).string(), files[i].produce);  // removes tmp on failure
+      temps.push_back(tmp);
+    }
+  } catch (...) {
+    remove_temps(0);
+    throw;
+  }
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    try {
+      detail::rename_temp(format, folder, temps[i], (dir / temps[i]).string(), names[i], files[i].path);
+    } catch (const FormatError& e) {
+      remove_temps(i + 1);
+      if (i == 0) throw;
+      std::string saved;
+      for (std::size_t j = 0; j < i; ++j) saved += (j ? ", '" : "'") + files[j].path + "'";
+      throw FormatError(std::string(e.what()) + "; already replaced: " + saved);
+    }
+  }
+
+  // The new files are in place; make the directory entries durable too.
+  const int rc = ::fsync(folder.fd);
+  const int err = errno;
+  // Some file systems cannot fsync a directory (EINVAL); the renames stand.
+  if (rc != 0 && err != EINVAL)
+    throw FormatError(format + ": saved '" + files.back().path + "' but cannot fsync its folder: " +
+                      std::strerror(err));
+}
 
 /// Writes a file atomically: `produce` writes the content to a temporary file
 /// in the same folder, which is flushed, fsync'ed, closed and renamed over
@@ -117,33 +207,7 @@ inline void fill_and_rename(const std::string& format, const ScopedFd& dir, int 
 /// Messages start with `format`, the format of the file saved.
 inline void write_file_atomic(const std::string& format, const std::string& path,
                               const std::function<void(ByteSink&)>& produce) {
-  namespace fs = std::filesystem;
-  const fs::path target(path);
-  if (target.filename().empty()) throw FormatError(format + ": '" + path + "' does not name a file");
-  const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
-  const std::string name = target.filename().string();
-
-  detail::ScopedFd folder{::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)};
-  const auto cannot_create = [&](int err) {
-    return FormatError(format + ": cannot create a temporary file in '" + dir.string() + "' to save '" + path +
-                       "': " + std::strerror(err));
-  };
-  if (folder.fd < 0) throw cannot_create(errno);
-  const std::size_t name_max = detail::folder_name_max(folder.fd);
-  if (name.size() > name_max)
-    throw FormatError(format + ": cannot save '" + path + "': its file name has " + std::to_string(name.size()) +
-                      " bytes, more than the " + std::to_string(name_max) + " its folder allows");
-  std::string tmp;
-  const int fd = detail::create_temp(folder, name, name_max, tmp);
-  if (fd < 0) throw cannot_create(errno);
-  detail::fill_and_rename(format, folder, fd, tmp, (dir / tmp).string(), name, path, produce);
-
-  // The new file is in place; make the directory entry durable too.
-  const int rc = ::fsync(folder.fd);
-  const int err = errno;
-  // Some file systems cannot fsync a directory (EINVAL); the rename stands.
-  if (rc != 0 && err != EINVAL)
-    throw FormatError(format + ": saved '" + path + "' but cannot fsync its folder: " + std::strerror(err));
+  write_files_atomic(format, {{path, produce}});
 }
 
 }  // namespace io
