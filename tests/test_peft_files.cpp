@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include <sys/resource.h>
+#include <sys/stat.h>
 
 #include <csignal>
 #include <cstdio>
@@ -303,6 +304,31 @@ TEST_CASE("peft files: a load refuses a file it cannot read exactly, naming why,
       {"r not an integer", config_edit([](auto& j) { j["r"] = 2.5; }), "ConfigError", {"'r' is 2.5"}},
       {"not JSON", [](const std::string& d) { std::ofstream(d + "/adapter_config.json") << "{\"r\": "; }, "FormatError",
        {"adapter_config.json", "not valid JSON"}},
+      // nlohmann/json ends its input at a NUL: the key after it went unread and the file loaded as plain LoRA
+      {"a NUL byte, then more JSON", [](const std::string& d) {
+         std::ofstream(d + "/adapter_config.json", std::ios::app) << '\0' << "{\"use_dora\": true}"; },
+       "FormatError", {"adapter_config.json", "not valid JSON", "NUL byte"}},
+      {"not an object", [](const std::string& d) { std::ofstream(d + "/adapter_config.json") << "[2]"; }, "FormatError",
+       {"adapter_config.json", "not a JSON object"}},
+      {"nested 100000 deep", [](const std::string& d) { std::ofstream(d + "/adapter_config.json") << std::string(100000, '['); },
+       "FormatError", {"adapter_config.json", "deeper than"}},
+      {"r beyond any rank", config_edit([](auto& j) { j["r"] = std::int64_t(1) << 40; }), "ConfigError", {"'r' is 1099511627776"}},
+      {"r 0", config_edit([](auto& j) { j["r"] = 0; }), "ConfigError", {"'r' is 0"}},
+      {"lora_alpha a string", config_edit([](auto& j) { j["lora_alpha"] = "4"; }), "FormatError", {"'lora_alpha' is not a number"}},
+      {"target_parameters a number", config_edit([](auto& j) { j["target_parameters"] = 3; }), "FormatError",
+       {"'target_parameters' is not a list"}},
+      {"the config a FIFO", [](const std::string& d) {
+         fs::remove(d + "/adapter_config.json");
+         REQUIRE(::mkfifo((d + "/adapter_config.json").c_str(), 0600) == 0); },
+       "FormatError", {"adapter_config.json", "not a regular file"}},
+      {"the tensors a FIFO", [](const std::string& d) {
+         fs::remove(d + "/adapter_model.safetensors");
+         REQUIRE(::mkfifo((d + "/adapter_model.safetensors").c_str(), 0600) == 0); },
+       "FormatError", {"adapter_model.safetensors", "not a regular file"}},
+      {"the tensors /dev/zero", [](const std::string& d) {
+         fs::remove(d + "/adapter_model.safetensors");
+         fs::create_symlink("/dev/zero", d + "/adapter_model.safetensors"); },
+       "FormatError", {"adapter_model.safetensors", "not a regular file"}},
       {"no config", [](const std::string& d) { fs::remove(d + "/adapter_config.json"); }, "FormatError",
        {"adapter_config.json"}},
   };
