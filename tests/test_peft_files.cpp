@@ -399,6 +399,17 @@ TEST_CASE("peft files: a load refuses a file it cannot read exactly, naming why,
                  "ConfigError", {"layer index 1 is given twice"});
     CHECK(peft_same_bits(before, peft_snapshot(dst)));
   }
+  SECTION("one layer given for two decoder layers") {
+    // load_peft_adapter (adapters/peft_load.hpp) committed each layer's
+    // stage in turn, so a layer given twice ended with the later index's
+    // adapters, silently. Fixed: refused before anything is read.
+    LoraMoE<MoEFFN<double>> other(peft_base<double>(MoEFamily::Qwen2MoE, 1), o, Rng(9));
+    peft_draw_b(other, 10);
+    save_peft_adapter(dir / "two", {peft_layer(1, src), peft_layer(2, other)}, names);
+    test::expect(test::outcome([&] { load_peft_adapter(dir / "two", {peft_layer(1, dst), peft_layer(2, dst)}, names); }),
+                 "ConfigError", {"load_peft_adapter", "layer 2 is the same LoraMoE as a layer given before it"});
+    CHECK(peft_same_bits(before, peft_snapshot(dst)));
+  }
 }
 
 TEST_CASE("peft files: a failed save leaves the folder's previous adapter as it was, both files",

@@ -5,6 +5,7 @@
 /// of a layer that fits one of the folder's layers.
 ///
 /// All or nothing: before any layer is written, the load checks
+///  - the layers: distinct indices, each a different LoraMoE (ConfigError);
 ///  - the config: plain LoRA (adapters/peft_config.hpp), its r, lora_alpha,
 ///    use_rslora and (stacked layouts) targeted expert parameters equal to
 ///    each layer's (ConfigError naming the key);
@@ -159,6 +160,13 @@ PeftLoadResult load_peft_adapter(const std::string& folder, const std::vector<Pe
   namespace fs = std::filesystem;
   const std::string where = "load_peft_adapter('" + folder + "')";
   detail::check_peft_layer_list(where, layers, options.names);
+  // Each layer is committed in turn: one layer given under two indices
+  // would end up silently holding the later index's adapters.
+  std::set<const LoraMoE<Base>*> distinct;
+  for (const auto& l : layers)
+    detail::require_config(distinct.insert(l.layer).second, where.c_str(),
+                           "layer " + std::to_string(l.index) + " is the same LoraMoE as a layer given before it: "
+                           "each decoder layer's adapters load into a layer of their own");
   PeftLoadResult result;
   result.config = read_peft_config(folder, options.limits);
   const safetensors::Reader file((fs::path(folder) / kPeftWeightsName).string(), options.limits);
