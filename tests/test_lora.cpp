@@ -6,16 +6,19 @@
 // count; bad options.
 #include <apex/ffn/adapters.hpp>
 #include <apex/ffn/inference.hpp>
+#include <apex/ffn/io/optimizer_state.hpp>
 #include <apex/ffn/moe/gpt_oss.hpp>
 
 #include <catch2/catch.hpp>
 
+#include <limits>
 #include <string>
 #include <vector>
 
 #include "fixtures.hpp"
 #include "gradcheck.hpp"
 #include "packed_layers.hpp"
+#include "temp_dir.hpp"
 
 using namespace apex;
 using apex::test::check_params;
@@ -365,4 +368,44 @@ TEST_CASE("LoRA options and adapters that do not fit are refused", "[lora][error
   CHECK_THROWS_AS(ok.forward(Matrix<float>(3, 7)), ShapeError);
   LoraMoE<MoEFFN<float>>::Cache empty;
   CHECK_THROWS_AS(ok.backward(Matrix<float>(3, 6), empty), ShapeError);
+}
+
+TEST_CASE("LoRA training resumed from a state file whose step count cannot grow: refused, nothing changed",
+          "[lora][errors][regression]") {
+  // AdamW::step (optim/adamw.hpp) counted ++t without a bound, and a state
+  // file (io/optimizer_state.hpp) may say any step >= 0: one saying
+  // 9223372036854775807 loaded, and the next step overflowed a signed long
+  // (undefined behaviour; in practice a negative t, whose β^t corrections
+  // blow the update up). Fixed: the step refuses, before anything changes.
+  const MoEConfig cfg = test::moe_config(4, 2, 1, 6, 5);
+  LoraMoE<MoEFFN<double>> layer(MoEFFN<double>(cfg, 1), lora(2), Rng(2));
+  randomise_b(layer, 3);
+  layer.zero_grad();
+  AdamW<double> adamw(layer.params());
+  adamw.step(1e-3);
+  test::TempDir dir;
+  save_optimizer_state(dir / "adamw.safetensors", adamw);
+  {  // the same file, its step at the largest a long holds
+    const safetensors::Reader saved(dir / "adamw.safetensors");
+    std::vector<std::vector<double>> values;
+    std::vector<safetensors::TensorRef<double>> refs;
+    for (const auto& t : saved.tensors()) {
+      values.emplace_back(std::size_t(t.numel()));
+      saved.read(t, values.back().data());
+      refs.push_back({t.name, t.shape, values.back().data()});
+    }
+    safetensors::Metadata meta = saved.metadata();
+    meta["step"] = std::to_string(std::numeric_limits<long>::max());
+    safetensors::save(dir / "last.safetensors", refs, safetensors::DType::F64, meta);
+  }
+  AdamW<double> resumed(layer.params());
+  load_optimizer_state(dir / "last.safetensors", resumed);
+  REQUIRE(resumed.steps() == std::numeric_limits<long>::max());
+  std::vector<Matrix<double>> before;
+  for (const auto& p : layer.param_values()) before.push_back(p.value());
+  CHECK_THROWS_CONTAINING(resumed.step(1e-3), ValueError, "AdamW::step: the step count");
+  CHECK(resumed.steps() == std::numeric_limits<long>::max());
+  std::size_t i = 0;
+  for (const auto& p : layer.param_values()) CHECK(p.value() == before[i++]);
+  CHECK(resumed.exp_avg(0) == adamw.exp_avg(0));
 }

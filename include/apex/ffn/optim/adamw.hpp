@@ -28,6 +28,7 @@
 
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -121,14 +122,20 @@ class AdamW {
 
   /// One update with learning rate `lr` from the gradients in the params.
   /// ConfigError unless lr is finite and ≥ 0; ValueError naming the
-  /// parameter and element if a gradient holds NaN or Inf. Both are checked
-  /// before anything changes: a rejected step leaves parameters, moments
-  /// and the step count as they were.
+  /// parameter and element if a gradient holds NaN or Inf, or if the step
+  /// count is already the largest a long holds. All are checked before
+  /// anything changes: a rejected step leaves parameters, moments and the
+  /// step count as they were.
   void step(double lr) {
     detail::require_config(std::isfinite(lr) && lr >= 0, "AdamW::step", "lr must be finite and >= 0, got " +
                                                                             detail::number(lr));
     detail::require_fits<T>("AdamW::step", "lr", lr);
     detail::require_finite_gradients("AdamW::step", params_);
+    // No run gets here by stepping, but a restored state (a state file) may
+    // say any step >= 0, and ++t_ past the largest long is undefined.
+    if (t_ == std::numeric_limits<long>::max())
+      throw ValueError("AdamW::step: the step count is " + std::to_string(t_) +
+                       ", the largest a long holds; it cannot count another step");
     ++t_;
     const double bc1 = 1.0 - std::pow(opt_.beta1, double(t_));
     const double bc2 = 1.0 - std::pow(opt_.beta2, double(t_));
