@@ -370,6 +370,26 @@ TEST_CASE("LoRA options and adapters that do not fit are refused", "[lora][error
   CHECK_THROWS_AS(ok.backward(Matrix<float>(3, 6), empty), ShapeError);
 }
 
+namespace {
+
+/// A copy of the state file `from` at `to`, metadata `key` set to `value`.
+void lora_state_edited(const std::string& from, const std::string& to, const std::string& key,
+                       const std::string& value) {
+  const safetensors::Reader saved(from);
+  std::vector<std::vector<double>> values;
+  std::vector<safetensors::TensorRef<double>> refs;
+  for (const auto& t : saved.tensors()) {
+    values.emplace_back(std::size_t(t.numel()));
+    saved.read(t, values.back().data());
+    refs.push_back({t.name, t.shape, values.back().data()});
+  }
+  safetensors::Metadata meta = saved.metadata();
+  meta[key] = value;
+  safetensors::save(to, refs, safetensors::DType::F64, meta);
+}
+
+}  // namespace
+
 TEST_CASE("LoRA training resumed from a state file whose step count cannot grow: refused, nothing changed",
           "[lora][errors][regression]") {
   // AdamW::step (optim/adamw.hpp) counted ++t without a bound, and a state
@@ -385,19 +405,9 @@ TEST_CASE("LoRA training resumed from a state file whose step count cannot grow:
   adamw.step(1e-3);
   test::TempDir dir;
   save_optimizer_state(dir / "adamw.safetensors", adamw);
-  {  // the same file, its step at the largest a long holds
-    const safetensors::Reader saved(dir / "adamw.safetensors");
-    std::vector<std::vector<double>> values;
-    std::vector<safetensors::TensorRef<double>> refs;
-    for (const auto& t : saved.tensors()) {
-      values.emplace_back(std::size_t(t.numel()));
-      saved.read(t, values.back().data());
-      refs.push_back({t.name, t.shape, values.back().data()});
-    }
-    safetensors::Metadata meta = saved.metadata();
-    meta["step"] = std::to_string(std::numeric_limits<long>::max());
-    safetensors::save(dir / "last.safetensors", refs, safetensors::DType::F64, meta);
-  }
+  // the same file, its step at the largest a long holds
+  lora_state_edited(dir / "adamw.safetensors", dir / "last.safetensors", "step",
+                    std::to_string(std::numeric_limits<long>::max()));
   AdamW<double> resumed(layer.params());
   load_optimizer_state(dir / "last.safetensors", resumed);
   REQUIRE(resumed.steps() == std::numeric_limits<long>::max());
@@ -408,4 +418,27 @@ TEST_CASE("LoRA training resumed from a state file whose step count cannot grow:
   std::size_t i = 0;
   for (const auto& p : layer.param_values()) CHECK(p.value() == before[i++]);
   CHECK(resumed.exp_avg(0) == adamw.exp_avg(0));
+}
+
+TEST_CASE("LoRA optimizer state: a no_decay list with more after a NUL byte is refused, nothing changed",
+          "[lora][errors][regression]") {
+  // load_optimizer_state (io/optimizer_state.hpp) parsed the metadata
+  // 'no_decay' with nlohmann/json, which ends its input at a NUL byte: the
+  // list before one was read and whatever followed it ignored. Fixed: a
+  // NUL (never in JSON text) makes the list malformed, a FormatError.
+  const MoEConfig cfg = test::moe_config(4, 2, 1, 6, 5);
+  LoraMoE<MoEFFN<double>> layer(MoEFFN<double>(cfg, 1), lora(2), Rng(2));
+  layer.zero_grad();
+  AdamW<double> adamw(layer.params());
+  adamw.step(1e-3);
+  test::TempDir dir;
+  save_optimizer_state(dir / "adamw.safetensors", adamw);
+  const std::string no_decay = safetensors::Reader(dir / "adamw.safetensors").metadata().at("no_decay");
+  lora_state_edited(dir / "adamw.safetensors", dir / "nul.safetensors", "no_decay",
+                    no_decay + std::string(1, '\0') + "[\"experts.0.w_gate_up.lora_A.weight\"]");
+  AdamW<double> resumed(layer.params());
+  CHECK_THROWS_CONTAINING(load_optimizer_state(dir / "nul.safetensors", resumed), FormatError,
+                          "metadata 'no_decay' is not a JSON array of parameter names");
+  CHECK(resumed.steps() == 0);
+  CHECK(resumed.exp_avg(0).isZero());
 }

@@ -91,7 +91,11 @@ V parse_metadata(const std::string& where, const std::string& key, const std::st
 /// a list that is not a JSON array of strings or names no parameter.
 template <class T>
 std::vector<bool> file_decay_flags(const std::string& where, const std::string& text, const ParamList<T>& params) {
-  const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  // nlohmann/json ends its input at a NUL byte, which JSON text never holds:
+  // with one, what followed it would go unread. Such a list is malformed.
+  const nlohmann::json j = text.find('\0') == std::string::npos
+                               ? nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false)
+                               : nlohmann::json();
   bool strings = j.is_array();
   for (std::size_t i = 0; strings && i < j.size(); ++i) strings = j[i].is_string();
   if (!strings) throw FormatError(where + ": metadata 'no_decay' is not a JSON array of parameter names");
