@@ -29,8 +29,10 @@ from .layout import cached_layout
 
 NAME = "apex_ffn"
 
-# module → (key, handle, weak references to the tensors packed): _packed_bf16's cache, beside the module rather
-# than in its __dict__, where the references would stop the module from pickling
+# module → (key, handle, weak references to the tensors packed, release): _packed_bf16's cache, beside the module
+# rather than in its __dict__, where the references would stop the module from pickling. release (a
+# weakref.finalize, outside the module too) gives the handle back when the module is collected: the entry goes
+# with the module, but the registry in ops would otherwise keep the packed copy of its experts for good.
 _PACKED_BF16 = weakref.WeakKeyDictionary()
 
 
@@ -57,9 +59,10 @@ def _packed_bf16(module, layout):
                                        float_[3] if layout.has_bias else None, layout.gate, layout.transposed,
                                        layout.interleaved, layout.alpha, layout.limit, "bf16", ops.get_num_threads())
     if cached is not None:
-        ops.release_packed(cached[1])
+        cached[3]()  # releases the handle now (a finalizer runs once: not again when the module goes)
     handle = ops.register_packed(p)
-    _PACKED_BF16[module] = (key, handle, [weakref.ref(t) for t in tensors])
+    _PACKED_BF16[module] = (key, handle, [weakref.ref(t) for t in tensors],
+                            weakref.finalize(module, ops.release_packed, handle))
     return handle
 
 

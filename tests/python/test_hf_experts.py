@@ -84,6 +84,32 @@ def test_bf16_weights_replaced_at_a_freed_address_are_packed_again():
                                apex_ffn.hf.apex_experts_forward(fresh, x, ids, w))
 
 
+def test_bf16_packed_copy_goes_with_its_module():
+    """The bf16 experts' packed copy is registered with the ops by a handle: it is given back when the module
+    is collected (and when a changed weight is packed again), not kept for the life of the process; the
+    module still copies and pickles."""
+    import gc
+    import pickle
+    gc.collect()
+    before = len(apex_ffn.ops._PACKED)
+    model = tiny_model("qwen3_moe", dtype=torch.bfloat16)
+    model.set_experts_implementation("apex_ffn")
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        y = model(ids).logits
+        assert len(apex_ffn.ops._PACKED) == before + 2  # one per experts module
+        experts_modules(model)[0][1].down_proj.mul_(1.0)  # a new version: packed again, the old one released
+        model(ids)
+        assert len(apex_ffn.ops._PACKED) == before + 2
+        twin = copy.deepcopy(model)
+        assert torch.equal(twin(ids).logits, y)
+        assert len(apex_ffn.ops._PACKED) == before + 4
+        assert torch.equal(pickle.loads(pickle.dumps(model))(ids).logits, y)
+    del model, twin
+    gc.collect()
+    assert len(apex_ffn.ops._PACKED) == before
+
+
 @pytest.mark.parametrize("trained", ["gate_up_proj_bias", "down_proj_bias", "gate_up_proj", "down_proj"])
 def test_bf16_experts_with_one_trained_tensor_give_its_gradient(trained):
     """bf16 experts run packed (no gradients) only when nothing needs a gradient: with just one weight or
