@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from . import _core, ops
-from ._threads import get_num_threads
+from ._threads import check_threads, get_num_threads
 from .layout import experts_layout
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
@@ -224,6 +224,7 @@ def pack_experts(model, types=None, gguf=None, threads=None, pack_once=None):
     if pack_once is not None and not os.path.isdir(pack_once):
         raise _core.FormatError(f"apex_ffn.pack_experts: the pack-once folder '{os.fspath(pack_once)}' does not "
                                 "exist or is not a folder (save_pack_once writes it)")
+    check_threads("apex_ffn.pack_experts: argument 'threads'", threads)  # 0 or -1 would run on one thread
     threads = get_num_threads() if threads is None else threads
     file = _core.GgufFile.open(str(gguf)) if gguf is not None else None
     built = []

@@ -49,6 +49,10 @@ PackedExperts from_float(const Array& gate_up, const Array& down, const std::opt
                          const std::optional<Array>& down_bias, const std::string& gate, bool transposed,
                          bool interleaved, double alpha, double limit, const std::string& types, int threads) {
   constexpr const char* where = "apex_ffn.PackedExperts.from_float";
+  // as apex_ffn.set_num_threads refuses it (parallel_for would run 0 or -1 threads as one)
+  if (threads < 1)
+    throw nb::value_error((std::string(where) + ": argument 'threads': expected a positive int, got " +
+                           std::to_string(threads)).c_str());
   const auto gu = view<const float>(where, "gate_up_proj", gate_up, Elem::f32, 3);
   const auto dn = view<const float>(where, "down_proj", down, Elem::f32, 3);
   const Index e = gu.dim(0), d = transposed ? gu.dim(1) : gu.dim(2), two_f = transposed ? gu.dim(2) : gu.dim(1);

@@ -376,6 +376,23 @@ def test_errors_leave_the_model_unchanged(tmp_path):
         pack_experts(torch.nn.Linear(2, 2), "f32")
 
 
+def test_thread_counts_are_refused_as_set_num_threads_refuses():
+    """0 or -1 threads ran on one thread without a word, where apex_ffn.set_num_threads refuses them."""
+    model = tiny_model("qwen3_moe")
+    before = [type(m) for _, m in float_experts_modules(model)]
+    for n in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match=f"pack_experts: argument 'threads': expected a positive int or None, "
+                                             f"got {n!r}"):
+            pack_experts(model, "f32", threads=n)
+    assert [type(m) for _, m in float_experts_modules(model)] == before
+    assert pack_experts(model, "f32", threads=2) == [n for n, _ in float_experts_modules(model)]
+    gu, dn = torch.randn(2, 64, 32), torch.randn(2, 32, 32)
+    for n in (0, -1):
+        with pytest.raises(ValueError, match=f"from_float: argument 'threads': expected a positive int, got {n}"):
+            apex_ffn.PackedExperts.from_float(gu, dn, None, None, "silu", False, False, 1.7, 7.0, "f32", n)
+    assert apex_ffn.PackedExperts.from_float(gu, dn, None, None, "silu", False, False, 1.7, 7.0, "f32", 1).experts == 2
+
+
 def test_transformers_gguf_load_with_packed_experts(tmp_path):
     """A whole GGUF model file (examples/python/make_tiny_gguf.py) loaded by transformers, dequantized, against
     the same load with the file's expert blocks swapped in: the logits to q8_0's tolerance, the greedy tokens."""
