@@ -97,6 +97,16 @@ def _none_if_empty(t):
 
 # --- float experts ---------------------------------------------------------
 
+def _bias_grads(bias_grads, gate_up_bias, down_bias):
+    """ConfigError naming the missing bias when bias gradients are asked of experts without it (checked before
+    the gradients are allocated like the biases, which would fail on None with a TypeError naming nothing)."""
+    if bias_grads:
+        for name, t in (("gate_up_proj_bias", gate_up_bias), ("down_proj_bias", down_bias)):
+            if t is None:
+                raise _core.ConfigError(f"apex_ffn::float_experts_backward: bias_grads is True but argument "
+                                        f"'{name}' is None: bias gradients need both biases")
+
+
 def _float_dims(x, top_k_index, gate_up):
     _dims("float_experts", hidden_states=(x, 2), top_k_index=(top_k_index, 2), gate_up_proj=(gate_up, 3))
 
@@ -136,6 +146,7 @@ def float_experts_backward(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor
                            transposed: bool, interleaved: bool, alpha: float, limit: float, expert_parallel: bool,
                            dy: Tensor, y_sorted: Tensor, work: Tensor, weight_grads: bool, bias_grads: bool
                            ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    _bias_grads(bias_grads, gate_up_bias, down_bias)
     dx, dw = torch.empty_like(x), torch.empty_like(top_k_weights)
     dgu = torch.empty_like(gate_up) if weight_grads else None
     ddn = torch.empty_like(down) if weight_grads else None
@@ -155,6 +166,7 @@ def _(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, gat
     _one_device("float_experts_backward", x, top_k_index=top_k_index, top_k_weights=top_k_weights,
                 gate_up_proj=gate_up, down_proj=down, gate_up_proj_bias=gate_up_bias, down_proj_bias=down_bias, dy=dy,
                 y_sorted=y_sorted, work=work)
+    _bias_grads(bias_grads, gate_up_bias, down_bias)
     empty = lambda: x.new_empty(0)  # noqa: E731
     return (torch.empty_like(x), torch.empty_like(top_k_weights),
             torch.empty_like(gate_up) if weight_grads else empty(), torch.empty_like(down) if weight_grads else empty(),

@@ -397,3 +397,19 @@ def test_one_bias_without_the_other_is_refused():
             ops.float_experts(x, ids, w, gu, dn, *biases, *flags)
         with pytest.raises(apex_ffn.ConfigError, match=f"give both biases or neither; only '{given}' was given"):
             ops.float_experts_backward(x, ids, w, gu, dn, *biases, *flags, torch.randn(N, D), ys, work, False, False)
+
+
+def test_bias_gradients_without_biases_are_refused():
+    """bias_grads=True asks for the biases' gradients: without the biases it was a TypeError from allocating
+    them like None; a ConfigError naming the missing bias, in the op and in its fake (meta tensors)."""
+    x, ids, w, gu, dn, gb, db = case(bias=True, requires_grad=False)
+    flags = ("clamped", False, False, 1.7, 7.0, False)
+    _, ys, work = ops.float_experts(x, ids, w, gu, dn, None, None, *flags)
+    dy = torch.randn(N, D)
+    for biases, missing in (((None, None), "gate_up_proj_bias"), ((gb, None), "down_proj_bias"),
+                            ((None, db), "gate_up_proj_bias")):
+        for to in (lambda t: t, lambda t: None if t is None else t.to("meta")):
+            args = [to(t) for t in (x, ids, w, gu, dn, *biases)]
+            with pytest.raises(apex_ffn.ConfigError, match=f"float_experts_backward: bias_grads is True but "
+                                                           f"argument '{missing}' is None"):
+                ops.float_experts_backward(*args, *flags, to(dy), to(ys), to(work), True, True)
