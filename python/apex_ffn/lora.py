@@ -43,14 +43,33 @@ from .packed import PackedExpertsModule
 TARGETS = ("gate_up_proj", "down_proj")
 
 
+def _targets(where, targets):
+    """targets as a tuple, checked: ConfigError for a string (whose letters would be taken for the names), an
+    unknown name, and no name at all (adapters on nothing, which peft refuses too: with neither target_modules
+    nor target_parameters, get_peft_model raises)."""
+    if isinstance(targets, str):
+        raise _core.ConfigError(f"{where}: targets {targets!r} is a string, expected a tuple of names, e.g. "
+                                f"({targets!r},)")
+    try:
+        targets = tuple(targets)
+    except TypeError:
+        raise _core.ConfigError(f"{where}: targets {targets!r}, expected a tuple of gate_up_proj and/or "
+                                "down_proj") from None
+    for t in targets:
+        if t not in TARGETS:
+            raise _core.ConfigError(f"{where}: unknown target '{t}', expected gate_up_proj or down_proj")
+    if not targets:
+        raise _core.ConfigError(f"{where}: no targets, expected gate_up_proj, down_proj or both (adapters on "
+                                "nothing would train nothing)")
+    return targets
+
+
 class ExpertsLora(nn.Module):
     """The adapters of one packed experts module (see the module comment for the shapes)."""
 
     def __init__(self, experts, d_model, d_ffn, r, scale, targets=TARGETS, generator=None):
         super().__init__()
-        for t in targets:
-            if t not in TARGETS:
-                raise _core.ConfigError(f"apex_ffn.lora: unknown target '{t}', expected gate_up_proj or down_proj")
+        targets = _targets("apex_ffn.lora", targets)
         if r < 1:
             raise _core.ConfigError(f"apex_ffn.lora: rank {r}, expected >= 1")
         self.r, self.scale, self.targets = r, float(scale), tuple(t for t in TARGETS if t in targets)
@@ -90,7 +109,8 @@ def _scale(r, lora_alpha, use_rslora):
 
 def add_lora(model, r, lora_alpha, targets=TARGETS, use_rslora=False, seed=0, freeze_base=True):
     """Attaches adapters of rank r to every packed experts module (replacing any it had); with freeze_base
-    every other parameter of the model stops requiring gradients, as peft does. Returns the modules' names."""
+    every other parameter of the model stops requiring gradients, as peft does. targets: a tuple of
+    gate_up_proj and/or down_proj, at least one. Returns the modules' names."""
     found = packed_modules(model)
     if not isinstance(r, int) or r < 1:
         raise _core.ConfigError(f"apex_ffn.add_lora: rank {r}, expected >= 1")
@@ -101,6 +121,7 @@ def add_lora(model, r, lora_alpha, targets=TARGETS, use_rslora=False, seed=0, fr
         finite = False
     if not finite:
         raise _core.ConfigError(f"apex_ffn.add_lora: lora_alpha {lora_alpha!r}, expected a finite number")
+    targets = _targets("apex_ffn.add_lora", targets)
     g = torch.Generator().manual_seed(seed)
     made = [ExpertsLora(m.num_experts, m.hidden_dim, m.intermediate_dim, r, _scale(r, lora_alpha, use_rslora),
                         targets, g) for _, m in found]  # every module built before the first is changed

@@ -207,3 +207,21 @@ def test_unreadable_adapter_file_and_non_finite_alpha_leave_the_model_unchanged(
         with pytest.raises(apex_ffn.ConfigError, match="lora_alpha .*, expected a finite number"):
             add_lora(ours, 4, alpha)
     assert unchanged()
+
+
+def test_no_targets_or_a_string_of_one_are_refused_before_any_change():
+    """targets=() attached adapters with no tensors to every module (and froze the base): adapters on nothing,
+    which peft refuses too. A string was read letter by letter ('unknown target 'd''). Both are refused by
+    name, the model left as it was."""
+    ours = tiny_model("qwen3_moe")
+    pack_experts(ours, "f32")
+    grads = {n: p.requires_grad for n, p in ours.named_parameters()}
+    for targets, match in (((), "no targets, expected gate_up_proj, down_proj or both"), ([], "no targets"),
+                           ("down_proj", "targets 'down_proj' is a string, expected a tuple of names"),
+                           (None, "targets None, expected a tuple"), (("down_proj", "up_proj"), "unknown target 'up_")):
+        with pytest.raises(apex_ffn.ConfigError, match=f"apex_ffn.add_lora: {match}"):
+            add_lora(ours, 4, 8, targets)
+        assert all(getattr(m, "lora", None) is None for _, m in ours.named_modules())
+        assert {n: p.requires_grad for n, p in ours.named_parameters()} == grads
+    assert add_lora(ours, 4, 8, ["down_proj"]) and all(
+        m.lora.targets == ("down_proj",) for _, m in ours.named_modules() if hasattr(m, "lora"))
