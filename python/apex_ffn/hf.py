@@ -29,8 +29,8 @@ from .layout import cached_layout
 
 NAME = "apex_ffn"
 
-# module → (key, handle, weak references to the tensors packed, release): _packed_bf16's cache, beside the module
-# rather than in its __dict__, where the references would stop the module from pickling. release (a
+# module → (key, handle, weak references to the tensors packed, release, layout): _packed_bf16's cache, beside
+# the module rather than in its __dict__, where the references would stop the module from pickling. release (a
 # weakref.finalize, outside the module too) gives the handle back when the module is collected: the entry goes
 # with the module, but the registry in ops would otherwise keep the packed copy of its experts for good.
 _PACKED_BF16 = weakref.WeakKeyDictionary()
@@ -49,7 +49,8 @@ def _packed_bf16(module, layout):
         [module.gate_up_proj_bias, module.down_proj_bias] if layout.has_bias else [])
     key = tuple((t.data_ptr(), t._version) for t in tensors)
     cached = _PACKED_BF16.get(module)
-    if cached is not None and cached[0] == key and all(ref() is t for ref, t in zip(cached[2], tensors)):
+    if cached is not None and cached[0] == key and cached[4] is layout and all(
+            ref() is t for ref, t in zip(cached[2], tensors)):  # a new layout (act_fn changed, say): packed again
         return cached[1]
     if layout.gate == "silu" and layout.has_bias:
         raise _core.ConfigError(f"apex_ffn: {type(module).__name__}: SiLU-gated experts with biases in "
@@ -62,7 +63,7 @@ def _packed_bf16(module, layout):
         cached[3]()  # releases the handle now (a finalizer runs once: not again when the module goes)
     handle = ops.register_packed(p)
     _PACKED_BF16[module] = (key, handle, [weakref.ref(t) for t in tensors],
-                            weakref.finalize(module, ops.release_packed, handle))
+                            weakref.finalize(module, ops.release_packed, handle), layout)
     return handle
 
 

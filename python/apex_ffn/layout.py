@@ -100,12 +100,31 @@ def experts_layout(module):
                          bool(getattr(module, "_is_expert_parallel", False)))
 
 
+# What experts_layout reads from a module's own attributes (besides the weights, whose shapes the operations
+# check on every call): the flags, gpt-oss's alpha and limit, the activation and a gate of the module's own.
+_READ = ("has_gate", "has_post_expert_norm", "is_transposed", "is_concatenated", "has_bias", "alpha", "limit",
+         "act_fn", "_apply_gate")
+
+
+def _layout_key(module):
+    """The attributes experts_layout reads, as cheaply as they can be read on every call: the module's own
+    (transformers' decorator sets the flags on each instance), its act_fn among its submodules, and its class
+    with the class's _apply_gate. Compared by identity, then equality: an attribute replaced (act_fn = GELU(),
+    a flag set) changes the key. Not seen: a flag a class of its own declares, changed on the class, and an
+    activation module changed in place (torch's SiLU has nothing to change; gpt-oss's clamped gate reads alpha
+    and limit from the module, which the key holds): replace such a module's act_fn rather than edit it."""
+    d, c = module.__dict__, type(module)
+    return (c, getattr(c, "_apply_gate", None), d["_modules"].get("act_fn"), *map(d.get, _READ))
+
+
 def cached_layout(module):
-    """experts_layout, computed once per module (the flags do not change after construction)."""
-    layout = module.__dict__.get("_apex_ffn_layout")
-    ep = bool(getattr(module, "_is_expert_parallel", False))
-    if layout is None:
-        layout = experts_layout(module)
-        module.__dict__["_apex_ffn_layout"] = layout
-    layout.expert_parallel = ep
+    """experts_layout, computed again only when an attribute it reads has changed (see _layout_key): a
+    module whose act_fn or flags are changed after its first call runs as it now is, or is refused."""
+    key = _layout_key(module)
+    cached = module.__dict__.get("_apex_ffn_layout")
+    if cached is None or cached[0] != key:
+        cached = (key, experts_layout(module))
+        module.__dict__["_apex_ffn_layout"] = cached
+    layout = cached[1]
+    layout.expert_parallel = bool(getattr(module, "_is_expert_parallel", False))
     return layout

@@ -154,6 +154,26 @@ def test_unsupported_activation_is_named():
         apex_ffn.hf.apex_experts_forward(experts, x, ids, w)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_changed_after_the_first_call_is_seen(dtype):
+    """The layout read at a module's first call was kept for good: an act_fn changed afterwards ran as the
+    first one (SiLU), silently, in float32 and in the bf16 packing. It is read again when what it reads changes."""
+    model = tiny_model("qwen3_moe", dtype=dtype)
+    _, experts = experts_modules(model)[0]
+    g = torch.Generator().manual_seed(3)
+    x, ids, w = torch.randn(6, 32, generator=g).to(dtype), torch.randint(0, 6, (6, 2), generator=g), torch.rand(6, 2)
+    with torch.no_grad():
+        y = apex_ffn.hf.apex_experts_forward(experts, x, ids, w)
+        experts.act_fn = torch.nn.GELU()
+        with pytest.raises(apex_ffn.ConfigError, match="its gated activation \\(GELU.*not one the library has"):
+            apex_ffn.hf.apex_experts_forward(experts, x, ids, w)
+        experts.act_fn = torch.nn.SiLU()
+        assert torch.equal(apex_ffn.hf.apex_experts_forward(experts, x, ids, w), y)
+        experts.is_concatenated = False  # interleaved gate/up: no SiLU kind of the library reads it
+        with pytest.raises(apex_ffn.ConfigError, match="interleaved gate/up\\) is not one the library has"):
+            apex_ffn.hf.apex_experts_forward(experts, x, ids, w)
+
+
 def test_no_gate_and_post_norm_refused():
     class Fake(torch.nn.Module):
         has_gate = False
