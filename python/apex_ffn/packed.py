@@ -102,6 +102,20 @@ class PackedExpertsModule(nn.Module):
             y = ops.packed_forward(x, ids, w, self.handle, ep, bf16)
         return y if dtype == torch.float32 else y.to(dtype)
 
+    def __copy__(self):
+        """A shallow copy: like nn.Module's, it shares what the module holds (the packed weights, never written,
+        the layout, and the LoRA adapters when attached: the same ExpertsLora and parameters, so training either
+        trains both), but it holds a registry handle of its own, so that each keeps working when the other is
+        collected (the module's handle is released with it). Its containers of submodules, parameters, buffers
+        and hooks are its own (shallow copies): attaching other adapters to one (add_lora, load_peft) or a hook
+        leaves the other's as they were."""
+        new = type(self).__new__(type(self))
+        new.__dict__["handle"] = ops.register_packed(self.packed)  # first: __del__ releases the copy's handle
+        state = nn.Module.__getstate__(self)  # without a compiled call bound to this module, as pickling
+        state.pop("handle", None)
+        new.__dict__.update({k: copy.copy(v) if isinstance(v, (dict, set)) else v for k, v in state.items()})
+        return new
+
     def __deepcopy__(self, memo):
         """A copy sharing the packed weights (never written) under a handle of its own; adapters copied."""
         new = PackedExpertsModule(self.packed, copy.deepcopy(self.layout, memo), self.source)

@@ -107,6 +107,88 @@ def test_copies_share_the_weights_and_outlive_the_original():
     assert torch.equal(logits(twin, ids), expected)
 
 
+def _routed_grads(module, x, ids, w):
+    """The module's output with grad enabled; with adapters also the gradients (∂L/∂x, ∂L/∂w, ∂L/∂ each adapter
+    tensor) for L = Σ y·c (without them the packed forward has no backward: packed_experts_train has)."""
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = module(x, ids, w)
+    if module.lora is None:
+        return [y.detach()]
+    adapters = list(module.lora.parameters())
+    for p in adapters:
+        p.grad = None
+    (y * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum().backward()
+    return [y.detach(), x.grad, w.grad] + [p.grad.clone() for p in adapters]
+
+
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("collected", ["original", "copy"])
+def test_shallow_copies_hold_their_own_handle(lora, collected):
+    """copy.copy of a packed experts module: the packed weights (and adapters) shared, a registry handle of its
+    own, so the gradient and LoRA paths of either keep working when the other is collected; the registry is
+    back to its size when both are gone."""
+    import gc
+    from apex_ffn import ops
+    from apex_ffn.lora import add_lora
+    gc.collect()
+    start = len(ops._PACKED)
+    model = tiny_model("qwen3_moe")
+    pack_experts(model, "f32")
+    if lora:
+        add_lora(model, 2, 4)
+        with torch.no_grad():  # B is zero when made: the adapters would add nothing
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(5))
+    original = model.get_submodule("model.layers.0.mlp.experts")
+    del model
+    gc.collect()
+    assert len(ops._PACKED) == start + 1
+    x, ids, w = torch.randn(5, 32), torch.randint(0, 6, (5, 2)), torch.rand(5, 2)
+    expected = _routed_grads(original, x, ids, w)
+    with torch.no_grad():
+        inferred = original(x, ids, w)
+    twin = copy.copy(original)
+    assert type(twin) is PackedExpertsModule and twin.packed is original.packed
+    assert twin.lora is original.lora and twin.training == original.training
+    handles = {original.handle, twin.handle}
+    modules = {"original": original, "copy": twin}
+    del original, twin
+    del modules[collected]
+    kept = modules.popitem()[1]
+    gc.collect()
+    got = _routed_grads(kept, x, ids, w)  # was: ConfigError, no packed experts with handle N (released?)
+    assert len(got) == len(expected) == (7 if lora else 1)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        assert torch.equal(kept(x, ids, w), inferred)
+    assert len(handles) == 2 and len(ops._PACKED) == start + 1 and kept.handle in ops._PACKED
+    del kept
+    gc.collect()
+    assert len(ops._PACKED) == start
+
+
+def test_shallow_copy_shares_the_adapters_not_their_slot():
+    """The copy's adapters are the original's (the same parameters, as nn.Module's shallow copy shares them);
+    adapters attached to or removed from one afterwards leave the other's as they were."""
+    from apex_ffn.lora import ExpertsLora, add_lora
+    model = tiny_model("qwen3_moe")
+    pack_experts(model, "f32")
+    add_lora(model, 2, 4)
+    a = model.get_submodule("model.layers.0.mlp.experts")
+    b = copy.copy(a)
+    assert b.lora is a.lora and [p for p in b.parameters()] == [p for p in a.parameters()]
+    assert b.lora_config == a.lora_config
+    lora = a.lora
+    b.lora = None
+    assert a.lora is lora and b.lora is None and not list(b.parameters())
+    add_lora(model, 3, 6)
+    assert isinstance(a.lora, ExpertsLora) and a.lora.r == 3 and b.lora is None
+    b.register_forward_hook(lambda *args: None)
+    assert not a._forward_hooks
+
+
 def test_forward_seconds_computes_the_forward_and_checks_like_it():
     """PackedExperts.forward_seconds (the C++-timed forward bench_python compares the Python call with)
     writes the module's output and refuses what the forward refuses."""
