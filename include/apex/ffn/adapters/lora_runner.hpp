@@ -54,17 +54,8 @@ struct LoraRunner : InProcessSteps<LoraRunner<Layer>> {
 
   MoECacheShape cache_shape() const {
     const MoEConfig& cfg = config();
-    MoECacheShape s;
-    s.d_model = cfg.d_model;
-    s.n_experts = s.local_experts = cfg.n_experts;
-    s.n_active = cfg.n_active;
-    s.n_shared = cfg.n_shared;
-    s.work_cols = layer.routed_work_cols();
-    s.shared_work_cols = cfg.n_shared > 0 ? layer.shared_work_cols() : 0;
-    s.side_cols = expert_side_cols<ExpertType>;
-    s.gated = cfg.shared_expert_gate;
-    s.capacity_on = cfg.routing.capacity_factor > 0;
-    return s;
+    return MoECacheShape::local(cfg, layer.routed_work_cols(), cfg.n_shared > 0 ? layer.shared_work_cols() : 0,
+                                expert_side_cols<ExpertType>);
   }
   void allocate_gradients() const { layer.allocate_gradients(); }
   void check_same_forward(const char*, const MoECache<T>&) const {}

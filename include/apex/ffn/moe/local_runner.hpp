@@ -77,17 +77,8 @@ struct LocalRunner : InProcessSteps<LocalRunner<Layer>> {
   MoECacheShape cache_shape() const {
     const auto& p = layer.parts_;
     const MoEConfig& cfg = config();
-    MoECacheShape s;
-    s.d_model = cfg.d_model;
-    s.n_experts = s.local_experts = cfg.n_experts;
-    s.n_active = cfg.n_active;
-    s.n_shared = cfg.n_shared;
-    s.work_cols = p.experts.front().work_cols();
-    s.shared_work_cols = p.shared.empty() ? 0 : p.shared.front().work_cols();
-    s.side_cols = expert_side_cols<ExpertType>;
-    s.gated = cfg.shared_expert_gate;
-    s.capacity_on = cfg.routing.capacity_factor > 0;
-    return s;
+    return MoECacheShape::local(cfg, p.experts.front().work_cols(),
+                                p.shared.empty() ? 0 : p.shared.front().work_cols(), expert_side_cols<ExpertType>);
   }
   void allocate_gradients() const { layer.allocate_gradients(); }
   void check_same_forward(const char*, const MoECache<T>&) const {}

@@ -19,6 +19,7 @@
 
 #include "../core/errors.hpp"
 #include "../core/types.hpp"
+#include "config.hpp"
 #include "dispatch.hpp"
 #include "routing_rules.hpp"
 #include "row_exchange.hpp"
@@ -58,6 +59,23 @@ struct MoECacheShape {
   Index local_experts = 0;     ///< experts held here (expert parallel: this rank's)
   bool gated = false;          ///< shared_expert_gate
   bool capacity_on = false;    ///< a capacity factor is set
+
+  /// A layer of config `cfg` with every expert local: the counts and flags
+  /// from the config, the work and side columns from its experts (a runner
+  /// with experts on other ranks sets ranks and local_experts after).
+  static MoECacheShape local(const MoEConfig& cfg, Index work_cols, Index shared_work_cols, Index side_cols) {
+    MoECacheShape s;
+    s.d_model = cfg.d_model;
+    s.n_experts = s.local_experts = cfg.n_experts;
+    s.n_active = cfg.n_active;
+    s.n_shared = cfg.n_shared;
+    s.work_cols = work_cols;
+    s.shared_work_cols = cfg.n_shared > 0 ? shared_work_cols : 0;
+    s.side_cols = side_cols;
+    s.gated = cfg.shared_expert_gate;
+    s.capacity_on = cfg.routing.capacity_factor > 0;
+    return s;
+  }
 };
 
 namespace detail {

@@ -162,18 +162,10 @@ struct ExchangeRunner {
 
   MoECacheShape cache_shape() const {
     const MoEConfig& cfg = config();
-    MoECacheShape s;
-    s.d_model = cfg.d_model;
-    s.n_experts = cfg.n_experts;
-    s.n_active = cfg.n_active;
-    s.n_shared = cfg.n_shared;
-    s.work_cols = layer.ep_work_cols();
-    s.shared_work_cols = cfg.n_shared > 0 ? layer.ep_shared_work_cols() : 0;
-    s.side_cols = kSide;
+    MoECacheShape s = MoECacheShape::local(cfg, layer.ep_work_cols(),
+                                           cfg.n_shared > 0 ? layer.ep_shared_work_cols() : 0, kSide);
     s.ranks = comm().size();
     s.local_experts = layer.ep_local_count();
-    s.gated = cfg.shared_expert_gate;
-    s.capacity_on = cfg.routing.capacity_factor > 0;
     return s;
   }
   void allocate_gradients() const { layer.allocate_gradients(); }
