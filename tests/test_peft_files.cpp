@@ -26,6 +26,7 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -459,6 +460,36 @@ TEST_CASE("peft files: a failed save leaves the folder's previous adapter as it 
     ::setrlimit(RLIMIT_FSIZE, &limit);
     std::signal(SIGXFSZ, old_handler);
     test::expect(got, "FormatError", {"cannot write", kPeftConfigName});
+  }
+  // A value the load refuses (ValueError) was saved without complaint, so a
+  // diverged run's save replaced the last good adapter by one that never
+  // loads. Fixed: the save checks the load's rule, on the values as stored.
+  const auto set_b = [&](double x) {  // the first B's (0, 1): element 4 of its stacked lora_B
+    for (auto& p : next.param_values())
+      if (p.name.find("lora_B") != std::string::npos) return void(p.value()(0, 1) = x);
+  };
+  SECTION("an adapter holding NaN (a diverged run)") {
+    set_b(std::numeric_limits<double>::quiet_NaN());
+    got = test::outcome([&] { save_peft_adapter(d, 0, next, so); });
+    test::expect(got, "ValueError", {"save_peft_adapter", "lora_B.weight", "contains NaN or Inf: NaN at element 4 (row 0, column 4)"});
+  }
+  SECTION("an adapter holding Inf, saved as BF16") {
+    set_b(-std::numeric_limits<double>::infinity());
+    so.dtype = st::DType::BF16;
+    got = test::outcome([&] { save_peft_adapter(d, 0, next, so); });
+    test::expect(got, "ValueError", {"save_peft_adapter", "lora_B.weight", "-Inf at element 4", "as BF16 stores it"});
+  }
+  SECTION("a double beyond float's range, saved as F32") {
+    set_b(1e39);
+    so.dtype = st::DType::F32;
+    got = test::outcome([&] { save_peft_adapter(d, 0, next, so); });
+    test::expect(got, "ValueError", {"save_peft_adapter", "lora_B.weight", "1e+39 (+Inf) at element 4", "as F32 stores it"});
+  }
+  SECTION("a value within float's range but not bf16's, saved as BF16") {
+    set_b(3.4e38);  // bf16's largest is 3.3895e38: rounds to +Inf
+    so.dtype = st::DType::BF16;
+    got = test::outcome([&] { save_peft_adapter(d, 0, next, so); });
+    test::expect(got, "ValueError", {"save_peft_adapter", "lora_B.weight", "3.4e+38 (+Inf) at element 4", "as BF16 stores it"});
   }
   CHECK(bytes(d + "/" + kPeftWeightsName) == tensors);
   CHECK(bytes(d + "/" + kPeftConfigName) == config);

@@ -23,8 +23,10 @@
 /// separate gate/up adapters on routed experts in a stacked layout, layers
 /// of different r, α or rslora (one config holds one), a trained router
 /// (`train_router`: the files hold only LoRA tensors; save the router with
-/// io/checkpoint.hpp). ValueError for a dtype other than F32, F64, BF16, or
-/// a base_model_name_or_path or task_type that is not UTF-8.
+/// io/checkpoint.hpp). ValueError for a dtype other than F32, F64, BF16, a
+/// base_model_name_or_path or task_type that is not UTF-8, or an adapter
+/// value that is NaN or Inf as the dtype stores it (load_peft_adapter's
+/// value rule: a diverged run's save keeps the last good adapter).
 
 #include <algorithm>
 #include <cctype>
@@ -101,6 +103,23 @@ inline void add_peft_targets(PeftAdapterConfig& c, std::vector<std::string>& alt
   alternatives.push_back(alt + ")");
 }
 
+/// ValueError (require_finite_peft_tensor, the load's rule) unless every
+/// value of `t` is finite as `dtype` stores it: a NaN or Inf the adapters
+/// hold (a diverged run), or a value beyond the dtype's range (a double
+/// above 3.4e38 saved as F32 or BF16), would give a file the load refuses.
+template <class T>
+void require_storable_peft_tensor(const std::string& where, const safetensors::TensorRef<T>& t,
+                                  safetensors::DType dtype) {
+  const Index n = Index(t.shape[0] * t.shape[1]);
+  std::vector<unsigned char> bytes(static_cast<std::size_t>(n) * safetensors::dtype_size(dtype));
+  std::vector<T> stored(static_cast<std::size_t>(n));  // as the file holds them, read back as the layer's scalar
+  safetensors::detail::encode(dtype, t.data, std::size_t(n), bytes.data());
+  safetensors::detail::decode(dtype, bytes.data(), std::size_t(n), stored.data());
+  require_finite_peft_tensor(where, t.name, stored.data(), t.data, n, Index(t.shape[1]),
+                             std::string("as ") + safetensors::dtype_name(dtype) +
+                                 " stores it; load_peft_adapter refuses NaN, Inf and values beyond the dtype's range");
+}
+
 /// ConfigError unless every layer can be saved in layout n under one r, α, rslora.
 template <class Base>
 void check_peft_save(const std::string& where, const std::vector<PeftLayerRef<Base>>& layers, const PeftNames& n) {
@@ -175,6 +194,7 @@ void save_peft_adapter(const std::string& folder, const std::vector<PeftLayerRef
   for (const auto& [name, m] : tensors) {
     rows_major.emplace_back(m);
     refs.push_back({name, {std::uint64_t(m.rows()), std::uint64_t(m.cols())}, rows_major.back().data()});
+    detail::require_storable_peft_tensor(where, refs.back(), dtype);  // before anything is written
   }
   // The config's text before anything is written: it can fail (text that is
   // not UTF-8), and a failure must not leave new tensors beside an old config.
