@@ -635,6 +635,17 @@ TEST_CASE("Saving optimiser state is atomic and refuses names it cannot store", 
                                         detail::make_param<double>("w.weight", w, g)});
   CHECK_THROWS_MATCHES(save_optimizer_state(path, twice), ValueError,
                        Catch::Matchers::Message("save_optimizer_state: the parameter list names 'w.weight' twice"));
+  // A state load_optimizer_state refuses (ValueError) was saved, replacing
+  // the last good one: a finite gradient whose square overflows leaves v at
+  // +Inf. Fixed: the save checks the load's value rule first.
+  Matrix<double> g_big = Matrix<double>::Zero(1, 2);
+  AdamW<double> diverged(ParamList<double>{detail::make_param<double>("w.weight", w, g_big)});
+  g_big(0, 1) = 1e200;
+  diverged.step(1e-3);
+  REQUIRE(std::isinf(diverged.exp_avg_sq(0)(0, 1)));
+  CHECK_THROWS_MATCHES(save_optimizer_state(path, diverged), ValueError,
+                       Catch::Matchers::Message("save_optimizer_state: 'w.weight.exp_avg_sq' is +Inf at element 1 "
+                                                "(row 0, column 1)"));
   CHECK(read_bytes(path) == bytes);  // the previous file, whole
   CHECK(dir.entries() == 1);         // and no temporary file left
 }

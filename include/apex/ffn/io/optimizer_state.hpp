@@ -206,15 +206,23 @@ void require_state_tensors(const std::string& where, const safetensors::Reader& 
   }
 }
 
+/// ValueError unless `opt`'s moments pass the load's value rule (require_valid_moments).
+template <class T>
+void require_savable_state(const AdamW<T>& opt) {
+  for (std::size_t i = 0; i < opt.params().size(); ++i)
+    require_valid_moments("save_optimizer_state", opt.params()[i], opt.exp_avg(i), opt.exp_avg_sq(i));
+}
+
 }  // namespace detail
 
 /// Serialises `opt`'s state to `out` (layout in the file comment). ValueError
-/// for duplicate parameter names (the file is keyed by name) or names that
-/// are not valid UTF-8.
+/// for duplicate parameter names (the file is keyed by name), names that are
+/// not valid UTF-8, or moments the load refuses (NaN, Inf, a negative v).
 template <class T>
 void write_optimizer_state(safetensors::ByteSink& out, const AdamW<T>& opt) {
   const ParamList<T>& params = opt.params();
   detail::check_unique_names("save_optimizer_state", params);
+  detail::require_savable_state(opt);
   const std::vector<std::string> names = detail::state_tensor_names(params);
   std::vector<safetensors::TensorRef<T>> tensors;
   std::vector<std::string> no_decay;
@@ -244,6 +252,7 @@ void write_optimizer_state(safetensors::ByteSink& out, const AdamW<T>& opt) {
 template <class T>
 void save_optimizer_state(const std::string& path, const AdamW<T>& opt) {
   detail::check_unique_names("save_optimizer_state", opt.params());
+  detail::require_savable_state(opt);  // the previous file stays as it was
   safetensors::write_file_atomic(path, [&](safetensors::ByteSink& out) { write_optimizer_state(out, opt); });
 }
 

@@ -99,6 +99,25 @@ struct AdamWState {
   std::vector<Matrix<T>> exp_avg_sq;  ///< v per parameter, rows × cols of it
 };
 
+namespace detail {
+
+/// The value rule of a saved or restored state: ValueError naming
+/// `'<param>.exp_avg'` / `'<param>.exp_avg_sq'` and the element unless m
+/// and v (shaped as p) are finite and v ≥ 0. A step can overflow v to +Inf
+/// (a finite gradient whose square is not, 1e20 in float): such a state
+/// saves nothing, so that no state file is written that would not load.
+template <class T>
+void require_valid_moments(const std::string& where, const Param<T>& p, const Matrix<T>& m, const Matrix<T>& v) {
+  require_finite_tensor(where, "'" + p.name + ".exp_avg'", m.data(), m.rows(), m.cols());
+  require_finite_tensor(where, "'" + p.name + ".exp_avg_sq'", v.data(), v.rows(), v.cols());
+  for (Index k = 0; k < v.size(); ++k)
+    if (v.data()[k] < 0)
+      throw ValueError(where + ": '" + p.name + ".exp_avg_sq' is negative (" + number(double(v.data()[k])) + ") at " +
+                       element_name(k, p.cols) + "; a second moment is a mean of squares");
+}
+
+}  // namespace detail
+
 template <class T>
 class AdamW {
  public:
@@ -198,14 +217,8 @@ class AdamW {
                                     {p.name + ".exp_avg_sq", &s.exp_avg_sq[i]}}) {
         const std::string arg = what;
         detail::check_shape(where, arg.c_str(), *x, p.rows, p.cols);
-        detail::require_finite_tensor(where, "'" + what + "'", x->data(), x->rows(), x->cols());
       }
-      const Matrix<T>& v = s.exp_avg_sq[i];
-      for (Index k = 0; k < v.size(); ++k)
-        if (v.data()[k] < 0)
-          throw ValueError(std::string(where) + ": '" + p.name + ".exp_avg_sq' is negative (" +
-                           detail::number(double(v.data()[k])) + ") at " + detail::element_name(k, p.cols) +
-                           "; a second moment is a mean of squares");
+      detail::require_valid_moments(where, p, s.exp_avg[i], s.exp_avg_sq[i]);
     }
   }
 
