@@ -16,7 +16,8 @@
 ///  - dtypes F16, BF16, F32 or F64, as peft saves them (FormatError);
 ///  - shapes, exactly (ShapeError naming the tensor, its shape and the one expected);
 ///  - values: finite after conversion to the layer's scalar (ValueError naming
-///    the tensor and the first element that is not; the rule a save checks too);
+///    the tensor and the first element that is not: detail::require_finite_values,
+///    which save_peft_adapter applies to the values as it stores them);
 ///  - that every value the layer holds once gets one value: a tied
 ///    adapter's copies in every expert, a fused gate_up's A in the gate and
 ///    the up projection (ConfigError naming the tensor).
@@ -35,6 +36,7 @@
 #include "../core/errors.hpp"
 #include "../io/checkpoint.hpp"
 #include "../io/safetensors.hpp"
+#include "../optim/non_finite.hpp"
 #include "../quant/half.hpp"
 #include "lora_moe.hpp"
 #include "peft_config.hpp"
@@ -186,8 +188,8 @@ PeftLoadResult load_peft_adapter(const std::string& folder, const std::vector<Pe
   for (const auto& l : layers) stages.emplace_back(l.layer->routed_adapters(), l.layer->shared_adapters());
   for (const auto& e : expected) {
     const std::vector<T> v = detail::read_peft_tensor<T>(file, *e.info);
-    detail::require_finite_peft_tensor(where, e.spec.name, v.data(), v.data(), Index(v.size()), e.spec.cols,
-                                       "in the file, or out of the range of the layer's scalar");
+    detail::require_finite_values(where, "tensor " + safetensors::quote_name(e.spec.name), v.data(), v.data(),
+                                  Index(v.size()), e.spec.cols, "in the file, or out of the range of the layer's scalar");
     const PeftLayerRef<Base>& l = layers[e.layer];
     if (!stages[e.layer].scatter(e.spec, l.layer->config().n_experts, v))
       throw ConfigError(detail::peft_conflict(where, l.index, e.spec, stages[e.layer].tied));

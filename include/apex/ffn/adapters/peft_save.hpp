@@ -40,6 +40,7 @@
 
 #include "../core/errors.hpp"
 #include "../io/safetensors.hpp"
+#include "../optim/non_finite.hpp"
 #include "lora_moe.hpp"
 #include "peft_config.hpp"
 #include "peft_layers.hpp"
@@ -103,21 +104,18 @@ inline void add_peft_targets(PeftAdapterConfig& c, std::vector<std::string>& alt
   alternatives.push_back(alt + ")");
 }
 
-/// ValueError (require_finite_peft_tensor, the load's rule) unless every
-/// value of `t` is finite as `dtype` stores it: a NaN or Inf the adapters
-/// hold (a diverged run), or a value beyond the dtype's range (a double
-/// above 3.4e38 saved as F32 or BF16), would give a file the load refuses.
+/// ValueError (require_finite_values, the load's rule) unless every value
+/// of `t` is finite as `dtype` stores it: a NaN or Inf the adapters hold
+/// (a diverged run), or a value beyond the dtype's range (a double above
+/// 3.4e38 saved as F32 or BF16), would give a file the load refuses.
 template <class T>
 void require_storable_peft_tensor(const std::string& where, const safetensors::TensorRef<T>& t,
                                   safetensors::DType dtype) {
-  const Index n = Index(t.shape[0] * t.shape[1]);
-  std::vector<unsigned char> bytes(static_cast<std::size_t>(n) * safetensors::dtype_size(dtype));
-  std::vector<T> stored(static_cast<std::size_t>(n));  // as the file holds them, read back as the layer's scalar
-  safetensors::detail::encode(dtype, t.data, std::size_t(n), bytes.data());
-  safetensors::detail::decode(dtype, bytes.data(), std::size_t(n), stored.data());
-  require_finite_peft_tensor(where, t.name, stored.data(), t.data, n, Index(t.shape[1]),
-                             std::string("as ") + safetensors::dtype_name(dtype) +
-                                 " stores it; load_peft_adapter refuses NaN, Inf and values beyond the dtype's range");
+  const std::size_t n = std::size_t(t.shape[0] * t.shape[1]);
+  const std::vector<T> stored = safetensors::detail::as_stored(dtype, t.data, n);
+  require_finite_values(where, "tensor " + safetensors::quote_name(t.name), stored.data(), t.data, Index(n),
+                        Index(t.shape[1]), std::string("as ") + safetensors::dtype_name(dtype) +
+                            " stores it; load_peft_adapter refuses NaN, Inf and values beyond the dtype's range");
 }
 
 /// ConfigError unless every layer can be saved in layout n under one r, α, rslora.

@@ -9,46 +9,19 @@
 /// since the layer holds it once. The file's values are checked finite
 /// before, so NaN means "not written yet". Only a stage that every tensor
 /// filled without conflict is committed to the layer.
-///
-/// `require_finite_peft_tensor` is the value rule of the files, one check
-/// for both directions: a load applies it to the file's values as the
-/// layer's scalar, a save to the layer's values as the file will store
-/// them, so a save refuses (before writing) what its load would refuse.
 
 #include <cmath>
 #include <cstddef>
 #include <limits>
-#include <string>
 #include <vector>
 
-#include "../core/errors.hpp"
-#include "../core/scalar_range.hpp"
 #include "../core/types.hpp"
-#include "../io/safetensors/header.hpp"
-#include "../optim/non_finite.hpp"
 #include "lora_adapter.hpp"
 #include "lora_adapter_set.hpp"
 #include "peft_names.hpp"
 
 namespace apex {
 namespace detail {
-
-/// Throws ValueError "where: tensor 'name' contains NaN or Inf: +Inf at
-/// element i (row r, column c) (why)" unless each of the n values at
-/// `checked` (row-major, `cols` a row) is finite. `shown[i]` is the value
-/// the message names: the layer's own where `checked` holds it as stored
-/// ("1e+39 (+Inf) at element …" for a value beyond the stored dtype's range).
-template <class T, class U>
-void require_finite_peft_tensor(const std::string& where, const std::string& name, const T* checked, const U* shown,
-                                Index n, Index cols, const std::string& why) {
-  const Index i = first_non_finite(checked, n);
-  if (i < 0) return;
-  const U x = shown[i];
-  const std::string value = std::isfinite(x) ? number(double(x)) + " (" + non_finite_name(checked[i]) + ")"
-                                             : std::string(non_finite_name(x));
-  throw ValueError(where + ": tensor " + safetensors::quote_name(name) + " contains NaN or Inf: " + value + " at " +
-                   element_name(i, cols) + " (" + why + ")");
-}
 
 /// The row of a slot's B that row o of a lora_B holds; `half` = f (or f_s).
 inline Index peft_b_row(PeftRows rows, Index o, Index half) {

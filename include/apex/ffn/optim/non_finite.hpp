@@ -14,6 +14,7 @@
 
 #include "../core/errors.hpp"
 #include "../core/param.hpp"
+#include "../core/scalar_range.hpp"
 #include "../core/types.hpp"
 
 namespace apex::detail {
@@ -45,6 +46,26 @@ void require_finite_tensor(const std::string& where, const std::string& what, co
   const Index i = first_non_finite(data, rows * cols);
   if (i >= 0)
     throw ValueError(where + ": " + what + " is " + non_finite_name(data[i]) + " at " + element_name(i, cols));
+}
+
+/// The value rule of the library's files, for loads and saves alike: throws
+/// ValueError "where: what contains NaN or Inf: +Inf at element i (row r,
+/// column c) (why)" unless each of the n values at `checked` is finite
+/// (`cols` ≤ 0: a tensor of another rank, "element i" alone; `why` empty:
+/// no parenthesis). `shown[i]` is the value named: a load passes the values
+/// it checks, a save the layer's own while checking them as the file will
+/// store them ("1e+39 (+Inf)" for a value beyond the stored dtype's range).
+template <class T, class U>
+void require_finite_values(const std::string& where, const std::string& what, const T* checked, const U* shown,
+                           Index n, Index cols, const std::string& why = "") {
+  const Index i = first_non_finite(checked, n);
+  if (i < 0) return;
+  const U x = shown[i];
+  const std::string value = std::isfinite(x) ? number(double(x)) + " (" + non_finite_name(checked[i]) + ")"
+                                             : std::string(non_finite_name(x));
+  throw ValueError(where + ": " + what + " contains NaN or Inf: " + value + " at " +
+                   (cols > 0 ? element_name(i, cols) : "element " + std::to_string(i)) +
+                   (why.empty() ? "" : " (" + why + ")"));
 }
 
 /// Throws ValueError naming the first parameter whose gradient holds a NaN

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "../../core/errors.hpp"
 #include "../file/bytes.hpp"
@@ -72,6 +73,19 @@ void encode(DType dtype, const T* in, std::size_t count, unsigned char* dst) {
       throw ValueError(std::string("safetensors: cannot write dtype ") + dtype_name(dtype) +
                        "; choose F32, F64 or BF16");
   }
+}
+
+/// The `count` values at `in` as `dtype` (F32, F64 or BF16) stores them,
+/// read back as T: what a load of the written file gets. A save checks
+/// these where its load checks values: a double beyond float's range is
+/// ±Inf once stored as F32 or BF16. ValueError for another dtype, as encode.
+template <class T>
+std::vector<T> as_stored(DType dtype, const T* in, std::size_t count) {
+  std::vector<unsigned char> bytes(count * dtype_size(dtype));
+  std::vector<T> out(count);
+  encode(dtype, in, count, bytes.data());
+  decode(dtype, bytes.data(), count, out.data());
+  return out;
 }
 
 }  // namespace detail
