@@ -416,6 +416,41 @@ TEST_CASE("Bad names are rejected before anything is written", "[checkpoint]") {
   CHECK(dir.entries() == 0);
 }
 
+TEST_CASE("A family checkpoint save refuses a bias its load refuses and leaves the previous file",
+          "[checkpoint][errors][regression]") {
+  // save_family_checkpoint stored a double bias beyond float's range as F32
+  // (+Inf in the file) over the previous file, which load_family_checkpoint
+  // refuses (ValueError: the balancer's bias must be finite). Fixed: the
+  // save applies the load's rule to the bias as stored, before any file.
+  TempDir dir;
+  MoEConfig cfg;
+  cfg.d_model = 6, cfg.d_ffn = 5, cfg.n_experts = 4, cfg.n_active = 2;
+  MoEFFN<double> m(cfg, 7), n(cfg, 8);
+  const std::string path = dir / "ds.safetensors";
+  SaveOptions f32;
+  f32.dtype = st::DType::F32;
+  save_family_checkpoint(path, m, MoEFamily::DeepSeekV3, "", f32);
+  const auto bytes = [](const std::string& p) {
+    std::ifstream f(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  };
+  const std::string before = bytes(path);
+  RowVector<double> bias = RowVector<double>::Zero(4);
+  bias(2) = 1e39;  // finite in the double layer
+  m.balancer().set_bias(bias);
+  CHECK_THROWS_AS(save_family_checkpoint(path, m, MoEFamily::DeepSeekV3, "", f32), ValueError);
+  CHECK_THROWS_WITH(save_family_checkpoint(path, m, MoEFamily::DeepSeekV3, "", f32),
+                    Catch::Matchers::Contains("save_family_checkpoint: tensor 'mlp.gate.e_score_correction_bias' "
+                                              "contains NaN or Inf: 1e+39 (+Inf) at element 2") &&
+                        Catch::Matchers::Contains("as F32 stores it"));
+  CHECK(bytes(path) == before);  // the previous file, whole
+  CHECK(dir.entries() == 1);     // and no temporary file left
+  load_family_checkpoint(path, n, MoEFamily::DeepSeekV3);
+  save_family_checkpoint(dir / "f64.safetensors", m, MoEFamily::DeepSeekV3);  // F64 holds it
+  load_family_checkpoint(dir / "f64.safetensors", n, MoEFamily::DeepSeekV3);
+  CHECK(n.balancer().bias() == bias);
+}
+
 // ---- error handling (sweeps) ----
 using namespace apex::test;  // the sweep machinery of support/sweep.hpp
 

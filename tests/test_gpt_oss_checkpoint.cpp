@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <string>
 #include <vector>
@@ -249,6 +250,49 @@ TEST_CASE("gpt-oss checkpoint: save then load is bit for bit, in one file and sh
   apex::test::expect(apex::test::outcome([&] { load_gpt_oss_checkpoint(dir.path.string(), e, kGptOssPrefix); }),
                      "FormatError", {"mlp.experts.extra", "model-00002-of-00002.safetensors"});
   CHECK(gptoss_snapshot(e) == before);
+}
+
+TEST_CASE("gpt-oss checkpoint: a save refuses values its load refuses and leaves the previous file",
+          "[gpt_oss][checkpoint][errors][regression]") {
+  // save_gpt_oss_checkpoint wrote a layer holding NaN (a diverged run), or a
+  // double beyond float's range saved as F32, over the previous file, and
+  // load_gpt_oss_checkpoint refuses both (ValueError). Fixed: the save
+  // applies the load's rule to the values as stored, before any file.
+  const st::Reader file(gptoss_fixture("family_gpt_oss.safetensors"));
+  const MoEConfig cfg = gptoss_fixture_config(file);
+  LoadOptions lo;
+  lo.allow_unexpected = true;
+  GptOssMoE<double> a(cfg, 7), b(cfg, 8);
+  load_gpt_oss_checkpoint(file, a, kGptOssPrefix, lo);
+  apex::test::TempDir dir;
+  const std::string path = dir / "model.safetensors";
+  save_gpt_oss_checkpoint(path, a, kGptOssPrefix);
+  const auto bytes = [](const std::string& p) {
+    std::ifstream f(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  };
+  const std::string before = bytes(path);
+  const auto set_router = [&](double x) {
+    for (auto& p : a.param_values())
+      if (p.name == "router.weight") p.value()(0, 1) = x;
+  };
+  SaveOptions so;
+  std::string want;
+  SECTION("NaN in the router") {
+    set_router(std::numeric_limits<double>::quiet_NaN());
+    want = "mlp.router.weight' contains NaN or Inf: NaN at element 1 (as F64 stores it";
+  }
+  SECTION("a double beyond float's range, saved as F32") {
+    set_router(1e39);
+    so.dtype = st::DType::F32;
+    want = "mlp.router.weight' contains NaN or Inf: 1e+39 (+Inf) at element 1 (as F32 stores it";
+  }
+  CHECK_THROWS_AS(save_gpt_oss_checkpoint(path, a, kGptOssPrefix, so), ValueError);
+  CHECK_THROWS_WITH(save_gpt_oss_checkpoint(path, a, kGptOssPrefix, so),
+                    Catch::Matchers::Contains("save_gpt_oss_checkpoint: tensor '") && Catch::Matchers::Contains(want));
+  CHECK(bytes(path) == before);  // the previous file, whole
+  CHECK(dir.entries() == 1);     // and no temporary file left
+  load_gpt_oss_checkpoint(path, b, kGptOssPrefix);
 }
 
 TEST_CASE("gpt-oss checkpoint: malformed files give typed errors and change nothing", "[gpt_oss][checkpoint][errors]") {

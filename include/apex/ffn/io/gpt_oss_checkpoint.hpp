@@ -204,7 +204,9 @@ LoadResult load_gpt_oss_checkpoint(const std::string& path, GptOssMoE<T>& moe, c
 /// Saves the block under the dense Hugging Face names (gate/up interleaved,
 /// in × out) atomically, in `options.dtype` (default T: a bit-exact round
 /// trip); metadata "format": "pt" unless `options.metadata` sets it.
-/// ConfigError as the load for a layer that is not a gpt-oss block.
+/// ConfigError as the load for a layer that is not a gpt-oss block;
+/// ValueError, before any file is made, for a value the load refuses: NaN
+/// or Inf in the layer, or beyond the range of the dtype it is stored in.
 template <class T>
 void save_gpt_oss_checkpoint(const std::string& path, GptOssMoE<T>& moe, const std::string& prefix = "",
                              SaveOptions options = {}) {
@@ -213,10 +215,16 @@ void save_gpt_oss_checkpoint(const std::string& path, GptOssMoE<T>& moe, const s
   const Index d = moe.config().d_model, f = moe.config().d_ffn, E = moe.config().n_experts;
   detail::GptOssFused<T> h = gpt_oss_fused(moe);
   const std::uint64_t ud = std::uint64_t(d), uf = std::uint64_t(f), uE = std::uint64_t(E);
+  const safetensors::DType dtype = options.dtype.value_or(safetensors::dtype_of<T>());
   ParamList<T> list;
   auto add = [&](const char* name, std::vector<T>& v, detail::Shape shape) {
     list.push_back(Param<T>{prefix + name, v.data(), nullptr, 1, Index(v.size())});
     options.shapes[prefix + name] = std::move(shape);
+    if (!safetensors::is_float_convertible(dtype)) return;  // save_checkpoint refuses the dtype
+    const std::vector<T> stored = safetensors::detail::as_stored(dtype, v.data(), v.size());
+    detail::require_finite_values("save_gpt_oss_checkpoint", "tensor " + safetensors::quote_name(prefix + name),
+                                  stored.data(), v.data(), Index(v.size()), 0,
+                                  std::string("as ") + safetensors::dtype_name(dtype) + " stores it; the load refuses it");
   };
   add(nm::kRouterWeight, h.router_w, {uE, ud});
   add(nm::kRouterBias, h.router_b, {uE});

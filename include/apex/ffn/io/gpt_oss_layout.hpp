@@ -19,6 +19,7 @@
 #include "sharded_checkpoint.hpp"
 #include "../core/errors.hpp"
 #include "../moe/config.hpp"
+#include "../optim/non_finite.hpp"
 #include "../quant/blocks.hpp"
 #include "../quant/half.hpp"
 #include "../quant/mxfp4_openai.hpp"
@@ -138,12 +139,12 @@ inline void check_gpt_oss_u8(const GptOssSource& s, const std::string& name, con
                      safetensors::shape_string(t->shape) + ", wanted " + safetensors::shape_string(want));
 }
 
-/// ValueError naming `name` if `v` holds NaN or Inf.
+/// ValueError naming `name` and the first element if `v` holds NaN or Inf
+/// (detail::require_finite_values): the value rule of the loads, which
+/// save_gpt_oss_checkpoint applies to the values as it stores them.
 template <class T>
 void check_gpt_oss_finite(const std::string& where, const std::string& name, const std::vector<T>& v) {
-  for (T x : v)
-    if (!std::isfinite(x))
-      throw ValueError(where + ": tensor " + safetensors::quote_name(name) + " contains NaN or Inf");
+  require_finite_values(where, "tensor " + safetensors::quote_name(name), v.data(), v.data(), Index(v.size()), 0);
 }
 
 /// Block [e, r, g] of the MXFP4 weight `name` (its 16 code bytes in

@@ -24,6 +24,7 @@
 #include "../core/errors.hpp"
 #include "../moe/families.hpp"
 #include "../moe/config.hpp"
+#include "../optim/non_finite.hpp"
 
 namespace apex {
 
@@ -80,6 +81,15 @@ ParamList<T> renamed(ParamList<T> list, MoEFamily f, const std::string& prefix) 
   for (auto& p : list) p.name = prefix + family_tensor_name(f, p.name);
   return list;
 }
+
+/// The loads' value rule for the balancing bias (LoadBalancer::set_bias's),
+/// which the save applies to the bias as `stored` (empty: as it is) holds it.
+template <class T>
+void require_finite_bias(const std::string& where, const std::string& name, const T* checked, const T* shown, Index n,
+                         const std::string& stored) {
+  require_finite_values(where, "tensor " + safetensors::quote_name(name), checked, shown, n, 0,
+                        "the balancer's bias must be finite" + (stored.empty() ? "" : " as " + stored + " stores it"));
+}
 }  // namespace detail
 
 /// The layer's parameters with their gradients (MoEFFN::params, which
@@ -101,7 +111,9 @@ ParamList<T> family_param_values(Layer& moe, MoEFamily f, const std::string& pre
 }
 
 /// Saves the layer under the family's names; DeepSeek-V3 adds the balancing
-/// bias as `mlp.gate.e_score_correction_bias` of shape [E].
+/// bias as `mlp.gate.e_score_correction_bias` of shape [E]. ValueError,
+/// before any file is made, for a bias the load refuses: not finite as
+/// `options.dtype` stores it (a double bias beyond float's range as F32).
 template <class Layer, class T = typename Layer::Scalar>
 void save_family_checkpoint(const std::string& path, Layer& moe, MoEFamily f,
                             const std::string& prefix = "", SaveOptions options = {}) {
@@ -109,6 +121,11 @@ void save_family_checkpoint(const std::string& path, Layer& moe, MoEFamily f,
   RowVector<T> bias = moe.balancer().bias();  // 1 × E
   const std::string name = family_bias_name(f, prefix);
   if (!name.empty()) {
+    const safetensors::DType dtype = options.dtype.value_or(safetensors::dtype_of<T>());
+    if (safetensors::is_float_convertible(dtype))  // else save_checkpoint refuses the dtype
+      detail::require_finite_bias("save_family_checkpoint", name,
+                                  safetensors::detail::as_stored(dtype, bias.data(), std::size_t(bias.cols())).data(),
+                                  bias.data(), bias.cols(), safetensors::dtype_name(dtype));
     params.push_back(Param<T>{name, bias.data(), nullptr, 1, bias.cols()});
     options.shapes[name] = {std::uint64_t(bias.cols())};
   }
@@ -128,9 +145,7 @@ bool read_family_bias(const std::string& where, const safetensors::Reader& file,
   LoadOptions one = options;
   one.allow_unexpected = true;  // the layer's tensors: the full load below matches them
   load_checkpoint(file, ParamList<T>{Param<T>{name, bias.data(), nullptr, 1, bias.cols()}}, one);
-  if (!bias.allFinite())
-    throw ValueError(where + ": tensor " + safetensors::quote_name(name) +
-                     " contains NaN or Inf (the balancer's bias must be finite)");
+  require_finite_bias(where, name, bias.data(), bias.data(), bias.cols(), "");
   return true;
 }
 }  // namespace detail
@@ -183,9 +198,10 @@ LoadResult load_family_checkpoint(const std::string& path, Layer& moe, MoEFamily
   if (has_bias) params.push_back(Param<T>{bias_name, bias.data(), nullptr, 1, bias.cols()});
   const detail::Staged<T> staged(params);
   LoadResult r = detail::load_shards_into(index_path, index, staged.views, options);
-  if (has_bias && !staged.values.back().allFinite())
-    throw ValueError(where + ": tensor " + safetensors::quote_name(bias_name) +
-                     " contains NaN or Inf (the balancer's bias must be finite)");
+  if (has_bias) {
+    const auto& b = staged.values.back();
+    detail::require_finite_bias(where, bias_name, b.data(), b.data(), Index(b.size()), "");
+  }
   staged.commit(params, r.loaded);  // every check passed: nothing below throws
   if (has_bias) moe.balancer().set_bias(bias);
   return r;
