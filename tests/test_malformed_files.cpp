@@ -83,6 +83,10 @@ std::vector<Bad> malformed_files() {
       {"header not starting with {", make_file(" {}"), "does not start with '{'"},
       {"not JSON", make_file("{nope}"), "not valid JSON"},
       {"trailing garbage", make_file("{}x"), "not valid JSON"},
+      // nlohmann ends its input at a NUL: without the check, what follows it went unread (serde_json, the
+      // reference reader, refuses the header: "trailing characters")
+      {"NUL after the object", make_file("{" + ok_entry + "}" + std::string("\0{\"b\":{}}", 9), eight), "a NUL byte"},
+      {"NUL padding", make_file("{" + ok_entry + "}" + std::string(3, '\0'), eight), "a NUL byte at offset"},
       {"truncated JSON", make_file(R"({"a":{"dtype":"F32")"), "not valid JSON"},
       {"non-UTF-8 name", make_file("{\"\xff\xfe\":{}}"), "not valid JSON"},
       {"overlong UTF-8", make_file("{\"\xc0\xaf\":{}}"), "not valid JSON"},

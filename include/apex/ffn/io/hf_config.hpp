@@ -186,7 +186,7 @@ inline std::string config_json_path(const std::string& path) {
 }
 /// The parsed JSON object of a config.json's text.
 inline nlohmann::json parse_config_object(std::string_view text, const std::string& where) {
-  detail::require_no_nul(text, where);
+  io::detail::require_no_nul(text, where);
   nlohmann::json j;
   try {
     detail::ShardIndexGuard guard(where, "config.json");

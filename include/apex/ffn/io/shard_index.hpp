@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "../core/errors.hpp"
+#include "file/json_text.hpp"    // require_no_nul
 #include "file/posix_file.hpp"  // io::FileSource
 #include "safetensors.hpp"
 
@@ -123,15 +124,6 @@ inline void check_shard_file_name(const std::string& where, const std::string& f
                       " is not a plain file name in the index's folder");
 }
 
-/// FormatError if `text` holds a NUL byte. nlohmann/json takes a NUL as the
-/// end of its input, so "{…}\0<more>" would parse as the object alone and
-/// the rest go unread; JSON text never holds one (a string escapes it).
-inline void require_no_nul(std::string_view text, const std::string& where) {
-  const std::size_t at = text.find('\0');
-  if (at != std::string_view::npos)
-    throw FormatError(where + ": not valid JSON: a NUL byte at offset " + std::to_string(at));
-}
-
 /// `metadata` of an index into `index`: `total_size` must be a non-negative
 /// integer (as the header's offsets must be), other values are kept as
 /// strings, non-strings as their JSON text. The nesting bound keeps that
@@ -190,7 +182,7 @@ inline std::string shard_index_path(const std::string& path) {
 /// object or a `total_size` that is not a non-negative integer. Other keys
 /// of the root are ignored.
 inline ShardIndex parse_shard_index(std::string_view text, const std::string& where) {
-  detail::require_no_nul(text, where);
+  io::detail::require_no_nul(text, where);
   nlohmann::json j;
   try {
     detail::ShardIndexGuard guard(where);

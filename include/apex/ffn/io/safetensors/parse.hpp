@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "../../core/errors.hpp"
+#include "../file/json_text.hpp"
 #include "element_bits.hpp"
 #include "files.hpp"
 #include "dtype.hpp"
@@ -167,6 +168,7 @@ inline void check_tiling(const Header& h) {
 /// buffer of `data_bytes` bytes. Throws FormatError on any violation.
 inline Header parse_header(std::string_view text, std::uint64_t data_bytes) {
   if (text.empty() || text.front() != '{') throw FormatError("safetensors: the header does not start with '{'");
+  io::detail::require_no_nul(text, "safetensors: the header");  // serde_json, the reference, refuses it too
   nlohmann::json root;
   try {
     detail::HeaderGuard guard;
