@@ -1,7 +1,7 @@
 /// \file packed_ops.cpp
-/// PackedExperts (packed_experts.hpp) for Python: packing a module's float
-/// tensors in any storage type, the inference forward, and the training
-/// forward and backward with or without adapters.
+/// PackedExperts (packed_experts.hpp) for Python: the inference forward, and
+/// the training forward and backward with or without adapters (packing a
+/// module's float tensors and the way back: float_tensors.cpp).
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -27,97 +27,6 @@
 
 namespace apex::python {
 namespace {
-
-/// A storage type by name ("q4_k"), ConfigError naming the known ones otherwise.
-packed::Dtype dtype_from_name(const std::string& name) {
-#define APEX_PY_DTYPE(n) \
-  if (name == packed::dtype_name(packed::Dtype::n)) return packed::Dtype::n;
-  APEX_PACKED_WEIGHT_TYPES(APEX_PY_DTYPE)
-#undef APEX_PY_DTYPE
-  throw ConfigError("apex_ffn: unknown storage type '" + name + "', expected one of " + packed::dtype_names());
-}
-
-/// "q4_k" (both matrices) or "q4_k/q6_k" (gate_up/down).
-packed::ExpertDtypes dtypes_from_name(const std::string& name) {
-  const auto slash = name.find('/');
-  if (slash == std::string::npos) return packed::ExpertDtypes(dtype_from_name(name));
-  return packed::ExpertDtypes{dtype_from_name(name.substr(0, slash)), dtype_from_name(name.substr(slash + 1))};
-}
-
-/// Packs a module's float tensors (float_experts.hpp's layouts) in `types`.
-PackedExperts from_float(const Array& gate_up, const Array& down, const std::optional<Array>& gu_bias,
-                         const std::optional<Array>& down_bias, const std::string& gate, bool transposed,
-                         bool interleaved, double alpha, double limit, const std::string& types, int threads) {
-  constexpr const char* where = "apex_ffn.PackedExperts.from_float";
-  // as apex_ffn.set_num_threads refuses it (parallel_for would run 0 or -1 threads as one)
-  if (threads < 1)
-    throw nb::value_error((std::string(where) + ": argument 'threads': expected a positive int, got " +
-                           std::to_string(threads)).c_str());
-  const auto gu = view<const float>(where, "gate_up_proj", gate_up, Elem::f32, 3);
-  const auto dn = view<const float>(where, "down_proj", down, Elem::f32, 3);
-  const Index e = gu.dim(0), d = transposed ? gu.dim(1) : gu.dim(2), two_f = transposed ? gu.dim(2) : gu.dim(1);
-  if (two_f % 2) throw ShapeError(std::string(where) + ": argument 'gate_up_proj' has an odd gate/up width");
-  const Index f = two_f / 2;
-  expect_shape(where, "down_proj", dn, transposed ? std::initializer_list<Index>{e, f, d} : std::initializer_list<Index>{e, d, f});
-  const GateKind kind = gate == "clamped" ? GateKind::clamped : GateKind::silu;
-  if (gate != "silu" && gate != "clamped") throw ConfigError(std::string(where) + ": unknown gate '" + gate + "'");
-  const bool has_bias = gu_bias.has_value();
-  if (has_bias != down_bias.has_value()) throw ConfigError(std::string(where) + ": give both biases or neither");
-  if (kind == GateKind::silu && has_bias)
-    throw ConfigError(std::string(where) + ": packed SiLU experts with biases are not one of the library's expert "
-                      "kinds (SwiGLU has none; the clamped gpt-oss kind has them)");
-  View<const float> gb, db;
-  if (has_bias) {
-    gb = view<const float>(where, "gate_up_proj_bias", *gu_bias, Elem::f32, 2);
-    db = view<const float>(where, "down_proj_bias", *down_bias, Elem::f32, 2);
-    expect_shape(where, "gate_up_proj_bias", gb, {e, 2 * f});
-    expect_shape(where, "down_proj_bias", db, {e, d});
-  }
-  const packed::ExpertDtypes dt = dtypes_from_name(types);
-  ClampedSwiGLUOptions options{alpha, limit};
-  if (kind == GateKind::clamped) options.validate(where);
-  std::vector<std::optional<packed::PackedExpert>> slots(static_cast<std::size_t>(e));
-  std::vector<ClampedBiases> biases(kind == GateKind::clamped ? std::size_t(e) : 0);
-  {
-    nb::gil_scoped_release release;
-    apex::detail::parallel_for(e, threads, [&](Index i) {
-      Matrix<float> g(f, d), u(f, d), w_down(d, f);
-      // natural [gate; up] rows of W_gu (2f × d) from the storage order
-      const float* src = gu.data + i * 2 * f * d;
-      for (Index j = 0; j < f; ++j) {
-        const Index gj = interleaved ? 2 * j : j, uj = interleaved ? 2 * j + 1 : f + j;
-        for (Index c = 0; c < d; ++c) {
-          g(j, c) = transposed ? src[c * 2 * f + gj] : src[gj * d + c];
-          u(j, c) = transposed ? src[c * 2 * f + uj] : src[uj * d + c];
-        }
-      }
-      const float* ds = dn.data + i * d * f;
-      if (transposed) w_down = Eigen::Map<const Matrix<float>>(ds, f, d).transpose();
-      else w_down = Eigen::Map<const Matrix<float>>(ds, d, f);
-      slots[std::size_t(i)] = apex::detail::inference::for_expert(where, "expert", i, [&] {
-        return packed::PackedExpert(g, u, w_down, dt);
-      });
-      if (kind == GateKind::clamped) {
-        ClampedBiases& b = biases[std::size_t(i)];
-        b.options = options;
-        if (has_bias) {
-          b.gate.resize(f), b.up.resize(f);
-          for (Index j = 0; j < f; ++j) {
-            b.gate(j) = gb.data[i * 2 * f + (interleaved ? 2 * j : j)];
-            b.up(j) = gb.data[i * 2 * f + (interleaved ? 2 * j + 1 : f + j)];
-          }
-          b.down = Eigen::Map<const RowVector<float>>(db.data + i * d, d);
-        } else {
-          b.gate = RowVector<float>::Zero(f), b.up = RowVector<float>::Zero(f), b.down = RowVector<float>::Zero(d);
-        }
-      }
-    });
-  }
-  std::vector<packed::PackedExpert> experts;
-  experts.reserve(slots.size());
-  for (auto& s : slots) experts.push_back(std::move(*s));
-  return PackedExperts(kind, std::move(experts), std::move(biases));
-}
 
 struct Call {
   View<const float> x;
@@ -337,13 +246,12 @@ void packed_train_backward(const PackedExperts& p, const Array& x, const Array& 
 
 }  // namespace
 
+void bind_float_tensors(nb::class_<PackedExperts>& cls);  // float_tensors.cpp
+
 void bind_packed_experts(nb::module_& m) {
-  nb::class_<PackedExperts>(m, "PackedExperts", "The routed experts of one MoE block, packed")
-      .def_static("from_float", &from_float, nb::arg("gate_up_proj"), nb::arg("down_proj"),
-                  nb::arg("gate_up_proj_bias").none(), nb::arg("down_proj_bias").none(), nb::arg("gate"),
-                  nb::arg("transposed"), nb::arg("interleaved"), nb::arg("alpha"), nb::arg("limit"),
-                  nb::arg("types"), nb::arg("threads"),
-                  "Packs float expert tensors (a transformers experts module's layout) in `types` ('q4_k', 'q4_k/q6_k').")
+  auto cls = nb::class_<PackedExperts>(m, "PackedExperts", "The routed experts of one MoE block, packed");
+  bind_float_tensors(cls);
+  cls
       .def_prop_ro("experts", &PackedExperts::experts)
       .def_prop_ro("d_model", &PackedExperts::d_model)
       .def_prop_ro("d_ffn", &PackedExperts::d_ffn)
