@@ -41,6 +41,13 @@ def release_packed(handle):
     _PACKED.pop(handle, None)
 
 
+def replace_packed(handle, packed):
+    """Puts `packed` under an existing handle (a module's experts loaded anew): graphs that hold the handle,
+    compiled ones among them, run on the new experts."""
+    packed_of(handle)  # ConfigError for a released handle
+    _PACKED[handle] = packed
+
+
 def packed_of(handle):
     try:
         return _PACKED[handle]

@@ -19,6 +19,10 @@ views into the mapped files, in the files' types.
 Every module is packed (and checked against the file) before the first one
 is swapped in, so an error leaves the model as it was.
 
+A packed module's state dict holds its experts as the float module's tensors,
+dequantized (PackedExpertsModule.float_weights), so save_pretrained writes a
+folder the float model loads; load_state_dict packs such tensors again.
+
 Inference runs the library's packed forward, which quantizes the activations
 as ggml does for the block formats. LoRA adapters on packed experts: see
 apex_ffn.lora.
@@ -65,7 +69,7 @@ class PackedExpertsModule(nn.Module):
     """The routed experts of one MoE block, packed; forward as transformers' experts modules:
     (hidden_states (T, H), top_k_index (T, K), top_k_weights (T, K)) → (T, H) in the input's dtype."""
 
-    def __init__(self, packed, layout, source=""):
+    def __init__(self, packed, layout, source="", weight_dtype=torch.float32):
         super().__init__()
         self.packed = packed
         self.handle = ops.register_packed(packed)
@@ -74,6 +78,7 @@ class PackedExpertsModule(nn.Module):
         self.hidden_dim = packed.d_model
         self.intermediate_dim = packed.d_ffn
         self.source = source
+        self.weight_dtype = weight_dtype  # the float module's: its state dict's tensors are of it
         self.lora = None  # apex_ffn.lora.ExpertsLora, when adapters are attached
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
@@ -102,6 +107,87 @@ class PackedExpertsModule(nn.Module):
             y = ops.packed_forward(x, ids, w, self.handle, ep, bf16)
         return y if dtype == torch.float32 else y.to(dtype)
 
+    def weight_shapes(self):
+        """{name: shape} of the float module's expert tensors: gate_up_proj and down_proj, (E, 2f, d) and
+        (E, d, f), or (E, d, 2f) and (E, f, d) transposed; with biases, gate_up_proj_bias (E, 2f) and
+        down_proj_bias (E, d)."""
+        e, d, f = self.num_experts, self.hidden_dim, self.intermediate_dim
+        t = self.layout.transposed
+        gate_up, down = ((e, d, 2 * f), (e, f, d)) if t else ((e, 2 * f, d), (e, d, f))
+        if not self.layout.has_bias:
+            return {"gate_up_proj": gate_up, "down_proj": down}
+        # the order of gpt-oss's parameters
+        return {"gate_up_proj": gate_up, "gate_up_proj_bias": (e, 2 * f), "down_proj": down, "down_proj_bias": (e, d)}
+
+    def float_weights(self, dtype=None, threads=None):
+        """The experts as the float module's tensors (weight_shapes: its names, shapes and layout), new tensors
+        in `dtype` (the float module's by default): each weight the value the kernels multiply by, which for a
+        block format is its dequantized value, so a float model given these computes what the packed one does
+        up to the activations' quantization. Holds the block's E·3·d·f weights in float at once."""
+        check_threads("apex_ffn.PackedExpertsModule.float_weights: argument 'threads'", threads)
+        threads = get_num_threads() if threads is None else threads
+        out = {n: torch.empty(s, dtype=torch.float32) for n, s in self.weight_shapes().items()}
+        self.packed.to_float(out["gate_up_proj"], out["down_proj"], out.get("gate_up_proj_bias"),
+                             out.get("down_proj_bias"), self.layout.transposed, self.layout.interleaved, threads)
+        dtype = self.weight_dtype if dtype is None else dtype
+        return {n: t if dtype == torch.float32 else t.to(dtype) for n, t in out.items()}
+
+    def load_float_weights(self, tensors, threads=None):
+        """Packs the float module's tensors `tensors` ({name: tensor}, every name of weight_shapes, in any float
+        dtype and device) in this module's storage types and puts them in place of its experts (for a block
+        format: quantized as pack_experts quantizes). Graphs holding the module's handle run on the new experts;
+        a module mapped from a file no longer reads it. Errors (ShapeError, ConfigError) leave it as it was."""
+        where = "apex_ffn.PackedExpertsModule.load_float_weights"
+        shapes = self.weight_shapes()
+        if set(tensors) != set(shapes):
+            raise _core.ConfigError(f"{where}: expected the tensors {sorted(shapes)}, got {sorted(tensors)}")
+        for n, t in tensors.items():
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point() or tuple(t.shape) != shapes[n]:
+                got = f"shape {tuple(t.shape)} and dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise _core.ShapeError(f"{where}: '{n}' has {got}, expected a float tensor of shape {shapes[n]}")
+            if t.device.type == "meta":
+                raise _core.ConfigError(f"{where}: '{n}' has no values (a meta tensor)")
+        check_threads(f"{where}: argument 'threads'", threads)
+        t = {n: _plain(x.detach().to("cpu", torch.float32)) for n, x in tensors.items()}
+        lay = self.layout
+        p = _core.PackedExperts.from_float(t["gate_up_proj"], t["down_proj"], t.get("gate_up_proj_bias"),
+                                           t.get("down_proj_bias"), lay.gate, lay.transposed, lay.interleaved,
+                                           lay.alpha, lay.limit, self.packed.types,
+                                           get_num_threads() if threads is None else threads)
+        ops.replace_packed(self.handle, p)
+        self.packed, self.source = p, ""
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """The state dict holds the experts as the float module's tensors (float_weights), so save_pretrained
+        writes a folder the float model loads, with the weights the packed one ran on."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for n, t in self.float_weights().items():
+            destination[prefix + n] = t
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """load_state_dict packs the float module's tensors (load_float_weights); all of them or none."""
+        keys = {prefix + n: n for n in self.weight_shapes()}
+        given = {n: state_dict[k] for k, n in keys.items() if k in state_dict}
+        if given:
+            try:
+                if len(given) != len(keys):
+                    raise _core.ConfigError(f"gives {sorted(given)} without {sorted(set(keys.values()) - set(given))}:"
+                                            " packed experts are loaded from all their tensors at once")
+                self.load_float_weights(given)
+            except (_core.ShapeError, _core.ConfigError, _core.ValueError) as e:
+                error_msgs.append(f"{prefix or 'the module'}: {e}")
+            state_dict = {k: v for k, v in state_dict.items() if k not in keys}
+        elif strict:
+            missing_keys.extend(keys)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("apex_ffn.PackedExpertsModule cannot be pickled (its experts are packed by the extension): "
+                        "save the model's state_dict (the experts as float tensors) or the packed experts with "
+                        "apex_ffn.packed.save_pack_once")
+
     def __copy__(self):
         """A shallow copy: like nn.Module's, it shares what the module holds (the packed weights, never written,
         the layout, and the LoRA adapters when attached: the same ExpertsLora and parameters, so training either
@@ -118,7 +204,7 @@ class PackedExpertsModule(nn.Module):
 
     def __deepcopy__(self, memo):
         """A copy sharing the packed weights (never written) under a handle of its own; adapters copied."""
-        new = PackedExpertsModule(self.packed, copy.deepcopy(self.layout, memo), self.source)
+        new = PackedExpertsModule(self.packed, copy.deepcopy(self.layout, memo), self.source, self.weight_dtype)
         new.train(self.training)
         if self.lora is not None:
             new.lora = copy.deepcopy(self.lora, memo)
@@ -252,7 +338,7 @@ def pack_experts(model, types=None, gguf=None, threads=None, pack_once=None):
                 raise _core.ShapeError(f"apex_ffn.pack_experts: {name} has {want[0]} experts of {want[1]} x {want[2]}"
                                        f" (experts, hidden, intermediate), the packed ones {p.experts} x {p.d_model}"
                                        f" x {p.d_ffn}" + (f" ({source})" if source else ""))
-            built.append((name, PackedExpertsModule(p, layout, source)))
+            built.append((name, PackedExpertsModule(p, layout, source, module.gate_up_proj.dtype)))
     except BaseException:
         built.clear()  # the handles go with the modules
         raise
