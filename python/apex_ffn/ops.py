@@ -17,6 +17,7 @@ written there, the GIL is released while it computes.
 Packed experts are held by the extension; an op names them by a handle
 (``register_packed``), an int the ops look up.
 """
+import atexit
 from typing import List, Optional, Tuple
 
 import torch
@@ -27,6 +28,9 @@ from ._threads import get_num_threads
 
 _PACKED = {}
 _NEXT = [1]
+# Emptied at the interpreter's exit, before the extension counts its objects: what an autograd graph still
+# alive then keeps (its training forward's experts, _Kept) would otherwise be freed after, reported as leaked.
+atexit.register(_PACKED.clear)
 
 
 def register_packed(packed):
@@ -302,11 +306,35 @@ def _(x, top_k_index, top_k_weights, a_gate_up, b_gate_up, a_down, b_down, scale
         torch.empty_like(t) if t is not None else x.new_empty(0) for t in (a_gate_up, b_gate_up, a_down, b_down)]
 
 
+class _Kept:
+    """The experts a training forward ran on, kept for its backward: their module may be collected, or loaded
+    anew (load_state_dict puts other experts under its handle), before the backward runs. Held in the registry
+    under a handle of its own, released with this object, rather than by the autograd graph itself: a graph
+    alive at the interpreter's exit is freed after the extension has counted its objects (a warning of leaked
+    instances), the registry before (atexit above)."""
+    __slots__ = ("handle", "packed_id")
+
+    def __init__(self, handle):
+        packed = _PACKED.get(handle)
+        self.handle = None if packed is None else register_packed(packed)
+        self.packed_id = id(packed)
+
+    def handle_for(self, handle):
+        """`handle` while it holds the forward's experts (always, unless changed since: a compiled backward keeps
+        the handle its graph was traced with); the kept one otherwise."""
+        same = self.handle is None or id(_PACKED.get(handle)) == self.packed_id
+        return handle if same else self.handle
+
+    def __del__(self, _release=_PACKED.pop):  # bound now: at the interpreter's exit the module's names may be gone
+        _release(self.handle, None)
+
+
 def _packed_setup(ctx, inputs, output):
     x, ids, w, a_gu, b_gu, a_dn, b_dn, scale, handle, ep = inputs
     _, ys, work = output
     ctx.save_for_backward(x, ids, w, a_gu, b_gu, a_dn, b_dn, ys, work)
     ctx.flags = (scale, handle, ep)
+    ctx.kept = _Kept(handle)
     ctx.mark_non_differentiable(ys, work)
 
 
@@ -314,8 +342,8 @@ def _packed_backward(ctx, dy, _dys, _dwork):
     x, ids, w, a_gu, b_gu, a_dn, b_dn, ys, work = ctx.saved_tensors
     scale, handle, ep = ctx.flags
     dy = dy.contiguous()  # a negated view autograd hands over is resolved by the op's dispatcher
-    dx, dw, da_gu, db_gu, da_dn, db_dn = packed_experts_train_backward(x, ids, w, a_gu, b_gu, a_dn, b_dn, scale, handle,
-                                                                       ep, dy, ys, work)
+    dx, dw, da_gu, db_gu, da_dn, db_dn = packed_experts_train_backward(x, ids, w, a_gu, b_gu, a_dn, b_dn, scale,
+                                                                       ctx.kept.handle_for(handle), ep, dy, ys, work)
     some = lambda g, t: g if t is not None else None  # noqa: E731
     return (dx, None, dw, some(da_gu, a_gu), some(db_gu, b_gu), some(da_dn, a_dn), some(db_dn, b_dn), None, None,
             None)

@@ -100,6 +100,10 @@ class PackedExpertsModule(nn.Module):
             ids = top_k_index.long().contiguous()
             if self.lora is not None:
                 y = self.lora.run(self.handle, x, ids, w, ep)
+            elif torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+                # gradients through frozen experts (to the router, to layers before): the training forward,
+                # without adapters, whose backward gives ∂L/∂x and ∂L/∂w
+                y = ops.packed_experts_train(x, ids, w, None, None, None, None, 1.0, self.handle, ep)[0]
             else:
                 y = ops.packed_experts(x, ids, w, self.handle, ep, bf16)
         else:  # inference: the op's body without the dispatcher (ops.packed_forward), so the negative bit here
