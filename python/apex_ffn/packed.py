@@ -161,6 +161,14 @@ class PackedExpertsModule(nn.Module):
         ops.replace_packed(self.handle, p)
         self.packed, self.source = p, ""
 
+    def _apply(self, fn, *args, **kwargs):
+        """model.to(dtype), .half(), .bfloat16(): the float module's dtype follows, so the state dict's tensors
+        are of the model's dtype (the packed experts keep their storage types)."""
+        probe = fn(torch.empty(0, dtype=self.weight_dtype))
+        if isinstance(probe, torch.Tensor) and probe.is_floating_point():
+            self.weight_dtype = probe.dtype
+        return super()._apply(fn, *args, **kwargs)
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """The state dict holds the experts as the float module's tensors (float_weights), so save_pretrained
         writes a folder the float model loads, with the weights the packed one ran on."""

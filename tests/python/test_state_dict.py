@@ -67,6 +67,8 @@ def test_save_pretrained_folder_loads_as_the_float_model(tmp_path):
     before = expert_state(half)
     pack_experts(half, "bf16")
     assert all(v.dtype == torch.bfloat16 and torch.equal(v, before[k]) for k, v in expert_state(half).items())
+    half.float()  # the state dict follows the model's dtype
+    assert all(v.dtype == torch.float32 and torch.equal(v, before[k].float()) for k, v in expert_state(half).items())
 
 
 @pytest.mark.parametrize("types", ["f32", "bf16", "q8_0", "q4_k"])
