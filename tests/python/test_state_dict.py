@@ -150,3 +150,24 @@ def test_bad_state_dicts_are_refused_and_leave_the_experts():
     with pytest.raises(TypeError, match="cannot be pickled .*save_pack_once"):
         pickle.dumps(m)
     assert isinstance(model.get_submodule("model.layers.0.mlp.experts"), PackedExpertsModule)
+
+
+def test_an_export_larger_than_memory_is_refused_before_it_starts(monkeypatch):
+    """A state dict whose dequantized experts and the model's own bytes exceed physical memory is a ConfigError
+    naming the bytes before any expert is dequantized (the library's memory rule; the override exports anyway)."""
+    from apex_ffn import float_weights
+    model = wide_model()
+    pack_experts(model, "q4_0")
+    calls = []
+    monkeypatch.setattr(float_weights, "float_weights", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(float_weights, "physical_memory", lambda: 10_000_000)
+    export = 2 * 6 * 3 * 256 * 256 * 4  # two blocks of 6 experts, float32
+    with pytest.raises(apex_ffn.ConfigError, match=f"packed experts as float tensors: 0.01 GB \\({export} bytes\\) "
+                                                   "beside the .* the machine has 0.01 GB \\(10000000 bytes\\) of "
+                                                   "physical memory; keep the packed experts with .*save_pack_once"):
+        model.state_dict()
+    assert not calls
+    monkeypatch.undo()  # the real export, with the override
+    monkeypatch.setattr(float_weights, "physical_memory", lambda: 10_000_000)
+    monkeypatch.setenv("APEX_FFN_ALLOW_OVERCOMMIT", "1")
+    assert len(expert_state(model)) == 4
