@@ -438,7 +438,7 @@ TEST_CASE("LoRA optimizer state: a no_decay list with more after a NUL byte is r
                     no_decay + std::string(1, '\0') + "[\"experts.0.w_gate_up.lora_A.weight\"]");
   AdamW<double> resumed(layer.params());
   CHECK_THROWS_CONTAINING(load_optimizer_state(dir / "nul.safetensors", resumed), FormatError,
-                          "metadata 'no_decay' is not a JSON array of parameter names");
+                          "metadata 'no_decay': not valid JSON: a NUL byte at offset " + std::to_string(no_decay.size()));
   CHECK(resumed.steps() == 0);
   CHECK(resumed.exp_avg(0).isZero());
 }

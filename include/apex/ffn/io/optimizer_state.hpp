@@ -43,6 +43,7 @@
 #include "../core/param.hpp"
 #include "../optim/adamw.hpp"
 #include "checkpoint.hpp"
+#include "file/json_text.hpp"
 #include "safetensors.hpp"
 
 namespace apex {
@@ -91,11 +92,8 @@ V parse_metadata(const std::string& where, const std::string& key, const std::st
 /// a list that is not a JSON array of strings or names no parameter.
 template <class T>
 std::vector<bool> file_decay_flags(const std::string& where, const std::string& text, const ParamList<T>& params) {
-  // nlohmann/json ends its input at a NUL byte, which JSON text never holds:
-  // with one, what followed it would go unread. Such a list is malformed.
-  const nlohmann::json j = text.find('\0') == std::string::npos
-                               ? nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false)
-                               : nlohmann::json();
+  io::detail::require_no_nul(text, where + ": metadata 'no_decay'");  // nlohmann/json would stop at it
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   bool strings = j.is_array();
   for (std::size_t i = 0; strings && i < j.size(); ++i) strings = j[i].is_string();
   if (!strings) throw FormatError(where + ": metadata 'no_decay' is not a JSON array of parameter names");
@@ -206,24 +204,20 @@ void require_state_tensors(const std::string& where, const safetensors::Reader& 
   }
 }
 
-/// ValueError unless `opt`'s moments pass the load's value rule (require_valid_moments).
+/// ValueError for what the load refuses: duplicate parameter names (the file
+/// is keyed by name) or moments that fail its value rule (require_valid_moments).
 template <class T>
 void require_savable_state(const AdamW<T>& opt) {
+  check_unique_names("save_optimizer_state", opt.params());
   for (std::size_t i = 0; i < opt.params().size(); ++i)
     require_valid_moments("save_optimizer_state", opt.params()[i], opt.exp_avg(i), opt.exp_avg_sq(i));
 }
 
-}  // namespace detail
-
-/// Serialises `opt`'s state to `out` (layout in the file comment). ValueError
-/// for duplicate parameter names (the file is keyed by name), names that are
-/// not valid UTF-8, or moments the load refuses (NaN, Inf, a negative v).
+/// write_optimizer_state once require_savable_state has passed.
 template <class T>
-void write_optimizer_state(safetensors::ByteSink& out, const AdamW<T>& opt) {
+void write_checked_state(safetensors::ByteSink& out, const AdamW<T>& opt) {
   const ParamList<T>& params = opt.params();
-  detail::check_unique_names("save_optimizer_state", params);
-  detail::require_savable_state(opt);
-  const std::vector<std::string> names = detail::state_tensor_names(params);
+  const std::vector<std::string> names = state_tensor_names(params);
   std::vector<safetensors::TensorRef<T>> tensors;
   std::vector<std::string> no_decay;
   for (std::size_t i = 0; i < params.size(); ++i) {
@@ -247,13 +241,23 @@ void write_optimizer_state(safetensors::ByteSink& out, const AdamW<T>& opt) {
   safetensors::write(out, tensors, safetensors::dtype_of<T>(), meta);
 }
 
+}  // namespace detail
+
+/// Serialises `opt`'s state to `out` (layout in the file comment). ValueError
+/// for duplicate parameter names (the file is keyed by name), names that are
+/// not valid UTF-8, or moments the load refuses (NaN, Inf, a negative v).
+template <class T>
+void write_optimizer_state(safetensors::ByteSink& out, const AdamW<T>& opt) {
+  detail::require_savable_state(opt);
+  detail::write_checked_state(out, opt);
+}
+
 /// Saves `opt`'s state to `path` atomically. FormatError on I/O failure,
 /// plus the errors of write_optimizer_state (raised before any file is made).
 template <class T>
 void save_optimizer_state(const std::string& path, const AdamW<T>& opt) {
-  detail::check_unique_names("save_optimizer_state", opt.params());
-  detail::require_savable_state(opt);  // the previous file stays as it was
-  safetensors::write_file_atomic(path, [&](safetensors::ByteSink& out) { write_optimizer_state(out, opt); });
+  detail::require_savable_state(opt);  // before the temporary file: the previous one stays as it was
+  safetensors::write_file_atomic(path, [&](safetensors::ByteSink& out) { detail::write_checked_state(out, opt); });
 }
 
 /// Loads `opt`'s state from a validated file, all or nothing. FormatError
