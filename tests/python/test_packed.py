@@ -121,6 +121,21 @@ def _routed_grads(module, x, ids, w):
     return [y.detach(), x.grad, w.grad] + [p.grad.clone() for p in adapters]
 
 
+def tiny_packed(lora, seed=0):
+    """A tiny Qwen3-MoE model with f32 packed experts, with LoRA adapters of nonzero values when `lora` (B is
+    zero when made: the adapters would add nothing)."""
+    from apex_ffn.lora import add_lora
+    model = tiny_model("qwen3_moe", seed=seed)
+    pack_experts(model, "f32")
+    if lora:
+        add_lora(model, 2, 4)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(5))
+    return model
+
+
 @pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("collected", ["original", "copy"])
 def test_shallow_copies_hold_their_own_handle(lora, collected):
@@ -129,17 +144,9 @@ def test_shallow_copies_hold_their_own_handle(lora, collected):
     back to its size when both are gone."""
     import gc
     from apex_ffn import ops
-    from apex_ffn.lora import add_lora
     gc.collect()
     start = len(ops._PACKED)
-    model = tiny_model("qwen3_moe")
-    pack_experts(model, "f32")
-    if lora:
-        add_lora(model, 2, 4)
-        with torch.no_grad():  # B is zero when made: the adapters would add nothing
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(5))
+    model = tiny_packed(lora)
     original = model.get_submodule("model.layers.0.mlp.experts")
     del model
     gc.collect()

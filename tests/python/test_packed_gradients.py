@@ -9,10 +9,9 @@ import torch
 
 pytest.importorskip("transformers", reason="transformers is not installed")
 from apex_ffn import ops  # noqa: E402
-from apex_ffn.lora import add_lora  # noqa: E402
 from apex_ffn.packed import pack_experts  # noqa: E402
 from families import tiny_model  # noqa: E402
-from test_packed import rel, wide_model  # noqa: E402
+from test_packed import rel, tiny_packed, wide_model  # noqa: E402
 
 
 def loss_grads(module, x, ids, w):
@@ -67,18 +66,11 @@ def test_backward_runs_on_its_forwards_experts(lora):
     """A forward's backward uses the experts the forward ran on: the same gradients when the module is
     collected before the backward, or loaded with other weights (load_state_dict) in between; the kept
     experts are released with the graph."""
+    gc.collect()
     start = len(ops._PACKED)
-    model = tiny_model("qwen3_moe")
-    pack_experts(model, "f32")
-    if lora:
-        add_lora(model, 2, 4)
-        with torch.no_grad():  # B is zero when made: the adapters would add nothing
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(5))
+    model = tiny_packed(lora)
     module = model.get_submodule("model.layers.0.mlp.experts")
-    other = tiny_model("qwen3_moe", seed=9)
-    pack_experts(other, "f32")
+    other = tiny_packed(False, seed=9)
     x, ids, w = torch.randn(5, 32), torch.randint(0, 6, (5, 2)), torch.rand(5, 2)
     expected = loss_grads(module, x, ids, w)
     original = {k: v.clone() for k, v in model.state_dict().items()}
