@@ -7,7 +7,7 @@ import copy
 import torch
 from torch import nn
 
-from . import float_weights, ops
+from . import float_weights as float_tensors, ops
 from ._tensors import float32, int64
 
 # Looked up once: at decode every step's first Python runs from cold caches, where each lookup and frame
@@ -66,15 +66,15 @@ class PackedExpertsModule(nn.Module):
 
     def weight_shapes(self):
         """{name: shape} of the float module's expert tensors (apex_ffn.float_weights.weight_shapes)."""
-        return float_weights.weight_shapes(self)
+        return float_tensors.weight_shapes(self)
 
     def float_weights(self, dtype=None, threads=None):
         """The experts as the float module's tensors, dequantized (apex_ffn.float_weights.float_weights)."""
-        return float_weights.float_weights(self, dtype, threads)
+        return float_tensors.float_weights(self, dtype, threads)
 
     def load_float_weights(self, tensors, threads=None):
         """Packs the float module's tensors in place of the experts (apex_ffn.float_weights.load_float_weights)."""
-        float_weights.load_float_weights(self, tensors, threads)
+        float_tensors.load_float_weights(self, tensors, threads)
 
     def _apply(self, fn, *args, **kwargs):
         """model.to(dtype), .half(), .bfloat16(): the float module's dtype follows, so the state dict's tensors
@@ -93,7 +93,7 @@ class PackedExpertsModule(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         """load_state_dict packs the float module's tensors (load_float_weights); all of them or none."""
-        rest = float_weights.load_from_state_dict(self, state_dict, prefix, strict, missing_keys, error_msgs)
+        rest = float_tensors.load_from_state_dict(self, state_dict, prefix, strict, missing_keys, error_msgs)
         super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
     def __reduce_ex__(self, protocol):
