@@ -20,6 +20,7 @@ from ._tensors import plain
 from ._threads import check_threads, get_num_threads
 
 _ALLOW_OVERCOMMIT = "APEX_FFN_ALLOW_OVERCOMMIT"
+_STAGING_BYTES = 64 << 20  # float32 staging of an export to another dtype, at most (one expert at least)
 
 
 def weight_shapes(m):
@@ -40,11 +41,20 @@ def float_weights(m, dtype=None, threads=None):
     does up to the activations' quantization."""
     check_threads("apex_ffn.PackedExpertsModule.float_weights: argument 'threads'", threads)
     threads = get_num_threads() if threads is None else threads
-    out = {n: torch.empty(s, dtype=torch.float32) for n, s in weight_shapes(m).items()}
-    m.packed.to_float(out["gate_up_proj"], out["down_proj"], out.get("gate_up_proj_bias"), out.get("down_proj_bias"),
-                      m.layout.transposed, m.layout.interleaved, threads)
     dtype = m.weight_dtype if dtype is None else dtype
-    return {n: t if dtype == torch.float32 else t.to(dtype) for n, t in out.items()}
+    out = {n: torch.empty(s, dtype=dtype) for n, s in weight_shapes(m).items()}
+    # another dtype: float32 a few experts at a time, so the export holds little beyond its own tensors
+    step = m.num_experts if dtype == torch.float32 else max(1, _STAGING_BYTES // (12 * m.hidden_dim * m.intermediate_dim))
+    for first in range(0, m.num_experts, step):
+        part = {n: t[first:first + step] for n, t in out.items()}
+        if dtype != torch.float32:
+            part = {n: torch.empty(t.shape, dtype=torch.float32) for n, t in part.items()}
+        m.packed.to_float(part["gate_up_proj"], part["down_proj"], part.get("gate_up_proj_bias"),
+                          part.get("down_proj_bias"), m.layout.transposed, m.layout.interleaved, first, threads)
+        if dtype != torch.float32:
+            for n, t in part.items():
+                out[n][first:first + step] = t
+    return out
 
 
 def load_float_weights(m, tensors, threads=None):
@@ -93,7 +103,7 @@ def load_from_state_dict(m, state_dict, prefix, strict, missing_keys, error_msgs
 
 
 def export_bytes(m):
-    """Bytes module `m`'s experts take as float tensors of its dtype (the float32 staging of one block aside)."""
+    """Bytes module `m`'s experts take as float tensors of its dtype (the float32 staging aside: _STAGING_BYTES)."""
     per = torch.empty(0, dtype=m.weight_dtype).element_size()
     return sum(per * torch.Size(s).numel() for s in weight_shapes(m).values())
 

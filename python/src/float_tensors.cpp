@@ -144,16 +144,19 @@ PackedExperts from_float(const Array& gate_up, const Array& down, const std::opt
   return PackedExperts(kind, std::move(experts), std::move(biases));
 }
 
-/// Writes the packed experts into a module's float tensors (from_float's layouts; the biases only for the
-/// clamped kind, whose experts hold them: zero when the module had none).
+/// Writes experts first … first + n − 1 into a module's float tensors of n experts (from_float's layouts;
+/// the biases only for the clamped kind, whose experts hold them: zero when the module had none).
 void to_float(const PackedExperts& p, const MutArray& gate_up, const MutArray& down,
               const std::optional<MutArray>& gu_bias, const std::optional<MutArray>& down_bias, bool transposed,
-              bool interleaved, int threads) {
+              bool interleaved, Index first, int threads) {
   constexpr const char* where = "apex_ffn.PackedExperts.to_float";
   check_threads(where, threads);
   const auto gu = view<float>(where, "gate_up_proj", gate_up, Elem::f32, 3);
   const auto dn = view<float>(where, "down_proj", down, Elem::f32, 3);
-  const Index e = p.experts(), d = p.d_model(), f = p.d_ffn();
+  const Index e = gu.dim(0), d = p.d_model(), f = p.d_ffn();
+  if (first < 0 || e > p.experts() - first)
+    throw ShapeError(std::string(where) + ": " + std::to_string(e) + " experts from expert " + std::to_string(first) +
+                     " asked of a block of " + std::to_string(p.experts()));
   expect_shape(where, "gate_up_proj", gu, transposed ? std::initializer_list<Index>{e, d, 2 * f}
                                                      : std::initializer_list<Index>{e, 2 * f, d});
   const ModuleOrder o = module_order(where, gu, dn, transposed, interleaved);
@@ -170,7 +173,7 @@ void to_float(const PackedExperts& p, const MutArray& gate_up, const MutArray& d
   }
   nb::gil_scoped_release release;
   apex::detail::parallel_for(e, threads, [&](Index i) {
-    const packed::PackedExpert& x = p.packed()[std::size_t(i)];
+    const packed::PackedExpert& x = p.packed()[std::size_t(first + i)];
     const Matrix<float> g = x.w_gate(), u = x.w_up(), w_down = x.w_down();  // f × d, f × d, d × f
     float* gs = gu.data + i * 2 * f * d;
     for (Index j = 0; j < f; ++j)
@@ -182,7 +185,7 @@ void to_float(const PackedExperts& p, const MutArray& gate_up, const MutArray& d
     for (Index r = 0; r < d; ++r)
       for (Index c = 0; c < f; ++c) ds[o.down(r, c)] = w_down(r, c);
     if (!has_bias) return;
-    const ClampedBiases& b = p.biases()[std::size_t(i)];
+    const ClampedBiases& b = p.biases()[std::size_t(first + i)];
     for (Index j = 0; j < f; ++j) {
       gb.data[i * 2 * f + o.gate_up_row(j, false)] = b.gate(j);
       gb.data[i * 2 * f + o.gate_up_row(j, true)] = b.up(j);
@@ -201,10 +204,10 @@ void bind_float_tensors(nb::class_<PackedExperts>& cls) {
                  "Packs float expert tensors (a transformers experts module's layout) in `types` ('q4_k', 'q4_k/q6_k').")
       .def("to_float", &to_float, nb::arg("gate_up_proj"), nb::arg("down_proj"),
            nb::arg("gate_up_proj_bias").none(), nb::arg("down_proj_bias").none(), nb::arg("transposed"),
-           nb::arg("interleaved"), nb::arg("threads"),
-           "Writes the experts into float32 tensors of a transformers experts module's layout (from_float's):\n"
-           "each weight the value the kernels multiply by (a block format's dequantized values); the biases\n"
-           "(clamped experts only) when given.");
+           nb::arg("interleaved"), nb::arg("first"), nb::arg("threads"),
+           "Writes experts first, first + 1, … (as many as the tensors hold) into float32 tensors of a\n"
+           "transformers experts module's layout (from_float's): each weight the value the kernels multiply by\n"
+           "(a block format's dequantized values); the biases (clamped experts only) when given.");
 }
 
 }  // namespace apex::python

@@ -171,3 +171,21 @@ def test_an_export_larger_than_memory_is_refused_before_it_starts(monkeypatch):
     monkeypatch.setattr(float_weights, "physical_memory", lambda: 10_000_000)
     monkeypatch.setenv("APEX_FFN_ALLOW_OVERCOMMIT", "1")
     assert len(expert_state(model)) == 4
+
+
+@pytest.mark.parametrize("staging", [1, 4 * 12 * 256 * 256])
+def test_exports_to_another_dtype_stage_a_few_experts_at_a_time(monkeypatch, staging):
+    """An export to bf16 dequantizes a few experts at a time into float32 (one, or four here, of six: the last
+    part short): the same values as the float32 export rounded; experts asked beyond the block are refused."""
+    from apex_ffn import float_weights
+    model = wide_model("gpt_oss")
+    pack_experts(model, "mxfp4")
+    m = model.get_submodule("model.layers.1.mlp.experts")
+    whole = m.float_weights(torch.float32)
+    monkeypatch.setattr(float_weights, "_STAGING_BYTES", staging)
+    parts = m.float_weights(torch.bfloat16)
+    assert all(parts[k].dtype == torch.bfloat16 and torch.equal(parts[k], v.bfloat16()) for k, v in whole.items())
+    t = {n: torch.empty((2,) + s[1:]) for n, s in m.weight_shapes().items()}
+    with pytest.raises(apex_ffn.ShapeError, match="2 experts from expert 5 asked of a block of 6"):
+        m.packed.to_float(t["gate_up_proj"], t["down_proj"], t["gate_up_proj_bias"], t["down_proj_bias"], True, True,
+                          5, 1)
