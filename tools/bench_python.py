@@ -126,8 +126,9 @@ def call_cost():
 def call_breakdown(args, types, reps=400):
     """Where the N = 1 call's overhead goes once a step has left the caches cold: each call below runs right
     after a C++-timed forward of other experts (fresh routing every call, 16 routings cycled, the calls in
-    shuffled order, one thread), medians: the module's call, its forward() called directly, the extension's
-    one-crossing entry (PackedExperts.infer), the C++-timed entry's own wall time, torch.empty of the output."""
+    shuffled order, one thread), medians: the module's call, the call through nn.Module's own __call__ (which
+    the module's skips when no hook is set), its forward() called directly, the extension's one-crossing entry
+    (PackedExperts.infer), the C++-timed entry's own wall time, torch.empty of the output."""
     torch.set_num_threads(1)
     _, module = block(args.experts, args.d, args.f, args.k, torch.float32)
     holder = torch.nn.Module()
@@ -137,7 +138,8 @@ def call_breakdown(args, types, reps=400):
     p = m.packed
     cases = [routing(1, args.experts, args.k, args.d, torch.float32, seed=100 + s) for s in range(16)]
     y = torch.empty(1, args.d)
-    calls = {"module call": lambda c: m(*c), "forward()": lambda c: m.forward(*c),
+    calls = {"module call": lambda c: m(*c), "nn.Module.__call__": lambda c: torch.nn.Module.__call__(m, *c),
+             "forward()": lambda c: m.forward(*c),
              "infer": lambda c: p.infer(c[0], c[1], c[2], False, 1),
              "forward_seconds wall": lambda c: p.forward_seconds(c[0], c[1], c[2], False, y, None, 1, 1),
              "torch.empty alone": lambda c: torch.empty(1, args.d)}
