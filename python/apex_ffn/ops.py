@@ -28,9 +28,17 @@ from ._threads import get_num_threads
 
 _PACKED = {}
 _NEXT = [1]
-# Emptied at the interpreter's exit, before the extension counts its objects: what an autograd graph still
-# alive then keeps (its training forward's experts, _Kept) would otherwise be freed after, reported as leaked.
-atexit.register(_PACKED.clear)
+_KEPT = set()  # the handles _Kept holds
+
+
+def _release_kept():
+    """At the interpreter's exit, before the extension counts its objects: the experts autograd graphs still
+    alive then keep (_Kept) would otherwise be freed after, reported as leaked."""
+    for h in list(_KEPT):
+        _PACKED.pop(h, None)
+
+
+atexit.register(_release_kept)
 
 
 def register_packed(packed):
@@ -318,6 +326,7 @@ class _Kept:
         packed = _PACKED.get(handle)
         self.handle = None if packed is None else register_packed(packed)
         self.packed_id = id(packed)
+        _KEPT.add(self.handle)
 
     def handle_for(self, handle):
         """`handle` while it holds the forward's experts (always, unless changed since: a compiled backward keeps
@@ -325,7 +334,8 @@ class _Kept:
         same = self.handle is None or id(_PACKED.get(handle)) == self.packed_id
         return handle if same else self.handle
 
-    def __del__(self, _release=_PACKED.pop):  # bound now: at the interpreter's exit the module's names may be gone
+    def __del__(self, _release=_PACKED.pop, _kept=_KEPT):  # bound now: at exit the module's names may be gone
+        _kept.discard(self.handle)
         _release(self.handle, None)
 
 
@@ -334,7 +344,10 @@ def _packed_setup(ctx, inputs, output):
     _, ys, work = output
     ctx.save_for_backward(x, ids, w, a_gu, b_gu, a_dn, b_dn, ys, work)
     ctx.flags = (scale, handle, ep)
-    ctx.kept = _Kept(handle)
+    # eager only: a compiled backward calls the op with the handle its graph was traced with (a backward
+    # straddling load_state_dict then runs on the loaded experts), and a _Kept made while tracing would keep
+    # the traced experts for as long as the compiled graph lives
+    ctx.kept = None if torch.compiler.is_compiling() else _Kept(handle)
     ctx.mark_non_differentiable(ys, work)
 
 
@@ -342,8 +355,10 @@ def _packed_backward(ctx, dy, _dys, _dwork):
     x, ids, w, a_gu, b_gu, a_dn, b_dn, ys, work = ctx.saved_tensors
     scale, handle, ep = ctx.flags
     dy = dy.contiguous()  # a negated view autograd hands over is resolved by the op's dispatcher
+    if ctx.kept is not None:
+        handle = ctx.kept.handle_for(handle)
     dx, dw, da_gu, db_gu, da_dn, db_dn = packed_experts_train_backward(x, ids, w, a_gu, b_gu, a_dn, b_dn, scale,
-                                                                       ctx.kept.handle_for(handle), ep, dy, ys, work)
+                                                                       handle, ep, dy, ys, work)
     some = lambda g, t: g if t is not None else None  # noqa: E731
     return (dx, None, dw, some(da_gu, a_gu), some(db_gu, b_gu), some(da_dn, a_dn), some(db_dn, b_dn), None, None,
             None)

@@ -19,9 +19,10 @@ views into the mapped files, in the files' types.
 Every module is packed (and checked against the file) before the first one
 is swapped in, so an error leaves the model as it was.
 
-A packed module's state dict holds its experts as the float module's tensors,
-dequantized (PackedExpertsModule.float_weights), so save_pretrained writes a
-folder the float model loads; load_state_dict packs such tensors again.
+save_pretrained of a packed model writes its experts as the float model's
+tensors, dequantized, so the folder loads as the float model; its state_dict
+holds them only within experts_as_float(model) (apex_ffn.float_export says
+why); load_state_dict packs such tensors again.
 
 Inference runs the library's packed forward, which quantizes the activations
 as ggml does for the block formats. LoRA adapters on packed experts: see
@@ -35,11 +36,11 @@ import torch
 from . import _core
 from ._tensors import plain
 from ._threads import check_threads, get_num_threads
-from .float_weights import watch_export
+from .float_export import experts_as_float, watch_save
 from .layout import experts_layout
 from .packed_module import PackedExpertsModule
 
-__all__ = ["PackedExpertsModule", "experts_modules", "pack_experts", "save_pack_once"]
+__all__ = ["PackedExpertsModule", "experts_as_float", "experts_modules", "pack_experts", "save_pack_once"]
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 
@@ -167,7 +168,7 @@ def pack_experts(model, types=None, gguf=None, threads=None, pack_once=None):
         raise
     for name, new in built:
         model.set_submodule(name, new)
-    watch_export(model)
+    watch_save(model)
     return [n for n, _ in built]
 
 

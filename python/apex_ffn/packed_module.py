@@ -108,15 +108,14 @@ class PackedExpertsModule(nn.Module):
         return super()._apply(fn, *args, **kwargs)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        """The state dict holds the experts as the float module's tensors, so save_pretrained writes a folder the
-        float model loads, with the weights the packed one ran on."""
+        """The experts as the float module's tensors where asked for (apex_ffn.float_export), not otherwise."""
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        destination.update({prefix + n: t for n, t in self.float_weights().items()})
+        float_tensors.save_to_state_dict(self, destination, prefix)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        """load_state_dict packs the float module's tensors (load_float_weights); all of them or none."""
-        rest = float_tensors.load_from_state_dict(self, state_dict, prefix, strict, missing_keys, error_msgs)
+        """load_state_dict packs the float module's tensors when given them (load_float_weights), all or none."""
+        rest = float_tensors.load_from_state_dict(self, state_dict, prefix, local_metadata, error_msgs)
         super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
     def __reduce_ex__(self, protocol):
@@ -125,10 +124,11 @@ class PackedExpertsModule(nn.Module):
                         "apex_ffn.packed.save_pack_once")
 
     def __copy__(self):
-        """A shallow copy: like nn.Module's, it shares what the module holds (the packed weights, never written,
-        the layout, and the LoRA adapters when attached: the same ExpertsLora and parameters, so training either
-        trains both), but it holds a registry handle of its own, so that each keeps working when the other is
-        collected (the module's handle is released with it). Its containers of submodules, parameters, buffers
+        """A shallow copy: like nn.Module's, it shares what the module holds (the packed weights, never written
+        in place, the layout, and the LoRA adapters when attached: the same ExpertsLora and parameters, so
+        training either trains both), but it holds a registry handle of its own, so that each keeps working when
+        the other is collected (the module's handle is released with it). Unlike a float module's copy, loading
+        other experts into one (load_state_dict, load_float_weights) leaves the other's as they were. Its containers of submodules, parameters, buffers
         and hooks are its own (shallow copies): attaching other adapters to one (add_lora, load_peft) or a hook
         leaves the other's as they were."""
         new = type(self).__new__(type(self))

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("transformers", reason="transformers is not installed")
 from apex_ffn import ops  # noqa: E402
-from apex_ffn.packed import pack_experts  # noqa: E402
+from apex_ffn.packed import experts_as_float, pack_experts  # noqa: E402
 from families import tiny_model  # noqa: E402
 from test_packed import rel, tiny_packed, wide_model  # noqa: E402
 
@@ -30,7 +30,8 @@ def test_gradients_pass_frozen_packed_experts(family, types):
     ref = wide_model(family)
     model = copy.deepcopy(ref)
     pack_experts(model, types)
-    ref.load_state_dict(model.state_dict())  # the eager model runs on exactly the packed weights
+    with experts_as_float(model):
+        ref.load_state_dict(model.state_dict())  # the eager model runs on exactly the packed weights
     name = "model.layers.0.mlp.experts"
     g = torch.Generator().manual_seed(3)
     c = ref.config
@@ -73,12 +74,13 @@ def test_backward_runs_on_its_forwards_experts(lora):
     other = tiny_packed(False, seed=9)
     x, ids, w = torch.randn(5, 32), torch.randint(0, 6, (5, 2)), torch.rand(5, 2)
     expected = loss_grads(module, x, ids, w)
-    original = {k: v.clone() for k, v in model.state_dict().items()}
+    with experts_as_float(model), experts_as_float(other):
+        original, others = model.state_dict(), other.state_dict()
     for change in ("load", "collect"):
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = module(xs, ids, ws)
         if change == "load":
-            model.load_state_dict(other.state_dict(), strict=False)  # the experts, not the adapters
+            model.load_state_dict(others, strict=False)  # the experts, not the adapters
             assert not torch.equal(module(x, ids, w).detach(), expected[0])  # the module runs on the new experts
         else:
             del model, module

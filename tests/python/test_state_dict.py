@@ -1,7 +1,8 @@
-"""A packed model's state dict: the experts as the float module's tensors, each the value the kernels
-multiply by (a block format's ggml-dequantized value), so save_pretrained writes a folder the float model
-loads, and load_state_dict packs float tensors again; the refusals (shapes, partial sets, meta tensors,
-pickling) name what is wrong."""
+"""A packed model's experts as the float modules' tensors, each the value the kernels multiply by (a block
+format's ggml-dequantized value): in save_pretrained's folder, which the float model loads, and in the state
+dict within experts_as_float (not otherwise: an adapter save reads the whole state dict); load_state_dict
+packs float tensors again; the refusals (shapes, partial sets, meta tensors, memory, pickling) name what is
+wrong."""
 import copy
 import pickle
 
@@ -10,7 +11,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 import apex_ffn  # noqa: E402
-from apex_ffn.packed import PackedExpertsModule, pack_experts  # noqa: E402
+from apex_ffn.packed import PackedExpertsModule, experts_as_float, pack_experts  # noqa: E402
 from families import tiny_model  # noqa: E402
 from test_packed import gguf_roundtrip, logits, rel, wide_model, write_gguf  # noqa: E402
 
@@ -18,7 +19,8 @@ EXPERT_KEYS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias
 
 
 def expert_state(model):
-    return {k: v for k, v in model.state_dict().items() if k.rsplit(".", 1)[-1] in EXPERT_KEYS}
+    with experts_as_float(model):
+        return {k: v for k, v in model.state_dict().items() if k.rsplit(".", 1)[-1] in EXPERT_KEYS}
 
 
 def ggml_values(t, qname, transposed):
@@ -89,7 +91,8 @@ def test_load_state_dict_packs_the_float_tensors(types):
     if types in ("f32", "bf16"):  # exact storage: a packed model's own state dict comes back unchanged
         again = wide_model(seed=5)
         pack_experts(again, types)
-        again.load_state_dict(direct.state_dict())
+        with experts_as_float(direct):
+            again.load_state_dict(direct.state_dict())
         assert all(torch.equal(v, expert_state(direct)[k]) for k, v in expert_state(again).items())
 
 
@@ -122,10 +125,12 @@ def test_bad_state_dicts_are_refused_and_leave_the_experts():
     pack_experts(model, "q8_0")
     m = model.get_submodule("model.layers.0.mlp.experts")
     kept = m.float_weights()
-    state = model.state_dict()
+    with experts_as_float(model):
+        state = model.state_dict()
     prefix = "model.layers.0.mlp.experts."
     partial = {k: v for k, v in state.items() if k != prefix + "down_proj"}
-    with pytest.raises(RuntimeError, match="without \\['down_proj'\\]: packed experts are loaded from all"):
+    with pytest.raises(RuntimeError, match="experts: gives \\['gate_up_proj'\\] without \\['down_proj'\\]: packed experts "
+                                           "are loaded from all"):
         model.load_state_dict(partial)
     wrong = dict(state)
     wrong[prefix + "down_proj"] = state[prefix + "down_proj"][:, :, :128]
@@ -139,36 +144,83 @@ def test_bad_state_dicts_are_refused_and_leave_the_experts():
     with pytest.raises(RuntimeError, match="'down_proj' has shape \\(6, 256, 256\\) and dtype torch.int64"):
         model.load_state_dict(wrong)
     assert all(torch.equal(v, kept[k]) for k, v in m.float_weights().items())
-    missing = {k: v for k, v in state.items() if not k.startswith(prefix + "gate_up_proj")
-               and not k.startswith(prefix + "down_proj")}
-    result = model.load_state_dict(missing, strict=False)
-    assert result.missing_keys == [prefix + "gate_up_proj", prefix + "down_proj"]
-    with pytest.raises(RuntimeError, match="Missing key\\(s\\).*experts.gate_up_proj"):
-        model.load_state_dict(missing)
     with pytest.raises(apex_ffn.ConfigError, match="expected the tensors \\['down_proj', 'gate_up_proj'\\]"):
         m.load_float_weights({"down_proj": kept["down_proj"]})
+    with pytest.raises(apex_ffn.ConfigError, match="argument 'dtype': expected a float dtype, got torch.int8"):
+        m.float_weights(torch.int8)
     with pytest.raises(TypeError, match="cannot be pickled .*save_pack_once"):
         pickle.dumps(m)
     assert isinstance(model.get_submodule("model.layers.0.mlp.experts"), PackedExpertsModule)
 
 
-def test_an_export_larger_than_memory_is_refused_before_it_starts(monkeypatch):
-    """A state dict whose dequantized experts and the model's own bytes exceed physical memory is a ConfigError
-    naming the bytes before any expert is dequantized (the library's memory rule; the override exports anyway)."""
+def test_plain_state_dict_holds_no_experts_and_says_so_on_a_float_load():
+    """Outside experts_as_float the state dict holds what is not packed: it loads back into the packed model
+    (strict, experts kept), and a float model's strict load names the experts missing."""
+    model = wide_model()
+    pack_experts(model, "q8_0")
+    m = model.get_submodule("model.layers.0.mlp.experts")
+    kept = m.float_weights()
+    state = model.state_dict()
+    assert not any(k.rsplit(".", 1)[-1] in EXPERT_KEYS for k in state)
+    assert model.load_state_dict(state).missing_keys == []
+    assert all(torch.equal(v, kept[k]) for k, v in m.float_weights().items())
+    with pytest.raises(RuntimeError, match="Missing key\\(s\\).*model.layers.0.mlp.experts.gate_up_proj"):
+        wide_model().load_state_dict(state)
+
+
+def test_adapter_saves_and_trainer_state_dicts(tmp_path):
+    """peft's adapter save reads the model's whole state dict: no expert is dequantized for it; save_pretrained
+    given a state dict (as Trainer gives one) gets the experts it lacks; a deep copy's save_pretrained saves the
+    copy."""
+    peft = pytest.importorskip("peft", reason="peft is not installed")
     from apex_ffn import float_weights
+    model = wide_model()
+    pack_experts(model, "q8_0")
+    copied = copy.deepcopy(model)
+    calls = []
+    real = float_weights.float_weights
+    float_weights.float_weights = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    try:
+        adapted = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+        adapted.save_pretrained(tmp_path / "adapter")
+        assert not calls and (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+        adapted = adapted.unload()
+    finally:
+        float_weights.float_weights = real
+    saved = expert_state(model)
+    model.save_pretrained(tmp_path / "given", state_dict=model.state_dict())
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "given", experts_implementation="eager")
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in saved.items())
+    other = wide_model(seed=8)
+    copied.load_state_dict(other.state_dict())  # the copy's experts only
+    copied.save_pretrained(tmp_path / "copy")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "copy", experts_implementation="eager")
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in expert_state(copied).items())
+    assert not torch.equal(expert_state(copied)[next(iter(saved))], next(iter(saved.values())))
+
+
+def test_an_export_larger_than_memory_is_refused_before_it_starts(monkeypatch, tmp_path):
+    """Float experts and the model's own bytes beyond physical memory: experts_as_float and save_pretrained are
+    a ConfigError naming the bytes before any expert is dequantized or any file written (the library's memory
+    rule; the override exports anyway)."""
+    from apex_ffn import float_export, float_weights
     model = wide_model()
     pack_experts(model, "q4_0")
     calls = []
     monkeypatch.setattr(float_weights, "float_weights", lambda *a, **k: calls.append(1))
-    monkeypatch.setattr(float_weights, "physical_memory", lambda: 10_000_000)
+    monkeypatch.setattr(float_export, "physical_memory", lambda: 10_000_000)
     export = 2 * 6 * 3 * 256 * 256 * 4  # two blocks of 6 experts, float32
-    with pytest.raises(apex_ffn.ConfigError, match=f"packed experts as float tensors: 0.01 GB \\({export} bytes\\) "
-                                                   "beside the .* the machine has 0.01 GB \\(10000000 bytes\\) of "
-                                                   "physical memory; keep the packed experts with .*save_pack_once"):
-        model.state_dict()
-    assert not calls
+    refusal = (f"packed experts as float tensors need 0.01 GB \\({export} bytes\\) beside the .* the machine has "
+               "0.01 GB \\(10000000 bytes\\) of physical memory; keep the packed experts with .*save_pack_once")
+    with pytest.raises(apex_ffn.ConfigError, match=refusal):
+        with experts_as_float(model):
+            pass
+    with pytest.raises(apex_ffn.ConfigError, match=refusal):
+        model.save_pretrained(tmp_path / "big")
+    assert not calls and not (tmp_path / "big").exists()
+    assert len(model.state_dict()) > 0  # without the experts: nothing to check
     monkeypatch.undo()  # the real export, with the override
-    monkeypatch.setattr(float_weights, "physical_memory", lambda: 10_000_000)
+    monkeypatch.setattr(float_export, "physical_memory", lambda: 10_000_000)
     monkeypatch.setenv("APEX_FFN_ALLOW_OVERCOMMIT", "1")
     assert len(expert_state(model)) == 4
 
@@ -189,3 +241,16 @@ def test_exports_to_another_dtype_stage_a_few_experts_at_a_time(monkeypatch, sta
     with pytest.raises(apex_ffn.ShapeError, match="2 experts from expert 5 asked of a block of 6"):
         m.packed.to_float(t["gate_up_proj"], t["down_proj"], t["gate_up_proj_bias"], t["down_proj_bias"], True, True,
                           5, 1)
+
+
+def test_assigned_state_dicts_set_the_experts_dtype():
+    """load_state_dict(assign=True) makes the parameters the given tensors' dtype: the packed experts' export
+    follows (their storage type stays)."""
+    model = tiny_model("qwen3_moe")
+    pack_experts(model, "f32")
+    half = tiny_model("qwen3_moe", seed=7).bfloat16()
+    model.load_state_dict(half.state_dict(), assign=True)
+    state = expert_state(model)
+    assert model.get_parameter("model.layers.0.self_attn.q_proj.weight").dtype == torch.bfloat16
+    assert all(v.dtype == torch.bfloat16 and torch.equal(v, expert_state(half)[k]) for k, v in state.items())
+    assert model.get_submodule("model.layers.0.mlp.experts").packed.types == "f32"
