@@ -101,3 +101,19 @@ def test_refusals(tmp_path):
                    hidden_size=256, num_hidden_layers=2)
     assert isinstance(e.value, apex_ffn.FormatError), e.value
     assert "has no tensor for model.embed_tokens.weight" in str(e.value)
+
+
+def test_save_pretrained_writes_the_files_dequantized_model(tmp_path):
+    """A GGUF model opened with packed experts, saved with save_pretrained: the folder loads as the float model
+    with nothing missing, every tensor (experts included) and the logits equal to transformers' own load of
+    the file, bit for bit."""
+    path = tmp_path / "tiny.gguf"
+    make_tiny_qwen3_moe_gguf(path, "Q8_0")
+    load_model(path).save_pretrained(tmp_path / "hf")
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", experts_implementation="eager",
+                                                                     output_loading_info=True)
+    assert not any(info.values())
+    ref = transformers_load(path, dtype=torch.float32)
+    got, want = loaded.state_dict(), ref.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert torch.equal(logits(loaded.eval()), logits(ref))
