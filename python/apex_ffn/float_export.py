@@ -37,8 +37,7 @@ def _packed_modules(model):
 
 def export_bytes(m):
     """Bytes module `m`'s experts take as float tensors of its dtype (the float32 staging aside)."""
-    per = torch.empty(0, dtype=m.weight_dtype).element_size()
-    return sum(per * torch.Size(s).numel() for s in weight_shapes(m).values())
+    return sum(m.weight_dtype.itemsize * torch.Size(s).numel() for s in weight_shapes(m).values())
 
 
 def physical_memory():
@@ -53,12 +52,11 @@ def _gb(n):
     return f"{n / 1e9:.2f} GB ({n} bytes)"
 
 
-def check_export_fits(model):
-    """ConfigError when `model`'s packed experts as float tensors and what the model holds exceed physical
-    memory (nothing when APEX_FFN_ALLOW_OVERCOMMIT=1 or the size is unknown)."""
+def check_export_fits(model, packed):
+    """ConfigError when `model`'s packed experts `packed` as float tensors and what the model holds exceed
+    physical memory (nothing when APEX_FFN_ALLOW_OVERCOMMIT=1 or the size is unknown)."""
     if os.environ.get(_ALLOW_OVERCOMMIT) == "1":
         return
-    packed = [m for _, m in _packed_modules(model)]
     export = sum(export_bytes(m) for m in packed)
     held = sum(m.packed.nbytes for m in packed if not m.packed.mapped)
     held += sum(t.nbytes for t in list(model.parameters()) + list(model.buffers()) if t.device.type == "cpu")
@@ -75,8 +73,8 @@ def check_export_fits(model):
 def experts_as_float(model):
     """Within it, `model`'s state dict holds its packed experts as the float modules' tensors (see the module
     comment); checked against physical memory first. Nests."""
-    check_export_fits(model)
     packed = [m for _, m in _packed_modules(model)]
+    check_export_fits(model, packed)
     for m in packed:
         m.__dict__["_apex_ffn_float_export"] = m.__dict__.get("_apex_ffn_float_export", 0) + 1
     try:

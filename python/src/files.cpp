@@ -35,10 +35,9 @@ struct GgufFile {
 /// Block `layer`'s routed experts; `gate` ("silu" or "clamped") is the
 /// experts module's kind, which must be the file architecture's.
 PackedExperts from_gguf(const GgufFile& f, Index layer, const std::string& gate) {
-  if (gate != "silu" && gate != "clamped")
-    throw ConfigError("apex_ffn.PackedExperts.from_gguf: unknown gate '" + gate + "'");
+  const GateKind kind = gate_kind("apex_ffn.PackedExperts.from_gguf", gate);
   nb::gil_scoped_release release;
-  if (gate == "silu") {
+  if (kind == GateKind::silu) {
     auto moe = load_gguf_moe<float, SwiGLU<float>>(f.file, layer);
     return PackedExperts(GateKind::silu, moe.experts(), {});
   }

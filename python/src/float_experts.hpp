@@ -44,6 +44,13 @@ namespace apex::python {
 /// The activation between the projections.
 enum class GateKind { silu, clamped };
 
+/// The kind named "silu" or "clamped"; ConfigError `where: unknown gate '…'` otherwise.
+inline GateKind gate_kind(const char* where, const std::string& gate) {
+  if (gate == "silu") return GateKind::silu;
+  if (gate == "clamped") return GateKind::clamped;
+  throw ConfigError(std::string(where) + ": unknown gate '" + gate + "'");
+}
+
 /// The layout of a module's expert tensors.
 struct FloatLayout {
   Index experts = 0, d = 0, f = 0;

@@ -75,12 +75,6 @@ void check_threads(const char* where, int threads) {
                            std::to_string(threads)).c_str());
 }
 
-GateKind gate_kind(const char* where, const std::string& gate) {
-  if (gate == "silu") return GateKind::silu;
-  if (gate == "clamped") return GateKind::clamped;
-  throw ConfigError(std::string(where) + ": unknown gate '" + gate + "'");
-}
-
 /// Packs a module's float tensors in `types`.
 PackedExperts from_float(const Array& gate_up, const Array& down, const std::optional<Array>& gu_bias,
                          const std::optional<Array>& down_bias, const std::string& gate, bool transposed,

@@ -35,12 +35,6 @@ namespace nb = nanobind;
 namespace apex::python {
 namespace {
 
-GateKind gate_of(const char* where, const std::string& gate) {
-  if (gate == "silu") return GateKind::silu;
-  if (gate == "clamped") return GateKind::clamped;
-  throw ConfigError(std::string(where) + ": unknown gate '" + gate + "'");
-}
-
 /// The layer config of one block: E experts of f × d, top_k of them a token, no shared experts.
 MoEConfig block_config(Index experts, Index d, Index f, Index top_k, bool router_bias) {
   MoEConfig c;
@@ -82,7 +76,7 @@ void save_pack_once(const PackedExperts& p, const std::string& path, const Array
 PackedExperts map_pack_once(const std::string& path, Index experts, Index d, Index f, Index top_k, bool router_bias,
                             const std::string& gate, double alpha, double limit) {
   constexpr const char* where = "apex_ffn.PackedExperts.map_pack_once";
-  const GateKind kind = gate_of(where, gate);
+  const GateKind kind = gate_kind(where, gate);
   const MoEConfig c = block_config(experts, d, f, top_k, router_bias);
   PackedLoadOptions options;
   if (kind == GateKind::clamped) {
