@@ -29,9 +29,12 @@
 // AVX-512BW (byte and word integer ops on zmm: the block formats' tiles)
 // came with AVX-512F on every CPU since Skylake-SP; VNNI (`vpdpbusd`) with
 // Ice Lake / Cascade Lake, and every CPU with AVX-512 BF16 has VNNI too.
+// The VNNI paths also take VL (`vpdpbusd` on ymm: Q8_0's one-row tile),
+// which every CPU with AVX-512 VNNI has.
 #define APEX_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
-#define APEX_TARGET_AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c")))
-#define APEX_TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vnni,avx512bf16,avx2,fma,f16c")))
+#define APEX_TARGET_AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#define APEX_TARGET_AVX512BF16 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,avx2,fma,f16c")))
 // A tile's per-block step, inlined so the tile's accumulators stay in
 // registers (GCC otherwise keeps the larger block bodies out of line).
 #define APEX_KERNEL_INLINE __attribute__((always_inline))
@@ -44,7 +47,8 @@ namespace apex::packed {
 /// A kernel path. Each includes the one before it:
 /// - `avx512`: AVX-512F and BW; the block formats' integer products with
 ///   `vpmaddubsw`/`vpmaddwd` on zmm;
-/// - `avx512_vnni`: as avx512, the block formats' products with `vpdpbusd`;
+/// - `avx512_vnni`: as avx512 with VL, the block formats' products with
+///   `vpdpbusd`;
 /// - `avx512_bf16`: as avx512_vnni, and bf16 weights may be multiplied in
 ///   pairs with `vdpbf16ps` (Bf16Products::paired).
 /// Float weights run the same AVX-512 tiles on the last three.
@@ -52,9 +56,10 @@ enum class Isa { scalar, avx2, avx512, avx512_vnni, avx512_bf16 };
 
 /// The path the compiler targets (see the file comment).
 inline constexpr Isa kDefaultIsa =
-#if APEX_PACKED_X86 && defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if APEX_PACKED_X86 && defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && \
+    defined(__AVX512BW__)
     Isa::avx512_bf16;
-#elif APEX_PACKED_X86 && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#elif APEX_PACKED_X86 && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
     Isa::avx512_vnni;
 #elif APEX_PACKED_X86 && defined(__AVX512F__) && defined(__AVX512BW__)
     Isa::avx512;
@@ -103,7 +108,8 @@ inline bool cpu_supports(Isa isa) {
     case Isa::avx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && detail::cpu_has_f16c();
     case Isa::avx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && cpu_supports(Isa::avx2);
-    case Isa::avx512_vnni: return cpu_supports(Isa::avx512) && __builtin_cpu_supports("avx512vnni");
+    case Isa::avx512_vnni:
+      return cpu_supports(Isa::avx512) && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
     case Isa::avx512_bf16: return cpu_supports(Isa::avx512_vnni) && __builtin_cpu_supports("avx512bf16");
 #else
     default: return false;
@@ -168,9 +174,11 @@ APEX_KERNEL_INLINE inline void prefetch_slab(const void* slab) {
 /// 1.04–1.29× on the three x86 paths; docs/performance.md, "K-quant decode,
 /// one prefetch a line"). Which tiles take it, and what it gave each, is
 /// written at the tile: the `Ahead` passes of the K-quant entries (every
-/// x86 path), the AVX2 Q8_0 entry's in-order pass and the VNNI Q4_0/MXFP4
-/// entry (`kPrefetchesLines`). The VNNI and AVX-512BW Q8_0 tiles keep the
-/// burst (prefetch_block): one a line lost there.
+/// x86 path), the AVX2 Q8_0 entry's in-order pass (which the AVX-512BW
+/// path also runs at one row) and the VNNI Q4_0/MXFP4 entry
+/// (`kSkipsBurst`). The VNNI Q8_0 entry prefetches nothing (the burst and
+/// one a line both lost there); the AVX-512BW Q8_0 tile keeps the burst
+/// above one row.
 ///
 /// Both prefetch helpers are always inlined: GCC counts a function whose
 /// only effect is a prefetch as free of side effects, and where it cannot

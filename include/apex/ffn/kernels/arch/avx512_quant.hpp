@@ -230,11 +230,21 @@ inline constexpr int both_halves_rows_v<Entry, std::void_t<decltype(Entry::kBoth
 /// The VNNI tile (kernels/arch/avx512_vnni_quant.hpp) repeats these lines
 /// under its own target: a tile must carry the target of the block products
 /// it inlines.
+///
+/// Q8_0 at one row runs the AVX2 tile (the same sums and float steps, so the
+/// same bits): its 32-byte loads in order, one prefetch a line, stream a cold
+/// panel faster on Zen 4 than the 64-byte loads after a burst here (one
+/// Qwen3-30B-A3B step, cold, N = 1: 1.35×; docs/performance.md, "Q8_0 decode
+/// on 8-lane quarters").
 struct QuantTilesAvx512 {
   template <Dtype T, int R, class Epi>
   APEX_TARGET_AVX512 static void tile(const std::byte* codes, const std::byte* scales, Index K, const QuantRows& x,
                                       float* out, Index ldo, Index ncols) {
     static_assert(TilesOn<T, Isa::avx512>::check());
+    if constexpr (T == Dtype::q8_0 && R == 1) {
+      quant_tile_avx2<T, 1, Epi>(codes, scales, K, x, out, ldo, ncols);
+      return;
+    }
     using W = WeightType<T>;
     __m512 acc[2][R];  // half v of row r: acc[v][r]
     for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();

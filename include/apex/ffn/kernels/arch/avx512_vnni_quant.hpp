@@ -57,7 +57,7 @@ struct Nibble32Vnni {
   /// at each block: one Qwen3-30B-A3B step, cold, Q4_0 1.00–1.16× and MXFP4
   /// 1.01–1.24× at N = 1 to 64, 1.02 at N = 512 (docs/performance.md,
   /// "Q4_0 and MXFP4: one prefetch a line on VNNI"). Q8_0 lost with it.
-  static constexpr bool kPrefetchesLines = true;
+  static constexpr bool kSkipsBurst = true;
   template <int R>
   APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void both_halves(const std::byte* slab, const std::byte* area,
                                                                     Index b, const QuantRows& x, __m512* acc0,
@@ -93,12 +93,62 @@ struct Tiles<Dtype::q8_0, Isa::avx512_vnni> {
   /// per half the integer sums and float step of the AVX-512BW entry (the
   /// same bits), each activation quad broadcast once for the 32 lanes.
   static constexpr int kBothHalvesRows = kAvx512QuantRows;  // every tile
+  /// No prefetch of Q8_0's blocks: the tile loop's burst (a block's 17
+  /// lines 4 KiB ahead) cost more than it gave on Zen 4, and one prefetch a
+  /// line more again; the hardware prefetcher alone streams Q8_0's in-order
+  /// 1 KiB blocks fastest. One Qwen3-30B-A3B step, cold, burst against
+  /// none: 1.09–1.13× at N = 1 and 4, 1.25× at N = 16, 1.06× at N = 512
+  /// (docs/performance.md, "Q8_0 decode on 8-lane quarters").
+  static constexpr bool kSkipsBurst = true;
   template <int R>
   APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void both_halves(const std::byte* slab, const std::byte* area,
                                                                     Index b, const QuantRows& x, __m512* acc0,
                                                                     __m512* acc1) {
     __m512i is0[R], is1[R];
-    for (int r = 0; r < R; ++r) is0[r] = is1[r] = _mm512_setzero_si512();
+    if constexpr (R == 1) {
+      one_row_sums(slab, x.q + 32 * b, is0[0], is1[0]);
+    } else {
+      for (int r = 0; r < R; ++r) is0[r] = is1[r] = _mm512_setzero_si512();
+      zmm_sums<R>(slab, b, x, is0, is1);
+    }
+    const __m512 dw0 = load_fp16x16(area), dw1 = load_fp16x16(area + 32);
+    for (int r = 0; r < R; ++r) {
+      const __m512i corr = _mm512_set1_epi32(128 * x.row(r).sum32(b));
+      const __m512 xd = _mm512_set1_ps(x.d[r * x.ldd + b]);
+      acc0[r] = accumulate16(acc0[r], _mm512_sub_epi32(is0[r], corr), _mm512_mul_ps(dw0, xd));
+      acc1[r] = accumulate16(acc1[r], _mm512_sub_epi32(is1[r], corr), _mm512_mul_ps(dw1, xd));
+    }
+  }
+
+  /// One row (decode): Σ u·x of the block's four 8-lane quarters on ymm
+  /// (32-byte loads, the AVX2 entry's order), joined into the halves'
+  /// lanes 0–15 (is0) and 16–31 (is1). The same integer sums as zmm_sums;
+  /// on Zen 4 a cold block streams faster this way than in 64-byte loads:
+  /// one Qwen3-30B-A3B step, cold, 1.08–1.12× at N = 1 to 16 over zmm
+  /// without prefetch (docs/performance.md, "Q8_0 decode on 8-lane quarters").
+  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void one_row_sums(const std::byte* slab, const std::int8_t* xq,
+                                                                     __m512i& is0, __m512i& is1) {
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    __m256i s[4];
+    for (auto& v : s) v = _mm256_setzero_si256();
+    for (int q = 0; q < 8; ++q) {
+      std::int32_t quad;
+      std::memcpy(&quad, xq + 4 * q, 4);
+      const __m256i xv = _mm256_set1_epi32(quad);
+      for (int v = 0; v < 4; ++v) {
+        const auto* line = reinterpret_cast<const __m256i*>(slab + (q * kPanelLanes + 8 * v) * 4);
+        s[v] = _mm256_dpbusd_epi32(s[v], _mm256_xor_si256(_mm256_loadu_si256(line), flip), xv);  // w + 128
+      }
+    }
+    is0 = _mm512_inserti64x4(_mm512_castsi256_si512(s[0]), s[1], 1);
+    is1 = _mm512_inserti64x4(_mm512_castsi256_si512(s[2]), s[3], 1);
+  }
+
+  /// R rows: Σ u·x of both 16-lane halves, each activation quad broadcast
+  /// once for the 32 lanes.
+  template <int R>
+  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void zmm_sums(const std::byte* slab, Index b, const QuantRows& x,
+                                                                 __m512i* is0, __m512i* is1) {
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     for (int q = 0; q < 8; ++q) {
       const __m512i u0 = _mm512_xor_si512(load_half512(slab, q, 0), flip);  // w + 128 ∈ [0, 255]
@@ -108,13 +158,6 @@ struct Tiles<Dtype::q8_0, Isa::avx512_vnni> {
         is0[r] = dpbusd(is0[r], u0, xv);
         is1[r] = dpbusd(is1[r], u1, xv);
       }
-    }
-    const __m512 dw0 = load_fp16x16(area), dw1 = load_fp16x16(area + 32);
-    for (int r = 0; r < R; ++r) {
-      const __m512i corr = _mm512_set1_epi32(128 * x.row(r).sum32(b));
-      const __m512 xd = _mm512_set1_ps(x.d[r * x.ldd + b]);
-      acc0[r] = accumulate16(acc0[r], _mm512_sub_epi32(is0[r], corr), _mm512_mul_ps(dw0, xd));
-      acc1[r] = accumulate16(acc1[r], _mm512_sub_epi32(is1[r], corr), _mm512_mul_ps(dw1, xd));
     }
   }
 };
@@ -247,12 +290,13 @@ struct Tiles<Dtype::q6_k, Isa::avx512_vnni> {
   }
 };
 
-/// Whether a VNNI entry prefetches its code lines itself (kPrefetchesLines),
-/// so the tile loop issues no burst for its blocks.
+/// Whether the tile loop leaves a VNNI entry's blocks without a burst
+/// (kSkipsBurst): the entry prefetches its lines itself (Q4_0, MXFP4) or
+/// leaves them to the hardware (Q8_0).
 template <class Entry, class = void>
-inline constexpr bool prefetches_lines_v = false;
+inline constexpr bool skips_burst_v = false;
 template <class Entry>
-inline constexpr bool prefetches_lines_v<Entry, std::void_t<decltype(Entry::kPrefetchesLines)>> = Entry::kPrefetchesLines;
+inline constexpr bool skips_burst_v<Entry, std::void_t<decltype(Entry::kSkipsBurst)>> = Entry::kSkipsBurst;
 
 /// The VNNI tile loop: QuantTilesAvx512's on the VNNI block products.
 struct QuantTilesVnni {
@@ -268,7 +312,7 @@ struct QuantTilesVnni {
       const std::byte* slab = codes + b * slab_bytes;
       const std::byte* area = scales + b * area_bytes;
       using Entry = Tiles<T, Isa::avx512_vnni>;
-      if constexpr (!prefetches_lines_v<Entry>) prefetch_block<T>(slab, area);
+      if constexpr (!skips_burst_v<Entry>) prefetch_block<T>(slab, area);
       if constexpr (R <= both_halves_rows_v<Entry>)
         Entry::template both_halves<R>(slab, area, b, x, acc[0], acc[1]);
       else
