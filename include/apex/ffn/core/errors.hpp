@@ -8,6 +8,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "types.hpp"
 
@@ -77,6 +78,21 @@ void check_shape(const char* where, const char* arg, const Eigen::EigenBase<Deri
 /// Throws ConfigError with `where: what` unless `ok`.
 inline void require_config(bool ok, const char* where, const std::string& what) {
   if (!ok) throw ConfigError(std::string(where) + ": " + what);
+}
+
+/// The same for a fixed message: a check that passes builds no string (a
+/// literal bound to `const std::string&` would be copied to the heap on
+/// every call, passing or not).
+inline void require_config(bool ok, const char* where, const char* what) {
+  if (!ok) throw ConfigError(std::string(where) + ": " + what);
+}
+
+/// The same with the message made by `what()` only when the check fails: the
+/// form for checks on a per-call path (a decode step, a training product),
+/// where building "got " + std::to_string(n) on every call would allocate.
+template <class What, std::enable_if_t<std::is_invocable_r_v<std::string, What&>, int> = 0>
+void require_config(bool ok, const char* where, What&& what) {
+  if (!ok) throw ConfigError(std::string(where) + ": " + what());
 }
 
 /// Throws ValueError unless every entry of `m` is finite.

@@ -196,12 +196,13 @@ inline void dequantized_product(Isa isa, const PanelMatrix& pm, const float* x, 
   constexpr const char* where = "packed::dequantized_product";
   const Index panels = pm.panels();
   detail::require_isa(where, isa);
-  apex::detail::require_config(rows >= 0, where, "row count rows = " + std::to_string(rows) + " is negative");
-  apex::detail::require_config(n <= kPanelLanes * panels && n > kPanelLanes * (panels - 1) && n >= 0, where,
-                               "column count n = " + std::to_string(n) + " does not match the " +
-                                   std::to_string(panels) + " panels of 32 lanes (needs " +
-                                   std::to_string(std::max<Index>(0, kPanelLanes * (panels - 1) + 1)) + " to " +
-                                   std::to_string(kPanelLanes * panels) + ")");
+  apex::detail::require_config(rows >= 0, where,
+                               [&] { return "row count rows = " + std::to_string(rows) + " is negative"; });
+  apex::detail::require_config(n <= kPanelLanes * panels && n > kPanelLanes * (panels - 1) && n >= 0, where, [&] {
+    return "column count n = " + std::to_string(n) + " does not match the " + std::to_string(panels) +
+           " panels of 32 lanes (needs " + std::to_string(std::max<Index>(0, kPanelLanes * (panels - 1) + 1)) +
+           " to " + std::to_string(kPanelLanes * panels) + ")";
+  });
   if (ldx < pm.k()) apex::detail::check_shape(where, "x (row stride)", rows, ldx, rows, pm.k());
   if (ldy < n) apex::detail::check_shape(where, "y (row stride)", rows, ldy, rows, n);
   if (rows == 0 || n == 0) return;

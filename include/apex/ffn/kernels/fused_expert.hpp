@@ -113,8 +113,10 @@ inline void check_forward_options(const char* where, const ForwardOptions& opt) 
   require_isa(where, opt.isa);
   const Bf16Products p = opt.bf16_products;
   apex::detail::require_config(p == Bf16Products::automatic || p == Bf16Products::widened || p == Bf16Products::paired,
-                               where, "bf16_products must be automatic, widened or paired, got " +
-                                          std::to_string(int(p)));
+                               where, [&] {
+                                 return "bf16_products must be automatic, widened or paired, got " +
+                                        std::to_string(int(p));
+                               });
 }
 }  // namespace detail
 
@@ -249,16 +251,16 @@ void forward(const PackedExpert& e, const float* x, Index ldx, Index m, float* y
              const ForwardOptions& opt = {}) {
   constexpr const char* where = "packed::forward";
   const Index d = e.d_model(), f = e.d_ffn();
-  apex::detail::require_config(m >= 0, where, "row count m = " + std::to_string(m) + " is negative");
+  apex::detail::require_config(m >= 0, where, [&] { return "row count m = " + std::to_string(m) + " is negative"; });
   if (ldx < d) apex::detail::check_shape(where, "x (row stride)", m, ldx, m, d);
   if (ldy < d) apex::detail::check_shape(where, "y (row stride)", m, ldy, m, d);
   detail::check_forward_options(where, opt);
   const bool is_bf16 = e.dtypes() == ExpertDtypes(Dtype::bf16);
   if (opt.bf16_products == Bf16Products::paired) {
     apex::detail::require_config(is_bf16, where, "bf16_products = paired needs bf16 weights");
-    apex::detail::require_config(opt.isa == Isa::avx512_bf16, where,
-                                 std::string("bf16_products = paired needs path 'avx512_bf16', not '") +
-                                     isa_name(opt.isa) + "'");
+    apex::detail::require_config(opt.isa == Isa::avx512_bf16, where, [&] {
+      return std::string("bf16_products = paired needs path 'avx512_bf16', not '") + isa_name(opt.isa) + "'";
+    });
   }
   if (m == 0) return;
   const bool paired = opt.bf16_products == Bf16Products::paired;  // validated above

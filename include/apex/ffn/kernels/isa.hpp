@@ -138,10 +138,12 @@ namespace detail {
 inline void require_isa(const char* where, Isa isa) {
   bool known = false;  // a value cast from an integer: name it, not "unknown"
   for (Isa i : kAllIsas) known = known || i == isa;
-  apex::detail::require_config(known, where,
-                               "isa must be one of scalar, avx2, avx512, avx512_vnni, avx512_bf16, got " + std::to_string(int(isa)));
-  apex::detail::require_config(cpu_supports(isa), where,
-                               std::string("kernel path '") + isa_name(isa) + "' is not supported by this CPU");
+  apex::detail::require_config(known, where, [&] {
+    return "isa must be one of scalar, avx2, avx512, avx512_vnni, avx512_bf16, got " + std::to_string(int(isa));
+  });
+  apex::detail::require_config(cpu_supports(isa), where, [&] {
+    return std::string("kernel path '") + isa_name(isa) + "' is not supported by this CPU";
+  });
 }
 
 #if APEX_PACKED_X86

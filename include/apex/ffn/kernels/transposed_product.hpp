@@ -157,7 +157,8 @@ inline void transposed_product(Isa isa, const PanelMatrix& pm, const float* dy, 
   constexpr const char* where = "packed::transposed_product";
   const Index O = kPanelLanes * pm.panels();
   detail::require_isa(where, isa);
-  apex::detail::require_config(rows >= 0, where, "row count rows = " + std::to_string(rows) + " is negative");
+  apex::detail::require_config(rows >= 0, where,
+                               [&] { return "row count rows = " + std::to_string(rows) + " is negative"; });
   if (lddy < O) apex::detail::check_shape(where, "dy (row stride)", rows, lddy, rows, O);
   if (lddx < pm.k()) apex::detail::check_shape(where, "dx (row stride)", rows, lddx, rows, pm.k());
   if (rows == 0) return;

@@ -26,7 +26,7 @@ namespace detail {
 /// ConfigError for a mode cast from an integer (it would be read as inference).
 inline void check_mode(const char* where, SublayerMode m) {
   require_config(m == SublayerMode::training || m == SublayerMode::inference, where,
-                 "mode must be training or inference, got " + std::to_string(int(m)));
+                 [&] { return "mode must be training or inference, got " + std::to_string(int(m)); });
 }
 namespace sublayer {
 

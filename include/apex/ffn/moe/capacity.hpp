@@ -31,11 +31,12 @@ namespace apex::dispatch {
 /// finite factor is usable (1e300 means "no limit", not an overflow).
 /// ConfigError unless factor is finite and > 0, n_experts > 0 and rows ≥ 0.
 inline Index expert_capacity(double factor, Index rows, Index n_experts) {
-  detail::require_config(std::isfinite(factor) && factor > 0, "dispatch::expert_capacity",
-                         "capacity factor must be finite and > 0, got " + std::to_string(factor));
-  detail::require_config(n_experts > 0, "dispatch::expert_capacity",
-                         "n_experts must be positive, got " + std::to_string(n_experts));
-  detail::require_config(rows >= 0, "dispatch::expert_capacity", "rows must be >= 0, got " + std::to_string(rows));
+  constexpr const char* where = "dispatch::expert_capacity";  // per forward: messages made only on failure
+  detail::require_config(std::isfinite(factor) && factor > 0, where,
+                         [&] { return "capacity factor must be finite and > 0, got " + std::to_string(factor); });
+  detail::require_config(n_experts > 0, where,
+                         [&] { return "n_experts must be positive, got " + std::to_string(n_experts); });
+  detail::require_config(rows >= 0, where, [&] { return "rows must be >= 0, got " + std::to_string(rows); });
   // In double (φ·rows may be beyond Index, or +inf), clamped before the
   // conversion: converting a double outside Index's range is undefined.
   // c < double(rows) ≤ 2^63 means c ≤ 2^63 − 1024, which converts exactly.

@@ -90,14 +90,17 @@ struct DispatchPlan {
     token.resize(rows());
     slot.resize(rows());
     row_of.resize(rows());
-    std::vector<Index> next(offset.begin(), offset.end() - 1);
+    // offset[e] is expert e's cursor during the scatter (no scratch to
+    // allocate): it ends at e's end, offset[e + 1], and is shifted back after.
     for (Index t = 0; t < n_tokens; ++t)
       for (Index k = 0; k < n_active; ++k) {
-        const Index r = next[experts(t, k)]++;
+        const Index r = offset[std::size_t(experts(t, k))]++;
         token[r] = t;
         slot[r] = k;
         row_of[t * n_active + k] = r;
       }
+    for (Index e = n_experts; e > 0; --e) offset[std::size_t(e)] = offset[std::size_t(e) - 1];
+    offset[0] = 0;
   }
 
  private:

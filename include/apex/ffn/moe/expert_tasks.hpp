@@ -26,18 +26,25 @@ struct ExpertTask {
   Index id, begin, rows;
 };
 
-/// Orders tasks by rows, largest first, ties in creation order.
+/// Orders tasks by rows, largest first, ties in creation order (routed
+/// before shared, then by id, then by first row). The order is total, so a
+/// plain sort gives it without stable_sort's temporary buffer.
 inline void largest_first(std::vector<ExpertTask>& tasks) {
-  std::stable_sort(tasks.begin(), tasks.end(),
-                   [](const ExpertTask& a, const ExpertTask& b) { return a.rows > b.rows; });
+  std::sort(tasks.begin(), tasks.end(), [](const ExpertTask& a, const ExpertTask& b) {
+    if (a.rows != b.rows) return a.rows > b.rows;
+    if (a.shared != b.shared) return !a.shared;
+    return a.id != b.id ? a.id < b.id : a.begin < b.begin;
+  });
 }
 
-/// Forward tasks: tiles of every routed block (`offset`: E + 1 prefix sums,
-/// expert e owns [offset[e], offset[e+1])) and of the n token rows of each
-/// of n_shared shared experts, at most max_tile rows each, largest first.
-inline std::vector<ExpertTask> forward_tasks(const std::vector<Index>& offset, Index n_shared, Index n,
-                                             Index max_tile) {
-  std::vector<ExpertTask> tasks;
+/// Forward tasks into `tasks` (replaced; its capacity is reused, so a
+/// decode step that keeps the vector allocates nothing): tiles of every
+/// routed block (`offset`: E + 1 prefix sums, expert e owns
+/// [offset[e], offset[e+1])) and of the n token rows of each of n_shared
+/// shared experts, at most max_tile rows each, largest first.
+inline void forward_tasks(const std::vector<Index>& offset, Index n_shared, Index n, Index max_tile,
+                          std::vector<ExpertTask>& tasks) {
+  tasks.clear();
   const auto tile = [&](bool shared, Index id, Index begin, Index count) {
     const Index tiles = (count + max_tile - 1) / max_tile;
     for (Index i = 0; i < tiles; ++i) {
@@ -48,6 +55,13 @@ inline std::vector<ExpertTask> forward_tasks(const std::vector<Index>& offset, I
   for (std::size_t e = 0; e + 1 < offset.size(); ++e) tile(false, Index(e), offset[e], offset[e + 1] - offset[e]);
   for (Index s = 0; s < n_shared; ++s) tile(true, s, 0, n);
   largest_first(tasks);
+}
+
+/// The same tasks in a new vector.
+inline std::vector<ExpertTask> forward_tasks(const std::vector<Index>& offset, Index n_shared, Index n,
+                                             Index max_tile) {
+  std::vector<ExpertTask> tasks;
+  forward_tasks(offset, n_shared, n, max_tile, tasks);
   return tasks;
 }
 

@@ -80,17 +80,18 @@ class Router {
     out.weights.resize(n, k_);
     if (!routing_.is_default()) return route_general(bias, weights_from_unbiased, out);
     out.scores.resize(0, 0);
-    Eigen::Array<T, 1, Eigen::Dynamic> top(k_);  // scores of the current best K, descending
     for (Index t = 0; t < n; ++t) {
       // Insertion into a sorted top-K list: a later expert displaces an
       // earlier one only if strictly greater, so ties keep the lower index.
+      // The list's scores are kept in the row's weights (no scratch to allocate).
+      auto top = out.weights.row(t);  // scores of the current best K, descending
       Index filled = 0;
       for (Index e = 0; e < e_count; ++e) {
         insert_top_k(out.logits(t, e) + bias(e), e, top, out.experts.row(t), filled);
       }
       // g = softmax over the selected (biased by default) scores, shifted by the max.
-      for (Index k = 0; k < k_; ++k)
-        out.weights(t, k) = weights_from_unbiased ? out.logits(t, out.experts(t, k)) : top(k);
+      if (weights_from_unbiased)
+        for (Index k = 0; k < k_; ++k) top(k) = out.logits(t, out.experts(t, k));
       auto w = out.weights.row(t).array();
       w = (w - w.maxCoeff()).exp();
       w /= w.sum();

@@ -122,8 +122,9 @@ void check_extra_shapes(const char* where, const typename Kind::Extra& extra, In
 /// ConfigError naming the kind for `paired` bf16 products, which form G·U in
 /// one product: a kind whose activation needs G and U apart cannot take them.
 inline void require_unpaired(const char* where, const packed::ForwardOptions& opt, const char* kind) {
-  apex::detail::require_config(opt.bf16_products != packed::Bf16Products::paired, where,
-                               std::string("bf16_products = paired is not supported for ") + kind + " experts");
+  apex::detail::require_config(opt.bf16_products != packed::Bf16Products::paired, where, [&] {
+    return std::string("bf16_products = paired is not supported for ") + kind + " experts";
+  });
 }
 
 }  // namespace detail::inference

@@ -16,6 +16,7 @@
 /// `Layer` is a const PackedMoE, which befriends this runner.
 
 #include <utility>
+#include <vector>
 
 #include "../../core/parallel.hpp"
 #include "../../core/types.hpp"
@@ -77,7 +78,12 @@ struct PackedRunner : InProcessSteps<PackedRunner<Layer>> {
     c.y_sorted.resize(c.plan.rows(), d);
     c.shared_y.resize(std::size_t(shared.size()));
     for (auto& ys : c.shared_y) ys.resize(n, d);
-    const auto tasks = forward_tasks(c.plan.offset, shared.size(), n, kMaxTileRows);
+    // The task list is kept between calls on this thread (a decode step
+    // allocates nothing); the workers read it through this reference (a
+    // thread_local named in the lambda would be each worker's own).
+    thread_local std::vector<ExpertTask> kept_tasks;
+    std::vector<ExpertTask>& tasks = kept_tasks;
+    forward_tasks(c.plan.offset, shared.size(), n, kMaxTileRows, tasks);
     const float* xs = c.x_sorted.data();
     float* ys = c.y_sorted.data();
     const packed::ForwardOptions& kernel = layer.kernel_;

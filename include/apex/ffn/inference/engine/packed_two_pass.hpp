@@ -44,8 +44,8 @@ template <class Block>
 void two_pass_forward(const char* where, const char* kind, const packed::PackedExpert& e, const float* x, Index ldx,
                       Index m, float* y, Index ldy, const packed::ForwardOptions& opt, Block&& block) {
   require_config(opt.bf16_products != packed::Bf16Products::paired, where,
-                 std::string("bf16_products = paired is not supported for ") + kind + " experts");
-  require_config(m >= 0, where, "row count m = " + std::to_string(m) + " is negative");
+                 [&] { return std::string("bf16_products = paired is not supported for ") + kind + " experts"; });
+  require_config(m >= 0, where, [&] { return "row count m = " + std::to_string(m) + " is negative"; });
   packed::detail::check_forward_options(where, opt);
   if (m == 0) return;
   const Index block_rows = m <= packed::kSmallRows ? m : packed::kRowBlock;
