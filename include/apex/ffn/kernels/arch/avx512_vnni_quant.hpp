@@ -13,22 +13,20 @@
 /// - Q4_0, MXFP4, Q4_K, Q6_K: the offset codes of the AVX2 tiles
 ///   (kernels/arch/avx2_quant.hpp), the offset taken off with Σ x.
 /// Loads, scales and the tile's shape are the AVX-512BW tiles'
-/// (kernels/arch/avx512_quant.hpp). Each type's `Tiles<T,
-/// Isa::avx512_vnni>` entry is here.
+/// (kernels/arch/avx512_quant.hpp). The 32-weight formats' `Tiles<T,
+/// Isa::avx512_vnni>` entries and the tile loop are here, the K-quants'
+/// in kernels/arch/avx512_vnni_quant_k.hpp.
 ///
 /// The 32-weight formats (Q8_0, Q4_0, MXFP4) multiply both 16-lane halves of
 /// a block in one pass (`both_halves`): each activation quad is broadcast
 /// once for 32 lanes instead of once per half. Broadcasts were half the
 /// tile's instructions; at many rows (Zen 4 EPYC, one Qwen3-30B-A3B expert,
 /// hot weights) Q8_0 went from 189 to 297 GFLOP/s and Q4_0 from 208 to 318,
-/// decode unchanged. The K-quants keep one half per pass at many rows: their
-/// per-half sums and minima already fill the registers at six rows. At
-/// decode row counts they take both halves, so a pass reads the slab's
-/// lines in order (Q6_K up to four rows, Q4_K up to two; their entries say
-/// what it gave).
+/// decode unchanged. (The K-quants take both halves at decode row counts
+/// only: kernels/arch/avx512_vnni_quant_k.hpp.)
 
 #include "avx512_quant.hpp"
-#include "avx512_quant_k.hpp"  // Q4kHalfSums
+#include "avx512_vnni_quant_k.hpp"  // the K-quant entries
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
@@ -132,9 +130,7 @@ struct Tiles<Dtype::q8_0, Isa::avx512_vnni> {
     __m256i s[4];
     for (auto& v : s) v = _mm256_setzero_si256();
     for (int q = 0; q < 8; ++q) {
-      std::int32_t quad;
-      std::memcpy(&quad, xq + 4 * q, 4);
-      const __m256i xv = _mm256_set1_epi32(quad);
+      const __m256i xv = bcast4(xq + 4 * q);
       for (int v = 0; v < 4; ++v) {
         const auto* line = reinterpret_cast<const __m256i*>(slab + (q * kPanelLanes + 8 * v) * 4);
         s[v] = _mm256_dpbusd_epi32(s[v], _mm256_xor_si256(_mm256_loadu_si256(line), flip), xv);  // w + 128
@@ -167,128 +163,6 @@ template <>
 struct Tiles<Dtype::q4_0, Isa::avx512_vnni> : Nibble32Vnni<Dtype::q4_0> {};
 template <>
 struct Tiles<Dtype::mxfp4, Isa::avx512_vnni> : Nibble32Vnni<Dtype::mxfp4> {};
-
-/// Q4_K, one super-block: Σ_j sc_j·Σ q·x and Σ_j m_j·Σ x per lane, then two
-/// fmas (the per-half sums and float step: Q4kHalfSums). At one and two
-/// rows both halves sub-block by sub-block, so the slab's lines are read in
-/// order: one-thread decode 1.05–1.10× in three A/Bs
-/// (docs/performance.md, "Q6_K codes by group"); at three and four rows
-/// the tile lost from cache and gained nothing at N = 16.
-template <>
-struct Tiles<Dtype::q4_k, Isa::avx512_vnni> {
-  using W = WeightType<Dtype::q4_k>;
-  static constexpr int kBothHalvesRows = 2;
-  /// Sub-block j (32 weights) of half v into h; Ahead: prefetch each line's
-  /// successor (both_halves, which reads the slab in order).
-  template <int R, bool Ahead>
-  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void sub_block(const std::byte* slab, const std::byte* area, Index b,
-                                                                  const QuantRows& x, int v, int j, Q4kHalfSums<R>& h) {
-    __m512i sc, m;
-    q4_k_scale_min16(area + W::kScalePlanes + 16 * v, j, sc, m);
-    __m512i s[R];  // Σ q·x of sub-block j, |s| ≤ 32·15·128
-    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
-    for (int o = 4 * j; o < 4 * j + 4; ++o) {
-      const __m512i raw = load_half512_ahead<Ahead>(slab, o, v);
-      const __m512i lo = low_nibbles512(raw), hi = high_nibbles512(raw);
-      for (int r = 0; r < R; ++r) {
-        const std::int8_t* xq = x.q + r * x.ldq + 256 * b + 8 * o;
-        s[r] = dpbusd(dpbusd(s[r], lo, bcast4_512(xq)), hi, bcast4_512(xq + 4));
-      }
-    }
-    for (int r = 0; r < R; ++r) h.sumi[r] = _mm512_add_epi32(h.sumi[r], _mm512_mullo_epi32(sc, s[r]));
-    h.add_min(m, x, b, j);
-  }
-  /// Half v of block b (every row count).
-  template <int R>
-  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
-                                                              const QuantRows& x, int v, __m512* acc) {
-    Q4kHalfSums<R> h;
-    h.zero();
-    for (int j = 0; j < 8; ++j) sub_block<R, false>(slab, area, b, x, v, j, h);
-    h.finish(area, b, x, v, acc);
-  }
-  /// Both halves of block b sub-block by sub-block (R ≤ kBothHalvesRows):
-  /// the same integer sums and float steps per half as block<R>.
-  template <int R>
-  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void both_halves(const std::byte* slab, const std::byte* area,
-                                                                    Index b, const QuantRows& x, __m512* acc0,
-                                                                    __m512* acc1) {
-    Q4kHalfSums<R> h0, h1;
-    h0.zero();
-    h1.zero();
-    for (int j = 0; j < 8; ++j) {
-      sub_block<R, true>(slab, area, b, x, 0, j, h0);
-      sub_block<R, true>(slab, area, b, x, 1, j, h1);
-    }
-    h0.finish(area, b, x, 0, acc0);
-    h1.finish(area, b, x, 1, acc1);
-  }
-};
-
-/// Q6_K, one super-block: Σ_g sc_g·(Σ u·x − 32·Σ x) per lane, then one fma.
-/// Up to four rows both halves group by group, so a pass reads the slab's
-/// grouped codes (kernels/quant_k_types.hpp) front to back; a group's
-/// per-half sums are finished before the next half starts, so four rows
-/// fit the registers (one matrix cold, VNNI: 3 rows 0.59 → 0.68 of the
-/// probe, 4 rows 0.47 → 0.57; at 5 and 6 rows the AVX-512BW tile lost).
-template <>
-struct Tiles<Dtype::q6_k, Isa::avx512_vnni> {
-  using W = WeightType<Dtype::q6_k>;
-  static constexpr int kBothHalvesRows = 4;
-  /// sumi += sc_g·(Σ u·x − 32·Σ x) of group g, half v; Ahead: prefetch each
-  /// line's successor (both_halves, which reads the slab in order).
-  template <int R, bool Ahead>
-  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void group(const std::byte* slab, const std::byte* area, Index b,
-                                                              const QuantRows& x, int v, int g, __m512i* sumi) {
-    const __m512i hraw = load_half512_ahead<Ahead>(W::group_high(slab, g), 0, v);
-    __m512i isum[R];
-    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
-    for (int half = 0; half < 2; ++half) {
-      const int o = 2 * g + half;
-      __m512i u0, u1;
-      q6_k_codes16(load_half512_ahead<Ahead>(W::group_low(slab, g), half, v), hraw, half, u0, u1);
-      for (int r = 0; r < R; ++r) {
-        const std::int8_t* xq = x.q + r * x.ldq + 256 * b + 8 * o;
-        isum[r] = dpbusd(dpbusd(isum[r], u0, bcast4_512(xq)), u1, bcast4_512(xq + 4));
-      }
-    }
-    const __m512i sc = load_i8x16(area + W::kScalePlanes + g * kPanelLanes + 16 * v);
-    for (int r = 0; r < R; ++r) {
-      const __m512i centred = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(32 * x.s16[r * x.lds + 16 * b + g]));
-      sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(sc, centred));
-    }
-  }
-  template <int R>
-  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void finish(const std::byte* area, Index b, const QuantRows& x,
-                                                               int v, const __m512i* sumi, __m512* acc) {
-    const __m512 d = load_fp16x16(area + 32 * v);
-    for (int r = 0; r < R; ++r) acc[r] = accumulate16(acc[r], sumi[r], _mm512_mul_ps(d, _mm512_set1_ps(x.d[r * x.ldd + b])));
-  }
-  /// Half v of block b (every row count).
-  template <int R>
-  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void block(const std::byte* slab, const std::byte* area, Index b,
-                                                              const QuantRows& x, int v, __m512* acc) {
-    __m512i sumi[R];
-    for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
-    for (int g = 0; g < 16; ++g) group<R, false>(slab, area, b, x, v, g, sumi);
-    finish<R>(area, b, x, v, sumi, acc);
-  }
-  /// Both halves of block b group by group (R ≤ kBothHalvesRows): the same
-  /// integer sums and float step per half as block<R>, so the same bits.
-  template <int R>
-  APEX_TARGET_AVX512VNNI APEX_KERNEL_INLINE static void both_halves(const std::byte* slab, const std::byte* area,
-                                                                    Index b, const QuantRows& x, __m512* acc0,
-                                                                    __m512* acc1) {
-    __m512i sumi0[R], sumi1[R];
-    for (int r = 0; r < R; ++r) sumi0[r] = sumi1[r] = _mm512_setzero_si512();
-    for (int g = 0; g < 16; ++g) {
-      group<R, true>(slab, area, b, x, 0, g, sumi0);
-      group<R, true>(slab, area, b, x, 1, g, sumi1);
-    }
-    finish<R>(area, b, x, 0, sumi0, acc0);
-    finish<R>(area, b, x, 1, sumi1, acc1);
-  }
-};
 
 /// Whether the tile loop leaves a VNNI entry's blocks without a burst
 /// (kSkipsBurst): the entry prefetches its lines itself (Q4_0, MXFP4) or
