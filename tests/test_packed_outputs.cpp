@@ -152,7 +152,7 @@ long news_in_decode_steps(Layer& layer, int threads) {
 
 }  // namespace
 
-TEST_CASE("a decode step of a packed MoE layer makes no heap allocation", "[inference][regression]") {
+TEST_CASE("a decode step of a packed layer makes no heap allocation", "[inference][regression]") {
 #if !APEX_TEST_COUNTS_NEW
   WARN("skipped under the sanitizers: counting allocations needs this binary's own operator new");
 #else
@@ -173,6 +173,8 @@ TEST_CASE("a decode step of a packed MoE layer makes no heap allocation", "[infe
     CHECK(news_in_decode_steps(q8, threads) == 0);
     CHECK(news_in_decode_steps(half, threads) == 0);
     CHECK(news_in_decode_steps(two_pass, threads) == 0);
+    auto dense = PackedSwiGLU<packed::q8_0>::from(SwiGLU<float>(64, 96, 33));
+    CHECK(news_in_decode_steps(dense, threads) == 0);
   }
 #endif
 }
