@@ -45,6 +45,12 @@ inline void largest_first(std::vector<ExpertTask>& tasks) {
 inline void forward_tasks(const std::vector<Index>& offset, Index n_shared, Index n, Index max_tile,
                           std::vector<ExpertTask>& tasks) {
   tasks.clear();
+  // Room for the most tiles these sizes can give, whatever the routing
+  // (Σ_e ⌈c_e / T⌉ ≤ ⌊R / T⌋ + nonempty experts): a kept list grows with the
+  // row count only, not with which experts a step's tokens chose.
+  const Index experts = Index(offset.size()) - 1, routed = offset.empty() ? 0 : offset.back();
+  const Index most = std::min(experts, routed) + routed / max_tile + n_shared * ((n + max_tile - 1) / max_tile);
+  tasks.reserve(std::size_t(most));
   const auto tile = [&](bool shared, Index id, Index begin, Index count) {
     const Index tiles = (count + max_tile - 1) / max_tile;
     for (Index i = 0; i < tiles; ++i) {

@@ -235,9 +235,8 @@ class Router {
   void route_general(const RowVector<T>& bias, bool weights_from_unbiased, Routing<T>& out) const {
     const Index n = out.logits.rows(), e_count = n_experts();
     detail::routing_scores(routing_.scoring, out.logits, out.scores);
-    std::vector<char> allowed(static_cast<std::size_t>(e_count), 1);
-    Eigen::Array<T, 1, Eigen::Dynamic> key(e_count), top(k_), group_key(routing_.n_groups);
-    std::vector<Index> group_order(static_cast<std::size_t>(routing_.n_groups));
+    auto& scratch = detail::RouteScratch<T>::of_thread(e_count, k_, routing_.n_groups);
+    auto& [key, top, group_key, group_order, allowed] = scratch;
     for (Index t = 0; t < n; ++t) {
       if (routing_.scoring == Scoring::SoftmaxSelected)
         key = out.logits.row(t).array() + bias.array();

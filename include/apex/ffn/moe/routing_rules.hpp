@@ -48,6 +48,28 @@ void routing_scores(Scoring scoring, const Matrix<T>& logits, Matrix<T>& scores)
   }
 }
 
+/// What route_general needs per token, kept per thread (and scalar type)
+/// between calls so a decode step allocates nothing: the selection key (E),
+/// the top-K keys (K), the group keys and their order (n_groups) and the
+/// allowed mask (E).
+template <class T>
+struct RouteScratch {
+  Eigen::Array<T, 1, Eigen::Dynamic> key, top, group_key;
+  std::vector<Index> group_order;
+  std::vector<char> allowed;
+
+  /// The calling thread's scratch, sized (a size it had keeps its buffers).
+  static RouteScratch& of_thread(Index experts, Index k, Index groups) {
+    thread_local RouteScratch s;
+    s.key.resize(experts);
+    s.top.resize(k);
+    s.group_key.resize(groups);
+    s.group_order.resize(std::size_t(groups));
+    s.allowed.assign(std::size_t(experts), char(1));
+    return s;
+  }
+};
+
 /// Group-limited selection of one token: the E experts in n_groups equal
 /// groups, each scored by the sum of its two largest keys (or its largest:
 /// GroupScore); allowed[e] = 1 exactly for the experts of the best
@@ -71,9 +93,14 @@ void allowed_by_group(const RoutingConfig& routing, const Eigen::Array<T, 1, Eig
     }
     group_key(g) = (routing.group_score == GroupScore::Top2Sum && per_group >= 2) ? first + second : first;
   }
-  for (Index g = 0; g < groups; ++g) group_order[std::size_t(g)] = g;
-  std::stable_sort(group_order.begin(), group_order.end(),
-                   [&](Index a, Index b) { return group_key(a) > group_key(b); });
+  // Groups by key, descending, ties in index order: a stable insertion sort
+  // (a few groups; stable_sort would allocate a buffer for every token).
+  for (Index g = 0; g < groups; ++g) {
+    Index i = g;
+    for (; i > 0 && group_key(g) > group_key(group_order[std::size_t(i) - 1]); --i)
+      group_order[std::size_t(i)] = group_order[std::size_t(i) - 1];
+    group_order[std::size_t(i)] = g;
+  }
   std::fill(allowed.begin(), allowed.end(), char(0));
   for (Index i = 0; i < routing.topk_group; ++i) {
     const Index g = group_order[std::size_t(i)];
