@@ -48,7 +48,7 @@ inline void forward_tasks(const std::vector<Index>& offset, Index n_shared, Inde
   // Room for the most tiles these sizes can give, whatever the routing
   // (Σ_e ⌈c_e / T⌉ ≤ ⌊R / T⌋ + nonempty experts): a kept list grows with the
   // row count only, not with which experts a step's tokens chose.
-  const Index experts = Index(offset.size()) - 1, routed = offset.empty() ? 0 : offset.back();
+  const Index experts = std::max<Index>(Index(offset.size()) - 1, 0), routed = offset.empty() ? 0 : offset.back();
   const Index most = std::min(experts, routed) + routed / max_tile + n_shared * ((n + max_tile - 1) / max_tile);
   tasks.reserve(std::size_t(most));
   const auto tile = [&](bool shared, Index id, Index begin, Index count) {
@@ -69,6 +69,20 @@ inline std::vector<ExpertTask> forward_tasks(const std::vector<Index>& offset, I
   std::vector<ExpertTask> tasks;
   forward_tasks(offset, n_shared, n, max_tile, tasks);
   return tasks;
+}
+
+/// forward_tasks into the calling thread's kept list, which is returned:
+/// its capacity survives the call, so a decode step allocates nothing. One
+/// list per Owner (the layer type calling), so a task of one layer kind that
+/// runs another kind on the same thread never overwrites the list being run.
+/// Workers read the returned reference: a thread_local named inside their
+/// lambda would be each worker's own, not the caller's.
+template <class Owner>
+const std::vector<ExpertTask>& kept_forward_tasks(const std::vector<Index>& offset, Index n_shared, Index n,
+                                                  Index max_tile) {
+  thread_local std::vector<ExpertTask> kept;
+  forward_tasks(offset, n_shared, n, max_tile, kept);
+  return kept;
 }
 
 /// Backward tasks: one per non-empty routed block and one per shared expert

@@ -78,12 +78,8 @@ struct PackedRunner : InProcessSteps<PackedRunner<Layer>> {
     c.y_sorted.resize(c.plan.rows(), d);
     c.shared_y.resize(std::size_t(shared.size()));
     for (auto& ys : c.shared_y) ys.resize(n, d);
-    // The task list is kept between calls on this thread (a decode step
-    // allocates nothing); the workers read it through this reference (a
-    // thread_local named in the lambda would be each worker's own).
-    thread_local std::vector<ExpertTask> kept_tasks;
-    std::vector<ExpertTask>& tasks = kept_tasks;
-    forward_tasks(c.plan.offset, shared.size(), n, kMaxTileRows, tasks);
+    // kept between calls on this thread: a decode step allocates nothing
+    const auto& tasks = kept_forward_tasks<PackedRunner>(c.plan.offset, shared.size(), n, kMaxTileRows);
     const float* xs = c.x_sorted.data();
     float* ys = c.y_sorted.data();
     const packed::ForwardOptions& kernel = layer.kernel_;

@@ -133,9 +133,7 @@ class PackedSwiGLU {
     // the tiles of one shared expert over n rows (moe/expert_tasks.hpp),
     // kept between calls on this thread (a decode step allocates nothing)
     static const std::vector<Index> no_routed{0};
-    thread_local std::vector<detail::ExpertTask> kept_tiles;
-    std::vector<detail::ExpertTask>& tiles = kept_tiles;  // the workers read the caller's
-    detail::forward_tasks(no_routed, 1, n, detail::inference::kMaxTileRows, tiles);
+    const auto& tiles = detail::kept_forward_tasks<PackedSwiGLU>(no_routed, 1, n, detail::inference::kMaxTileRows);
     detail::parallel_for(Index(tiles.size()), resolve_threads(threads_), [&](Index i) {
       const Index b = tiles[std::size_t(i)].begin, m = tiles[std::size_t(i)].rows;
       packed::forward<Activation>(w_, x.data() + b * x.outerStride(), x.outerStride(), m, y + b * d, d, kernel_);
