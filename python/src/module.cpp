@@ -49,6 +49,12 @@ NB_MODULE(_core, m) {
     python::threads_setting().store(n ? *n : 0);
   }, nb::arg("n").none(), "Runs the operations on `n` threads (None: follow torch.get_num_threads()).");
   m.def("get_num_threads", &python::package_threads, "The threads the operations run on.");
+  m.def("_exchange_reads", [](bool on) {
+    const bool has = python::TorchRefs::get().exchange != nullptr;
+    python::exchange_reads().store(on);
+    return has;
+  }, nb::arg("on"), "Tests only: PackedExperts.infer reads tensors through torch's DLPack exchange table (on, when "
+                    "torch has one) or their attributes (off). Returns whether torch has the table.");
   m.def("openmp", [] {
 #ifdef _OPENMP
     return true;

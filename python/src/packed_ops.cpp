@@ -112,7 +112,7 @@ void packed_forward(const PackedExperts& p, const Array& x, const Array& ids, co
   const ForwardCall f = forward_call_of(where, p, x, ids, w, y, y_sorted);
   const packed::Isa isa = current_isa();
   nb::gil_scoped_release release;
-  const Routing r = make_routing(where, f.in.ids.data, f.in.w.data, f.in.n, f.in.k, p.experts(), expert_parallel);
+  const Routing& r = thread_routing(where, f.in.ids.data, f.in.w.data, f.in.n, f.in.k, p.experts(), expert_parallel);
   p.forward(r, f.in.x.data, f.y_sorted.data, f.y.data, threads, isa, bf16_activations);
 }
 
@@ -129,7 +129,7 @@ struct YTag {};
 /// apex_ffn.get_num_threads() unless given. None unless
 /// every argument is plain and the shapes agree: the module then takes the
 /// checked path, which names what is wrong. Expert ids are checked here as
-/// there (make_routing).
+/// there (build_routing).
 nb::object packed_infer(const PackedExperts& p, nb::handle x, nb::handle ids, nb::handle w, bool expert_parallel,
                         std::optional<int> threads_arg) {
   constexpr const char* where = "apex_ffn.PackedExperts.infer";
@@ -141,9 +141,9 @@ nb::object packed_infer(const PackedExperts& p, nb::handle x, nb::handle ids, nb
   if (threads < 1) throw ConfigError(std::string(where) + ": threads must be at least 1, got " + std::to_string(threads));
   const Index n = px->rows, k = pi->cols, d = p.d_model();
   const bool bf16 = px->elem == TorchElem::bf16;
-  nb::object y = OutputSpares::take(n, d, px->elem);
-  if (y.is_none()) return y;
-  void* y_data = data_ptr_of(y);
+  const OutputSpares::Output y = OutputSpares::take(n, d, px->elem);
+  if (!y.data) return nb::none();
+  void* y_data = y.data;
   const packed::Isa isa = current_isa();
   {
     nb::gil_scoped_release release;
@@ -158,12 +158,12 @@ nb::object packed_infer(const PackedExperts& p, nb::handle x, nb::handle ids, nb
       xf = xw, wf = ww, yf = apex::detail::thread_workspace<float, YTag>(n, d).data();
     }
     float* y_sorted = y_sorted_scratch(where, n, k, d);
-    const Routing r = make_routing(where, static_cast<const std::int64_t*>(pi->data), wf, n, k, p.experts(),
-                                   expert_parallel);
+    const Routing& r = thread_routing(where, static_cast<const std::int64_t*>(pi->data), wf, n, k, p.experts(),
+                                      expert_parallel);
     p.forward(r, xf, y_sorted, yf, threads, isa, bf16);
     if (bf16) packed::to_bf16(yf, static_cast<packed::bf16*>(y_data), n * d, isa);
   }
-  return y;
+  return y.tensor;
 }
 
 /// The median seconds of `reps` forwards on these inputs (the routing built each time, as the op does),
@@ -180,7 +180,7 @@ double packed_forward_seconds(const PackedExperts& p, const Array& x, const Arra
   std::vector<double> seconds;
   for (int i = 0; i < reps; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
-    const Routing r = make_routing(where, f.in.ids.data, f.in.w.data, f.in.n, f.in.k, p.experts(), expert_parallel);
+    const Routing& r = thread_routing(where, f.in.ids.data, f.in.w.data, f.in.n, f.in.k, p.experts(), expert_parallel);
     p.forward(r, f.in.x.data, f.y_sorted.data, f.y.data, threads, isa, bf16_activations);
     seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }

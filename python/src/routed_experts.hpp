@@ -48,19 +48,21 @@ struct Routing {
   DispatchPlan plan;          ///< over E + 1 buckets; bucket E: the empty slots
   std::vector<Index> offset;  ///< E + 1: the experts' blocks, plan.offset without the empty bucket
   Matrix<float> weights;      ///< N × K: g, 0 at the empty slots
+  IndexMatrix buckets;        ///< N × K: each slot's bucket (E for an empty slot), the plan's input
   Index n = 0, k = 0, experts = 0;
 
   /// Rows the experts run (the empty slots' rows follow them).
   Index routed_rows() const { return offset.back(); }
 };
 
-/// The routing of ids (N × K) and weights (N × K) over E experts. ValueError
-/// naming the pair for a negative id, or an id ≥ E unless `expert_parallel`.
-inline Routing make_routing(const char* where, const std::int64_t* ids, const float* weights, Index n, Index k,
-                            Index experts, bool expert_parallel) {
-  Routing r;
+/// Fills `r` with the routing of ids (N × K) and weights (N × K) over E
+/// experts, reusing its buffers (a decode step that keeps `r` allocates
+/// nothing). ValueError naming the pair for a negative id, or an id ≥ E
+/// unless `expert_parallel`; `r` is then to be rebuilt before use.
+inline void build_routing(Routing& r, const char* where, const std::int64_t* ids, const float* weights, Index n,
+                          Index k, Index experts, bool expert_parallel) {
   r.n = n, r.k = k, r.experts = experts;
-  IndexMatrix buckets(n, k);
+  r.buckets.resize(n, k);
   r.weights.resize(n, k);
   for (Index t = 0; t < n; ++t)
     for (Index s = 0; s < k; ++s) {
@@ -71,12 +73,28 @@ inline Routing make_routing(const char* where, const std::int64_t* ids, const fl
                          " at (" + std::to_string(t) + ", " + std::to_string(s) + "), expected a value in [0, " +
                          std::to_string(experts) + ")" +
                          (e >= experts ? " (ids >= num_experts are empty slots only in an expert-parallel module)" : ""));
-      buckets(t, s) = empty ? experts : Index(e);
+      r.buckets(t, s) = empty ? experts : Index(e);
       r.weights(t, s) = empty ? 0.0f : weights[t * k + s];
     }
-  r.plan.build(buckets, experts + 1);
+  r.plan.build(r.buckets, experts + 1);
   r.offset.assign(r.plan.offset.begin(), r.plan.offset.end() - 1);
+}
+
+/// The routing in a new value (a training call keeps it between its steps).
+inline Routing make_routing(const char* where, const std::int64_t* ids, const float* weights, Index n, Index k,
+                            Index experts, bool expert_parallel) {
+  Routing r;
+  build_routing(r, where, ids, weights, n, k, experts, expert_parallel);
   return r;
+}
+
+/// The routing in the calling thread's kept value: for inference calls,
+/// which read it only until they return.
+inline const Routing& thread_routing(const char* where, const std::int64_t* ids, const float* weights, Index n,
+                                     Index k, Index experts, bool expert_parallel) {
+  thread_local Routing kept;
+  build_routing(kept, where, ids, weights, n, k, experts, expert_parallel);
+  return kept;
 }
 
 namespace detail_routed {
@@ -104,7 +122,7 @@ void forward(const Routing& r, const float* x, Index d, float* y_sorted, float* 
   Eigen::Map<Matrix<float>> ys(y_sorted, rows, d);
   if (routed > 0) {
     const auto xs = gather(r, x, d, threads);
-    const auto tasks = apex::detail::forward_tasks(r.offset, 0, r.n, kTileRows);
+    const auto& tasks = apex::detail::kept_forward_tasks<Routing>(r.offset, 0, r.n, kTileRows);
     apex::detail::parallel_for(Index(tasks.size()), threads, [&](Index i) {
       const apex::detail::ExpertTask& t = tasks[std::size_t(i)];
       run(t, xs.middleRows(t.begin, t.rows), ys.middleRows(t.begin, t.rows));

@@ -4,12 +4,16 @@
 /// makes per MoE block (PackedExperts.infer): its tensors' memory, new
 /// outputs, and its thread count.
 ///
-/// A torch tensor read through its own Python attributes (type, dtype,
-/// is_cpu, is_neg(), is_contiguous(), shape, data_ptr()) instead of DLPack,
-/// for the one call a decode step makes per MoE block (PackedExperts.infer).
-/// torch's `__dlpack__` is a Python function: 2.3 µs a tensor when the
-/// interpreter is warm, several times that once a step has streamed the
-/// expert weights through the caches; the attributes are C getters.
+/// A torch tensor is read without DLPack's Python protocol: torch's
+/// `__dlpack__` is a Python function, 2.3 µs a tensor when the interpreter
+/// is warm and several times that once a step has streamed the expert
+/// weights through the caches. Where torch publishes DLPack 1.3's C
+/// exchange table (torch.Tensor.__dlpack_c_exchange_api__, torch ≥ 2.10),
+/// one C call of it fills a non-owning DLTensor (data, device, dtype,
+/// shape, strides) and one Python call reads the negative bit, which the
+/// table does not carry; with an older torch the tensor's own attributes
+/// are read (type, dtype, is_cpu, is_neg(), is_contiguous(), shape,
+/// data_ptr(), C getters: six calls a tensor).
 ///
 /// Only the plain case is read: an exact torch.Tensor (no subclass, so no
 /// tensor that overrides its own behaviour), on the CPU, without the
@@ -35,12 +39,65 @@ namespace nb = nanobind;
 /// The element types of plain tensors.
 enum class TorchElem { f32, bf16, i64 };
 
+/// DLPack's DLTensor (dlpack.h, ABI-stable since 1.0), with the codes read here.
+struct DLTensorView {
+  static constexpr std::int32_t kCpu = 1;                                // DLDeviceType kDLCPU
+  static constexpr std::uint8_t kInt = 0, kFloat = 2, kBfloat = 4;  // DLDataTypeCode
+  void* data;
+  struct {
+    std::int32_t type, id;
+  } device;
+  std::int32_t ndim;
+  struct {
+    std::uint8_t code, bits;
+    std::uint16_t lanes;
+  } dtype;
+  const std::int64_t* shape;
+  const std::int64_t* strides;  ///< elements; null: compact row-major
+  std::uint64_t byte_offset;
+};
+
+/// DLPack 1.3's C exchange table (dlpack.h's DLPackExchangeAPI), in its
+/// stable layout: the version header, then five function pointers, of which
+/// only dltensor_from_py_object_no_sync is called here (it fills `out`,
+/// whose shape and strides stay torch's, valid while the tensor lives; 0 on
+/// success, else -1 with a Python error set).
+struct DLPackExchangeTable {
+  struct Header {
+    std::uint32_t major, minor;
+    const Header* prev_api;  // an older table in the chain, or null
+  } header;
+  void* managed_tensor_allocator;
+  void* managed_tensor_from_py_object_no_sync;
+  void* managed_tensor_to_py_object_no_sync;
+  int (*dltensor_from_py_object_no_sync)(void* py_object, DLTensorView* out);
+  void* current_work_stream;
+};
+
+/// torch.Tensor's exchange table of DLPack major version 1 that has the
+/// DLTensor export, or null (an older torch: no table).
+inline const DLPackExchangeTable* torch_exchange_table(nb::handle tensor_type) {
+  PyObject* capsule = PyObject_GetAttrString(tensor_type.ptr(), "__dlpack_c_exchange_api__");
+  if (!capsule) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  const auto* h = static_cast<const DLPackExchangeTable::Header*>(PyCapsule_GetPointer(capsule, "dlpack_exchange_api"));
+  Py_DECREF(capsule);  // the table is static in torch, alive for the process
+  if (!h) PyErr_Clear();
+  while (h && h->major > 1) h = h->prev_api;
+  if (!h || h->major != 1 || h->minor < 3) return nullptr;
+  const auto* table = reinterpret_cast<const DLPackExchangeTable*>(h);
+  return table->dltensor_from_py_object_no_sync ? table : nullptr;
+}
+
 /// torch's objects the reads compare with and the attribute names they read,
 /// looked up and interned once (the GIL held), so a read makes no string.
 /// Kept for the process's life: torch outlives every call that uses them.
 struct TorchRefs {
   nb::object tensor_type, float32, bfloat16, int64, cpu, empty, get_num_threads, is_inference_mode_enabled;
   nb::object dtype_name, is_cpu_name, is_neg_name, is_contiguous_name, shape_name, data_ptr_name;
+  const DLPackExchangeTable* exchange;  ///< null with a torch that has none
 
   static const TorchRefs& get() {
     static const TorchRefs* refs = [] {
@@ -56,7 +113,8 @@ struct TorchRefs {
                            torch.attr("get_num_threads"), torch.attr("is_inference_mode_enabled"),
                            name("dtype"),               name("is_cpu"),
                            name("is_neg"),              name("is_contiguous"),
-                           name("shape"),               name("data_ptr")};
+                           name("shape"),               name("data_ptr"),
+                           torch_exchange_table(torch.attr("Tensor"))};
     }();
     return *refs;
   }
@@ -86,17 +144,51 @@ inline void* data_ptr_of(nb::handle t) {
   return reinterpret_cast<void*>(nb::cast<std::uintptr_t>(call_method(t, TorchRefs::get().data_ptr_name)));
 }
 
+/// t's memory if t is plain (above) and two-dimensional, read through the
+/// exchange table: t is an exact torch.Tensor.
+inline std::optional<PlainTensor> plain_2d_exchanged(nb::handle t, const TorchRefs& torch) {
+  DLTensorView dl;
+  if (torch.exchange->dltensor_from_py_object_no_sync(t.ptr(), &dl) != 0) {
+    PyErr_Clear();  // not describable (meta, sparse, no storage): the checked path says why
+    return std::nullopt;
+  }
+  PlainTensor p;
+  const auto code = dl.dtype.code, bits = dl.dtype.bits;
+  if (dl.dtype.lanes != 1) return std::nullopt;
+  if (code == DLTensorView::kFloat && bits == 32) p.elem = TorchElem::f32;
+  else if (code == DLTensorView::kBfloat && bits == 16) p.elem = TorchElem::bf16;
+  else if (code == DLTensorView::kInt && bits == 64) p.elem = TorchElem::i64;
+  else return std::nullopt;
+  if (dl.device.type != DLTensorView::kCpu || dl.ndim != 2) return std::nullopt;
+  p.rows = dl.shape[0], p.cols = dl.shape[1];
+  if (p.rows < 1 || p.cols < 1) return std::nullopt;
+  // C-contiguous as torch.is_contiguous() says it: a dimension of size 1 may have any stride
+  if (dl.strides && ((p.rows > 1 && dl.strides[0] != p.cols) || (p.cols > 1 && dl.strides[1] != 1)))
+    return std::nullopt;
+  p.data = dl.data ? static_cast<char*>(dl.data) + dl.byte_offset : nullptr;
+  // the negative bit (a lazily negated view whose memory holds the values un-negated) is not in a DLTensor
+  if (!p.data || call_method(t, torch.is_neg_name).is(nb::handle(Py_True))) return std::nullopt;
+  return p;
+}
+
+/// Whether plain_2d reads through torch's exchange table when it has one
+/// (the tests read both ways: CI's torch has the table).
+inline std::atomic<bool>& exchange_reads() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
 /// t's memory if t is a plain two-dimensional tensor (above), nothing otherwise.
 inline std::optional<PlainTensor> plain_2d(nb::handle t) {
   const TorchRefs& torch = TorchRefs::get();
   if (!t.type().is(torch.tensor_type)) return std::nullopt;
+  if (torch.exchange && exchange_reads().load(std::memory_order_relaxed)) return plain_2d_exchanged(t, torch);
   PlainTensor p;
   const nb::object dtype = attribute(t, torch.dtype_name);
   if (dtype.is(torch.float32)) p.elem = TorchElem::f32;
   else if (dtype.is(torch.bfloat16)) p.elem = TorchElem::bf16;
   else if (dtype.is(torch.int64)) p.elem = TorchElem::i64;
   else return std::nullopt;
-  // the negative bit: a lazily negated view whose memory holds the values un-negated
   if (!attribute(t, torch.is_cpu_name).is(nb::handle(Py_True)) || call_method(t, torch.is_neg_name).is(nb::handle(Py_True)) ||
       !call_method(t, torch.is_contiguous_name).is(nb::handle(Py_True)))
     return std::nullopt;
@@ -124,13 +216,19 @@ inline nb::object torch_empty_2d(Index rows, Index cols, TorchElem elem) {
 /// keeps the rest for the next calls, which every MoE block of a decode step
 /// makes with one shape. A spare was never handed out, so nothing else can
 /// hold it; a call of another shape, or under the other inference mode (its
-/// tensors are inference tensors), drops them. None when torch's answer is
-/// not a plain CPU tensor (a mode that makes fake or meta tensors is
-/// active): the caller then takes the checked path. The GIL guards the
-/// spares (the extension is not built for free-threaded Python).
+/// tensors are inference tensors), drops them. Each keeps its data pointer,
+/// read once when it was made. None when torch's answer is not a plain CPU
+/// tensor (a mode that makes fake or meta tensors is active): the caller
+/// then takes the checked path. The GIL guards the spares (the extension is
+/// not built for free-threaded Python).
 class OutputSpares {
  public:
-  static nb::object take(Index rows, Index cols, TorchElem elem) {
+  struct Output {
+    nb::object tensor;  ///< None: torch made no plain tensor
+    void* data = nullptr;
+  };
+
+  static Output take(Index rows, Index cols, TorchElem elem) {
     static OutputSpares* spares = new OutputSpares;  // kept for the process's life, as TorchRefs
     const bool inference = nb::handle(TorchRefs::get().is_inference_mode_enabled()).is(nb::handle(Py_True));
     return spares->next({rows, cols, elem, inference});
@@ -148,30 +246,36 @@ class OutputSpares {
 
   // torch.empty may release the GIL, so another thread can take or replace spares while this one
   // allocates: the state changes only after the last call into torch, and old spares die after it.
-  nb::object next(const Key& key) {
+  Output next(const Key& key) {
     if (key == key_ && !spares_.empty()) {
-      nb::object out = std::move(spares_.back());
+      Output out = std::move(spares_.back());
       spares_.pop_back();
       return out;
     }
     const std::size_t elem_bytes = key.elem == TorchElem::i64 ? 8 : key.elem == TorchElem::f32 ? 4 : 2;
     const std::size_t bytes = std::size_t(key.rows) * std::size_t(key.cols) * elem_bytes;
     const std::size_t count = std::max<std::size_t>(1, std::min(kMaxSpares, kMaxBytes / bytes));
-    nb::object out = torch_empty_2d(key.rows, key.cols, key.elem);
-    if (!out.type().is(TorchRefs::get().tensor_type) || !data_ptr_of(out)) return nb::none();
-    std::vector<nb::object> batch;
-    for (std::size_t i = 1; i < count; ++i) batch.push_back(torch_empty_2d(key.rows, key.cols, key.elem));
+    const auto make = [&] {
+      Output o{torch_empty_2d(key.rows, key.cols, key.elem)};
+      if (o.tensor.type().is(TorchRefs::get().tensor_type)) o.data = data_ptr_of(o.tensor);
+      return o;
+    };
+    Output out = make();
+    if (!out.data) return Output{nb::none()};
+    std::vector<Output> batch;
+    for (std::size_t i = 1; i < count; ++i)
+      if (Output o = make(); o.data) batch.push_back(std::move(o));
     if (!(key == key_)) {
       std::swap(batch, spares_), key_ = key;
     } else {
-      for (nb::object& t : batch)
+      for (Output& t : batch)
         if (spares_.size() < count) spares_.push_back(std::move(t));
     }
     return out;  // `batch` (the other key's spares, if any) dies here
   }
 
   Key key_;
-  std::vector<nb::object> spares_;
+  std::vector<Output> spares_;  ///< each made as `out` was, so plain
 };
 
 /// apex_ffn.set_num_threads's count; 0: follow torch.get_num_threads().

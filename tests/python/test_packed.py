@@ -227,11 +227,24 @@ def test_forward_seconds_computes_the_forward_and_checks_like_it():
         module.packed.forward_seconds(x, ids, w, False, y, torch.empty(n, d), 1, 1)
 
 
+@pytest.fixture(params=["exchange table", "attributes"])
+def tensor_reads(request):
+    """PackedExperts.infer's two ways of reading a tensor: torch's DLPack exchange table (torch >= 2.10) and
+    the tensor's attributes (older torch)."""
+    from apex_ffn import _core
+    exchange = request.param == "exchange table"
+    if not _core._exchange_reads(exchange) and exchange:
+        pytest.skip("this torch has no __dlpack_c_exchange_api__ (torch < 2.10): only the attribute reads run")
+    yield request.param
+    _core._exchange_reads(True)
+
+
 @pytest.mark.parametrize("types", ["bf16", "f32"])
-def test_infer_is_the_checked_forward_in_one_call(types):
-    """PackedExperts.infer (the module's inference call: tensors read through their attributes, y allocated
-    in C++) gives the checked path's bits for float32 and bf16 inputs; anything not plain gives None, and
-    the module's checked path then computes it or names what is wrong."""
+def test_infer_is_the_checked_forward_in_one_call(types, tensor_reads):
+    """PackedExperts.infer (the module's inference call: tensors read without DLPack's Python protocol, y
+    allocated in C++) gives the checked path's bits for float32 and bf16 inputs, views with an offset or a
+    size-1 dimension's stride among them; anything not plain gives None, and the module's checked path then
+    computes it or names what is wrong."""
     from apex_ffn import ops
     model = tiny_model("qwen3_moe")
     pack_experts(model, types)
@@ -249,6 +262,13 @@ def test_infer_is_the_checked_forward_in_one_call(types):
             assert y.dtype == dtype and torch.equal(y, checked.to(dtype)), dtype
             assert torch.equal(module(x, ids, w), y)
         expected = module(x32, ids, w32)
+        big = torch.randn(3 * n, d, generator=g)
+        for what, view in {"rows at an offset": big[n:2 * n], "one row of a strided view": big[::3][:1]}.items():
+            rows = view.size(0)
+            y = p.infer(view, ids[:rows], w32[:rows], False, 1)
+            assert y is not None and view.is_contiguous(), what
+            assert torch.equal(y, module(view.clone(), ids[:rows], w32[:rows])), what
+        assert p.infer(x32.to("meta"), ids, w32, False, 1) is None
         not_plain = {
             "non-contiguous x": (torch.randn(d, n, generator=g).t(), ids, w32),
             "float16 x and weights": (x32.half(), ids, w32.half()),
@@ -256,6 +276,7 @@ def test_infer_is_the_checked_forward_in_one_call(types):
             "int32 ids": (x32, ids.int(), w32),
             "negative-bit view": (torch._neg_view(-x32), ids, w32),
             "a Parameter": (torch.nn.Parameter(x32, requires_grad=False), ids, w32),
+            "a strided column of weights": (x32, ids[:, :1], w32[:, 1:]),
         }
         for what, args in not_plain.items():
             assert p.infer(*args, False, 1) is None, what
