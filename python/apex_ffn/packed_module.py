@@ -58,7 +58,10 @@ class PackedExpertsModule(nn.Module):
         return nn.Module.__call__(self, *args, **kwargs)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        if self.lora is None and not _grad_enabled() and not _dynamo_compiling():
+        # torch.jit.trace records only what goes through torch's dispatcher: traced, the experts must run as the
+        # op, or the trace would hold an uninitialised output in their place
+        traced = _jit_tracing()
+        if self.lora is None and not _grad_enabled() and not _dynamo_compiling() and not traced:
             # inference: one call into the extension, which reads plain CPU tensors without DLPack, allocates
             # y and reads the thread count (PackedExperts.infer); None for any other input (a fake tensor of
             # a non-strict export among them), which the checked path below takes
@@ -69,9 +72,9 @@ class PackedExpertsModule(nn.Module):
         dtype = hidden_states.dtype
         bf16 = dtype == torch.bfloat16  # a bf16 model: bf16 experts may multiply in bf16 pairs
         ep = self.layout.expert_parallel
-        if self.lora is not None or torch.is_grad_enabled() or torch.compiler.is_compiling():
-            # through torch's dispatcher (custom ops): torch.compile traces these casts, and the dispatcher
-            # resolves a lazily negated view before the op's body sees it
+        if self.lora is not None or torch.is_grad_enabled() or torch.compiler.is_compiling() or traced:
+            # through torch's dispatcher (custom ops): torch.compile and torch.jit.trace record these casts and
+            # the op, and the dispatcher resolves a lazily negated view before the op's body sees it
             x, w = hidden_states.float().contiguous(), top_k_weights.float().contiguous()
             ids = top_k_index.long().contiguous()
             if self.lora is not None:

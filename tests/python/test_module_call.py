@@ -1,5 +1,6 @@
 """The packed experts module's call skips nn.Module's frames only when nothing but forward would run: its
-own and global hooks, Module.compile() and jit tracing still take nn.Module's own call."""
+own and global hooks, Module.compile() and jit tracing still take nn.Module's own call, and a traced model
+runs the experts."""
 import pytest
 import torch
 
@@ -47,3 +48,28 @@ def test_module_compile_takes_the_compiled_call():
         got = m(x, ids, w)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > frames
     assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_jit_trace_records_the_experts(grad):
+    """torch.jit.trace of a model around the module, with grad on or off: the traced model gives the eager
+    outputs on other inputs (under no_grad the inference path skips torch's dispatcher, which the tracer
+    would not see: the trace held an uninitialised tensor for the experts' output)."""
+    m = tiny_packed(False).get_submodule("model.layers.0.mlp.experts")
+
+    class Residual(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = m
+
+        def forward(self, x, ids, w):
+            return x + self.experts(x, ids, w)
+
+    model = Residual()
+    x, ids, w = inputs()
+    with torch.set_grad_enabled(grad):
+        traced = torch.jit.trace(model, (x, ids, w), check_trace=False)
+    x2, ids2, w2 = 2 * x, ids.flip(0), w.flip(1)
+    with torch.no_grad():
+        assert torch.allclose(traced(x2, ids2, w2), model(x2, ids2, w2), rtol=1e-6, atol=1e-6)
+        assert torch.allclose(traced(x, ids, w), model(x, ids, w), rtol=1e-6, atol=1e-6)
