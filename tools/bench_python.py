@@ -235,6 +235,34 @@ def lora_cells(args):
     return out
 
 
+def tensor_reads_ab(args, rounds):
+    """The N = 1 call's overhead (cpp_overhead) with PackedExperts.infer reading tensors through torch's
+    DLPack exchange table against reading their attributes (older torch's way), the two alternated in one
+    process, `rounds` rounds per cell, medians: '% over the C++ forward, exchange / attributes'."""
+    from apex_ffn import _core
+    if not _core._exchange_reads(True):
+        print("this torch has no __dlpack_c_exchange_api__: nothing to compare", flush=True)
+        return
+    for dtype in (getattr(torch, name) for name in args.dtypes):
+        for types in args.types:
+            _, module = block(args.experts, args.d, args.f, args.k, dtype)
+            holder = torch.nn.Module()
+            holder.experts = module
+            pack_experts(holder, types)
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                cell = {True: [], False: []}
+                for r in range(rounds):
+                    for on in ((True, False) if r % 2 == 0 else (False, True)):
+                        _core._exchange_reads(on)
+                        out = cpp_overhead(holder.experts, 1, args, dtype, threads, args.reps)
+                        cell[on].append(float(out.split()[-1]))
+                _core._exchange_reads(True)
+                print(f"{str(dtype)[6:]:8s} {types} threads {threads}: % over the C++ forward, exchange "
+                      f"{(statistics.median(cell[True]) - 1) * 100:.1f} / attributes "
+                      f"{(statistics.median(cell[False]) - 1) * 100:.1f}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, default=128)
@@ -250,9 +278,15 @@ def main():
     ap.add_argument("--lora-only", action="store_true")
     ap.add_argument("--breakdown", action="store_true",
                     help="only where the N = 1 call's overhead goes, from cold caches, for each of --types")
+    ap.add_argument("--tensor-reads-ab", type=int, metavar="ROUNDS", default=0,
+                    help="only the N = 1 call's overhead, tensors read through the exchange table against their "
+                         "attributes, alternated for ROUNDS rounds, for each of --dtypes and --types")
     args = ap.parse_args()
     print(f"apex_ffn {apex_ffn.__version__}, kernel path {apex_ffn.isa()} (best {apex_ffn.best_isa()}), "
           f"torch {torch.__version__}; block E {args.experts} K {args.k} d {args.d} f {args.f}", flush=True)
+    if args.tensor_reads_ab:
+        tensor_reads_ab(args, args.tensor_reads_ab)
+        return
     if args.breakdown:
         for types in args.types:
             print(call_breakdown(args, types), flush=True)
