@@ -67,12 +67,23 @@ def packed_of(handle):
         raise _core.ConfigError(f"apex_ffn: no packed experts with handle {handle} (released?)") from None
 
 
+# torch.func's wrapped tensors (vmap's batched, grad's and jvp's levels) look like plain CPU tensors to Python
+_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda t: False)
+
+
 def _cpu(op, **tensors):
-    """ValueError naming the op and argument for a tensor on another device (the C++ side checks again)."""
+    """ValueError naming the op and argument for a tensor on another device (the C++ side checks again), or one
+    a torch.func transform wrapped: the ops have no rules for those transforms, and such a tensor has no memory
+    of its own to hand over (the extension would reject it with a signature mismatch naming nothing)."""
     for name, t in tensors.items():
-        if t is not None and not t.is_cpu:
+        if t is None:
+            continue
+        if not t.is_cpu:
             raise _core.ValueError(f"apex_ffn::{op}: argument '{name}' is on {t.device}; apex_ffn computes on CPU "
                                    "tensors: move it with .cpu()")
+        if _functorch_wrapped(t):
+            raise _core.ValueError(f"apex_ffn::{op}: argument '{name}' is a tensor of a torch.func transform (vmap, "
+                                   "grad, jvp, ...), which apex_ffn's ops do not support: call them outside it")
 
 
 def _one_device(op, x, **tensors):

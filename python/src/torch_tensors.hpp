@@ -197,8 +197,18 @@ inline std::optional<PlainTensor> plain_2d(nb::handle t) {
   p.rows = nb::cast<Index>(nb::handle(PyTuple_GET_ITEM(shape.ptr(), 0)));
   p.cols = nb::cast<Index>(nb::handle(PyTuple_GET_ITEM(shape.ptr(), 1)));
   if (p.rows < 1 || p.cols < 1) return std::nullopt;
-  p.data = data_ptr_of(t);
-  if (!p.data) return std::nullopt;  // no memory (functionalize's wrappers, a storage-less tensor)
+  // no memory (functionalize's and torch.func's wrappers, a storage-less tensor): data_ptr() raises or gives 0
+  PyObject* ptr = PyObject_CallMethodNoArgs(t.ptr(), torch.data_ptr_name.ptr());
+  if (!ptr) {
+    PyErr_Clear();
+    return std::nullopt;
+  }
+  p.data = PyLong_AsVoidPtr(ptr);
+  Py_DECREF(ptr);
+  if (!p.data) {
+    PyErr_Clear();  // 0, or not an int
+    return std::nullopt;
+  }
   return p;
 }
 

@@ -297,6 +297,22 @@ def test_infer_is_the_checked_forward_in_one_call(types, tensor_reads):
             p.infer(x32, ids, w32, False, 0)
 
 
+def test_a_torch_func_transform_is_refused_by_name(tensor_reads):
+    """vmap over the module (grad off): its batched tensors have no memory of their own; infer declines them
+    (with either read) and the checked path raises a ValueError naming the transform, not a signature
+    mismatch or torch's data-pointer error."""
+    model = tiny_model("qwen3_moe")
+    pack_experts(model, "f32")
+    module = model.get_submodule("model.layers.0.mlp.experts")
+    n, k, d = 5, 2, model.config.hidden_size
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, n, d, generator=g)
+    ids = torch.stack([torch.randperm(model.config.num_experts, generator=g)[:k] for _ in range(n)])
+    w = torch.rand(n, k, generator=g)
+    with torch.no_grad(), pytest.raises(apex_ffn.ApexValueError, match="'hidden_states' is a tensor of a torch.func"):
+        torch.vmap(lambda xi: module(xi, ids, w))(x)
+
+
 def test_infer_outputs_are_new_tensors_of_the_call_shape():
     """infer allocates its outputs a few at a time and keeps the spares: every output held stays as it was
     (no two share memory), a call of another shape or dtype gets its own shape and dtype, an output made
