@@ -67,7 +67,8 @@ def packed_of(handle):
         raise _core.ConfigError(f"apex_ffn: no packed experts with handle {handle} (released?)") from None
 
 
-# torch.func's wrapped tensors (vmap's batched, grad's and jvp's levels) look like plain CPU tensors to Python
+# torch.func's wrapped tensors (vmap's batched, grad's and jvp's levels, functionalize's) look like plain CPU
+# tensors to Python
 _functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda t: False)
 
 
@@ -83,7 +84,8 @@ def _cpu(op, **tensors):
                                    "tensors: move it with .cpu()")
         if _functorch_wrapped(t):
             raise _core.ValueError(f"apex_ffn::{op}: argument '{name}' is a tensor of a torch.func transform (vmap, "
-                                   "grad, jvp, ...), which apex_ffn's ops do not support: call them outside it")
+                                   "grad, jvp, functionalize, ...), which has no memory of its own and which "
+                                   "apex_ffn's ops do not support: call them outside it")
 
 
 def _one_device(op, x, **tensors):
