@@ -1,7 +1,7 @@
 #pragma once
 /// \file dlpack_exchange.hpp
 /// DLPack 1.3's C exchange table, the way a framework hands a tensor's
-/// memory to an extension without a Python call: torch ≥ 2.10 publishes it
+/// memory to an extension without a Python call: torch publishes it (2.15 here)
 /// as a PyCapsule on `torch.Tensor.__dlpack_c_exchange_api__`. Declared here
 /// in dlpack.h's stable layout (the header names no DLPack package: Debian
 /// has none, and the few structs are fixed by the ABI), with the one entry
@@ -9,6 +9,7 @@
 
 #include <nanobind/nanobind.h>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace apex::python {
@@ -66,5 +67,12 @@ inline const DLPackExchangeTable* torch_exchange_table(nb::handle tensor_type) {
   const auto* table = reinterpret_cast<const DLPackExchangeTable*>(h);
   return table->dltensor_from_py_object_no_sync ? table : nullptr;
 }
+
+// The layouts copied by hand, checked against dlpack.h's on LP64
+static_assert(sizeof(DLTensorView) == 48 && offsetof(DLTensorView, shape) == 24 &&
+              offsetof(DLTensorView, byte_offset) == 40, "DLTensorView must have DLTensor's layout");
+static_assert(sizeof(DLPackExchangeTable) == 56 &&
+              offsetof(DLPackExchangeTable, dltensor_from_py_object_no_sync) == 40,
+              "DLPackExchangeTable must have DLPackExchangeAPI's layout");
 
 }  // namespace apex::python

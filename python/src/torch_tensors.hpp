@@ -8,7 +8,7 @@
 /// `__dlpack__` is a Python function, 2.3 µs a tensor when the interpreter
 /// is warm and several times that once a step has streamed the expert
 /// weights through the caches. Where torch publishes DLPack 1.3's C
-/// exchange table (torch.Tensor.__dlpack_c_exchange_api__, torch ≥ 2.10),
+/// exchange table (torch.Tensor.__dlpack_c_exchange_api__; table version ≥ 1.3),
 /// one C call of it fills a non-owning DLTensor (data, device, dtype,
 /// shape, strides) and one Python call reads the negative bit, which the
 /// table does not carry; with an older torch the tensor's own attributes

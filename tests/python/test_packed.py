@@ -229,12 +229,13 @@ def test_forward_seconds_computes_the_forward_and_checks_like_it():
 
 @pytest.fixture(params=["exchange table", "attributes"])
 def tensor_reads(request):
-    """PackedExperts.infer's two ways of reading a tensor: torch's DLPack exchange table (torch >= 2.10) and
+    """PackedExperts.infer's two ways of reading a tensor: torch's DLPack exchange table (DLPack >= 1.3's; torch 2.15 has it) and
     the tensor's attributes (older torch)."""
     from apex_ffn import _core
     exchange = request.param == "exchange table"
     if not _core._exchange_reads(exchange) and exchange:
-        pytest.skip("this torch has no __dlpack_c_exchange_api__ (torch < 2.10): only the attribute reads run")
+        pytest.skip("this torch publishes no DLPack >= 1.3 exchange table (__dlpack_c_exchange_api__): only the "
+                    "attribute reads run")
     yield request.param
     _core._exchange_reads(True)
 
@@ -276,7 +277,7 @@ def test_infer_is_the_checked_forward_in_one_call(types, tensor_reads):
             "int32 ids": (x32, ids.int(), w32),
             "negative-bit view": (torch._neg_view(-x32), ids, w32),
             "a Parameter": (torch.nn.Parameter(x32, requires_grad=False), ids, w32),
-            "a strided column of weights": (x32, ids[:, :1], w32[:, 1:]),
+            "a strided column of weights": (x32, ids[:, :1].contiguous(), w32[:, 1:]),
         }
         for what, args in not_plain.items():
             assert p.infer(*args, False, 1) is None, what
@@ -300,7 +301,7 @@ def test_infer_is_the_checked_forward_in_one_call(types, tensor_reads):
 def test_a_torch_func_transform_is_refused_by_name(tensor_reads):
     """vmap over the module (grad off): its batched tensors have no memory of their own; infer declines them
     (with either read) and the checked path raises a ValueError naming the transform, not a signature
-    mismatch or torch's data-pointer error."""
+    mismatch or torch's data-pointer error. Under torch.func.grad torch's custom-op autograd raises its own."""
     model = tiny_model("qwen3_moe")
     pack_experts(model, "f32")
     module = model.get_submodule("model.layers.0.mlp.experts")
@@ -311,6 +312,8 @@ def test_a_torch_func_transform_is_refused_by_name(tensor_reads):
     w = torch.rand(n, k, generator=g)
     with torch.no_grad(), pytest.raises(apex_ffn.ApexValueError, match="'hidden_states' is a tensor of a torch.func"):
         torch.vmap(lambda xi: module(xi, ids, w))(x)
+    with pytest.raises(RuntimeError, match="functorch"):  # torch's custom-op autograd: no functorch rule
+        torch.func.grad(lambda xi: module(xi, ids, w).sum())(x[0])
 
 
 def test_infer_outputs_are_new_tensors_of_the_call_shape():
