@@ -90,8 +90,15 @@ struct PlainTensor {
   TorchElem elem = TorchElem::f32;
 };
 
-inline void* data_ptr_of(nb::handle t) {
-  return reinterpret_cast<void*>(nb::cast<std::uintptr_t>(call_method(t, TorchRefs::get().data_ptr_name)));
+/// t.data_ptr(), or null when t has no memory (functionalize's and
+/// torch.func's wrappers, a storage-less tensor: data_ptr() raises or gives
+/// 0); the Python error is cleared.
+inline void* data_ptr_or_null(nb::handle t) {
+  PyObject* ptr = PyObject_CallMethodNoArgs(t.ptr(), TorchRefs::get().data_ptr_name.ptr());
+  void* data = ptr ? PyLong_AsVoidPtr(ptr) : nullptr;
+  Py_XDECREF(ptr);
+  if (!data) PyErr_Clear();
+  return data;
 }
 
 /// t's memory if t is plain (above) and two-dimensional, read through the
@@ -147,18 +154,8 @@ inline std::optional<PlainTensor> plain_2d(nb::handle t) {
   p.rows = nb::cast<Index>(nb::handle(PyTuple_GET_ITEM(shape.ptr(), 0)));
   p.cols = nb::cast<Index>(nb::handle(PyTuple_GET_ITEM(shape.ptr(), 1)));
   if (p.rows < 1 || p.cols < 1) return std::nullopt;
-  // no memory (functionalize's and torch.func's wrappers, a storage-less tensor): data_ptr() raises or gives 0
-  PyObject* ptr = PyObject_CallMethodNoArgs(t.ptr(), torch.data_ptr_name.ptr());
-  if (!ptr) {
-    PyErr_Clear();
-    return std::nullopt;
-  }
-  p.data = PyLong_AsVoidPtr(ptr);
-  Py_DECREF(ptr);
-  if (!p.data) {
-    PyErr_Clear();  // 0, or not an int
-    return std::nullopt;
-  }
+  p.data = data_ptr_or_null(t);
+  if (!p.data) return std::nullopt;
   return p;
 }
 
@@ -217,7 +214,7 @@ class OutputSpares {
     const std::size_t count = std::max<std::size_t>(1, std::min(kMaxSpares, kMaxBytes / bytes));
     const auto make = [&] {
       Output o{torch_empty_2d(key.rows, key.cols, key.elem)};
-      if (o.tensor.type().is(TorchRefs::get().tensor_type)) o.data = data_ptr_of(o.tensor);
+      if (o.tensor.type().is(TorchRefs::get().tensor_type)) o.data = data_ptr_or_null(o.tensor);
       return o;
     };
     Output out = make();
