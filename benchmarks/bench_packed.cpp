@@ -10,10 +10,13 @@
 //            default: exact fp32 activations);
 //   bf16p  — the same weights with paired products (`vdpbf16ps`, X and A
 //            rounded to bf16; Bf16Products::paired), when the CPU has
-//            AVX-512 BF16 (otherwise not timed, and the label says so).
+//            AVX-512 BF16 (otherwise not timed, and the label says so);
+//   bf16amx — the paired products on AMX-BF16 tiles (path amx_bf16), when
+//            the CPU has them and Linux grants them (otherwise skipped, and
+//            the label says so).
 // The benchmark's time is bf16's; counters give each variant's rate in weight
 // GB/s (logical bytes 3·d·f·sizeof) and GFLOP/s (6·m·d·f), the speedups
-// f32/eigen, bf16/f32 and bf16p/f32, and the fraction of the read bandwidth reached
+// f32/eigen, bf16/f32, bf16p/f32 and bf16amx/f32, and the fraction of the read bandwidth reached
 // (`stream`: one thread summing as many cold bytes as the float expert holds,
 // timed in the same loop).
 //
@@ -154,8 +157,10 @@ void BM_expert(benchmark::State& state) {
   StreamRead& stream = stream_read();
   const auto w32_bytes = Index(12) * d * f;
   const bool paired = packed::cpu_supports(packed::Isa::avx512_bf16);
+  const bool amx = packed::cpu_supports(packed::Isa::amx_bf16);
   const packed::ForwardOptions pairs{packed::Isa::avx512_bf16, packed::Bf16Products::paired};
-  enum Variant { kEigen, kF32, kBf16, kBf16Paired, kStream, kVariants };
+  const packed::ForwardOptions tiles{packed::Isa::amx_bf16, packed::Bf16Products::paired};
+  enum Variant { kEigen, kF32, kBf16, kBf16Paired, kBf16Amx, kStream, kVariants };
   double t[kVariants] = {};
   std::size_t next = 0, turn = 0;
   for (auto _ : state) {
@@ -164,12 +169,13 @@ void BM_expert(benchmark::State& state) {
     double s[kVariants] = {};
     for (int k = 0; k < kVariants; ++k) {
       const int v = int((turn + std::size_t(k)) % kVariants);
-      if (v == kBf16Paired && !paired) continue;
+      if ((v == kBf16Paired && !paired) || (v == kBf16Amx && !amx)) continue;
       const auto t0 = Clock::now();
       if (v == kEigen) eigen_forward(e, x, work, y_eigen);
       else if (v == kF32) packed::forward(e.f32, x.data(), d, m, y32.data(), d);
       else if (v == kBf16) packed::forward(e.bf16, x.data(), d, m, y16.data(), d);
       else if (v == kBf16Paired) packed::forward(e.bf16, x.data(), d, m, y16.data(), d, pairs);
+      else if (v == kBf16Amx) packed::forward(e.bf16, x.data(), d, m, y16.data(), d, tiles);
       else stream.run(w32_bytes);
       s[v] = seconds_since(t0);
     }
@@ -183,9 +189,10 @@ void BM_expert(benchmark::State& state) {
   }
   const double it = double(state.iterations());
   const double flops = 6.0 * double(m) * double(d) * double(f), w32 = 12.0 * double(d) * double(f);
-  const double bytes[4] = {w32, w32, w32 / 2, w32 / 2};
-  const char* names[4] = {"eigen", "f32", "bf16", "bf16p"};
-  for (int v = 0; v < (paired ? 4 : 3); ++v) {
+  const double bytes[5] = {w32, w32, w32 / 2, w32 / 2, w32 / 2};
+  const char* names[5] = {"eigen", "f32", "bf16", "bf16p", "bf16amx"};
+  for (int v = 0; v < kStream; ++v) {
+    if ((v == kBf16Paired && !paired) || (v == kBf16Amx && !amx)) continue;
     const double per_call = t[v] / it;
     state.counters[std::string(names[v]) + "_GBps"] = bytes[v] / per_call / 1e9;
     state.counters[std::string(names[v]) + "_GFLOPs"] = flops / per_call / 1e9;
@@ -194,14 +201,17 @@ void BM_expert(benchmark::State& state) {
   state.counters["speedup_bf16_vs_f32"] = t[kF32] / t[kBf16];
   state.counters["speedup_bf16_vs_eigen"] = t[kEigen] / t[kBf16];
   if (paired) state.counters["speedup_bf16p_vs_f32"] = t[kF32] / t[kBf16Paired];
+  if (amx) state.counters["speedup_bf16amx_vs_f32"] = t[kF32] / t[kBf16Amx];
   // Fractions of the read bandwidth (same bytes, same loop): the decode
   // figure of merit; above a few rows the product is no longer bound by it.
   state.counters["stream_GBps"] = w32 / (t[kStream] / it) / 1e9;
   state.counters["f32_bw_frac"] = t[kStream] / t[kF32];
   state.counters["bf16_bw_frac"] = 0.5 * t[kStream] / t[kBf16];
   if (paired) state.counters["bf16p_bw_frac"] = 0.5 * t[kStream] / t[kBf16Paired];
+  if (amx) state.counters["bf16amx_bw_frac"] = 0.5 * t[kStream] / t[kBf16Amx];
   state.SetLabel(std::string(packed::isa_name(packed::kDefaultIsa)) + " bw_probe=" + bench::kReadProbeName +
-                 (paired ? "" : " bf16p: skipped, the CPU has no AVX-512 BF16"));
+                 (paired ? "" : " bf16p: skipped, the CPU has no AVX-512 BF16") +
+                 (amx ? " bf16amx: amx_bf16" : " bf16amx: skipped, no AMX-BF16 (CPU or kernel)"));
 }
 
 void shapes(benchmark::internal::Benchmark* b) {

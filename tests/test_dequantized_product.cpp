@@ -318,7 +318,7 @@ TEST_CASE("dequantized product: bad arguments are typed errors naming the proble
                                "expected [2 x 50]"));
   CHECK_THROWS_MATCHES(dequantized_product(Isa(99), pm, x.data(), 64, 2, y.data(), 64, 64), ConfigError,
                        Message("packed::dequantized_product: isa must be one of scalar, avx2, avx512, avx512_vnni, "
-                               "avx512_bf16, got 99"));
+                               "avx512_bf16, amx_bf16, got 99"));
   CHECK_THROWS_MATCHES(dequantized_product(pm, Matrix<float>::Zero(2, 65)), ShapeError,
                        Message("packed::dequantized_product: argument 'x' has shape [2 x 65], expected [* x 64]"));
   CHECK(std::all_of(y.begin(), y.end(), [](float v) { return v == 7.0f; }));  // nothing written by a rejected call

@@ -252,7 +252,7 @@ TEMPLATE_TEST_CASE("every kernel path matches the double reference on odd sizes"
           // Same fused operations in the same order on every path: same bits.
           if (isa == Isa::scalar) y_scalar = y;
           else CHECK(y == y_scalar);
-          if (isa == Isa::avx512_bf16 && dtype == Dtype::bf16) {
+          if (has_bf16_pairs(isa) && dtype == Dtype::bf16) {
             const Matrix<float> yp = forward(e, x, {isa, Bf16Products::paired});
             CHECK(bound_ratio(yp, paired) <= 1.0);
             // automatic chooses widened products (the faster on the CPUs measured).
@@ -293,7 +293,7 @@ TEST_CASE("bf16 weights against float weights: relative error near 3e-3", "[pack
   const PackedExpert e(w.wg, w.wu, w.wd, Dtype::bf16);
   for (const Isa isa : supported_isas()) {
     for (const Bf16Products products : {Bf16Products::widened, Bf16Products::paired}) {
-      if (products == Bf16Products::paired && isa != Isa::avx512_bf16) continue;
+      if (products == Bf16Products::paired && !has_bf16_pairs(isa)) continue;
       const Matrix<float> y = forward(e, x, {isa, products});
       const double rel = (y.cast<double>() - ref.y).norm() / ref.y.norm();
       INFO("path " << isa_name(isa) << (products == Bf16Products::paired ? " paired" : " widened") << ": rel " << rel);
@@ -311,7 +311,7 @@ TEST_CASE("rows do not depend on how a block is split across calls", "[packed]")
     const PackedExpert e(w.wg, w.wu, w.wd, dtype);
     for (const Isa isa : supported_isas()) {
       for (const Bf16Products products : {Bf16Products::widened, Bf16Products::paired}) {
-        if (products == Bf16Products::paired && (isa != Isa::avx512_bf16 || dtype != Dtype::bf16)) continue;
+        if (products == Bf16Products::paired && (!has_bf16_pairs(isa) || dtype != Dtype::bf16)) continue;
         INFO("path " << isa_name(isa) << " dtype " << dtype_name(dtype));
         const Matrix<float> whole = forward(e, x, {isa, products});
         Matrix<float> split(m, d);
@@ -328,6 +328,42 @@ TEST_CASE("rows do not depend on how a block is split across calls", "[packed]")
       }
     }
   }
+}
+
+TEST_CASE("amx_bf16: the tiles read nothing past a panel's pairs or a row's values", "[packed]") {
+  if (!cpu_supports(Isa::amx_bf16)) {
+    WARN("amx_bf16: kernel path skipped (this CPU or its kernel lacks AMX-BF16)");
+    return;
+  }
+  const ForwardOptions amx{Isa::amx_bf16, Bf16Products::paired}, dot{Isa::avx512_bf16, Bf16Products::paired};
+  // f = 100: 50 pairs, so each down panel ends in a partial 16-pair chunk,
+  // and the next panel's first pairs follow it in memory. Inf in the second
+  // panel's weights (output features 32..63) must not reach features 0..31
+  // through zero activations (0 · Inf = NaN).
+  const Index d = 70, f = 100, m = 37;
+  Expert w = random_expert(d, f, 31);
+  w.wd.middleRows(32, 32).setConstant(std::numeric_limits<float>::infinity());
+  const PackedExpert e(w.wg, w.wu, w.wd, Dtype::bf16);
+  const Matrix<float> x = test::random_matrix(m, d, 32).cast<float>();
+  const Matrix<float> y_amx = forward(e, x, amx), y_dot = forward(e, x, dot);
+  CHECK(y_amx.leftCols(32).allFinite());
+  CHECK(y_amx.rightCols(d - 64).allFinite());
+  const double rel = (y_amx.leftCols(32) - y_dot.leftCols(32)).norm() / y_dot.leftCols(32).norm();
+  CHECK(rel < 1e-5);  // the same bf16 products; only the order of fp32 sums may differ
+  // The bf16 scratch is the thread's and reused: NaN rows of a wider call
+  // must not survive in the padding a narrower call's tiles read.
+  const Expert wide = random_expert(64, 40, 33);
+  const PackedExpert ewide(wide.wg, wide.wu, wide.wd, Dtype::bf16);
+  (void)forward(ewide, Matrix<float>::Constant(48, 64, std::numeric_limits<float>::quiet_NaN()), amx);
+  const Expert narrow = random_expert(33, 17, 34);
+  const PackedExpert enarrow(narrow.wg, narrow.wu, narrow.wd, Dtype::bf16);
+  const Matrix<float> xn = test::random_matrix(5, 33, 35).cast<float>();
+  const Matrix<float> yn = forward(enarrow, xn, amx);
+  REQUIRE(yn.allFinite());
+  const Matrix<float> wgn = enarrow.w_gate(), wun = enarrow.w_up(), wdn = enarrow.w_down();
+  CHECK(bound_ratio(yn, reference(xn, wgn, wun, wdn, std::ldexp(1.0, -9), 0)) <= 1.0);
+  // The tiles are released after each call: the vector paths run after it.
+  CHECK(forward(enarrow, xn, dot).allFinite());
 }
 
 TEST_CASE("SiLU epilogue: every path gives the same bits, limits exact", "[packed]") {
@@ -389,7 +425,7 @@ TEST_CASE("packed experts reject bad input with typed errors", "[packed][errors]
   CHECK_THROWS_AS(forward(e, x, {Isa::scalar, Bf16Products::paired}), ConfigError);
   const PackedExpert e16(Matrix<float>::Ones(4, 3), Matrix<float>::Ones(4, 3), Matrix<float>::Ones(3, 4), Dtype::bf16);
   CHECK_THROWS_WITH(forward(e16, x, {Isa::scalar, Bf16Products::paired}),
-                    "packed::forward: bf16_products = paired needs path 'avx512_bf16', not 'scalar'");
+                    "packed::forward: bf16_products = paired needs path 'avx512_bf16' or 'amx_bf16', not 'scalar'");
   for (const Isa isa : kAllIsas)
     if (!cpu_supports(isa)) CHECK_THROWS_AS(forward(e, x, {isa}), ConfigError);
   // Zero rows are fine and write nothing.

@@ -304,7 +304,7 @@ TEST_CASE("transposed product: bad arguments are typed errors naming the problem
                                "[2 x 64]"));
   CHECK_THROWS_MATCHES(transposed_product(Isa(99), pm, dy.data(), 32, 2, dx.data(), 64), ConfigError,
                        Message("packed::transposed_product: isa must be one of scalar, avx2, avx512, avx512_vnni, "
-                               "avx512_bf16, got 99"));
+                               "avx512_bf16, amx_bf16, got 99"));
   CHECK_THROWS_MATCHES(transposed_product(pm, Matrix<float>::Zero(2, 33)), ShapeError,
                        Message("packed::transposed_product: argument 'dy' has shape [2 x 33], expected [* x 32]"));
   // no panels: every dx is the empty chain, +0; no columns: nothing to write

@@ -16,9 +16,10 @@ is a ConfigError naming it, at its first call.
 bf16 or f16 expert weights: without gradients they run packed as bf16
 (exact for bf16 weights; f16 rounded), packed once per weight version;
 with gradients they run in float32 (the weights widened, their gradients
-narrowed back by autograd). In a bf16 model on the avx512_bf16 path the
-packed SiLU-gated experts multiply in bf16 pairs (`vdpbf16ps`), rounding
-the hidden activations to bf16 as the model's own experts do.
+narrowed back by autograd). In a bf16 model on the avx512_bf16 and
+amx_bf16 paths the packed SiLU-gated experts multiply in bf16 pairs
+(`vdpbf16ps`; AMX tiles on amx_bf16), rounding the hidden activations to
+bf16 as the model's own experts do.
 """
 import weakref
 

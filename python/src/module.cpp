@@ -33,7 +33,7 @@ NB_MODULE(_core, m) {
   nb::exception<apex::FormatError>(m, "FormatError", PyExc_ValueError);
 
   m.def("isa", [] { return std::string(packed::isa_name(python::current_isa())); },
-        "The kernel path the operations run on (scalar, avx2, avx512, avx512_vnni, avx512_bf16).");
+        "The kernel path the operations run on (scalar, avx2, avx512, avx512_vnni, avx512_bf16, amx_bf16).");
   m.def("best_isa", [] { return std::string(packed::isa_name(python::best_isa())); },
         "The best kernel path this CPU supports.");
   m.def("available_isas", [] {

@@ -92,7 +92,7 @@ class PackedExperts {
   /// there, and on AVX-512 BF16 it is up to twice the widened products' rate
   /// (kernels/fused_expert.hpp).
   packed::ForwardOptions forward_options(packed::Isa isa, bool bf16_activations) const {
-    const bool paired = bf16_activations && isa == packed::Isa::avx512_bf16 &&
+    const bool paired = bf16_activations && packed::has_bf16_pairs(isa) &&
                         types_ == packed::ExpertDtypes(packed::Dtype::bf16) && gate_ == GateKind::silu;
     return {isa, paired ? packed::Bf16Products::paired : packed::Bf16Products::widened};
   }

@@ -264,8 +264,9 @@ void bind_packed_experts(nb::module_& m) {
            nb::arg("expert_parallel"), nb::arg("y"), nb::arg("y_sorted").none(), nb::arg("threads"),
            nb::arg("bf16_activations") = false,
            "y_sorted: the experts' outputs in plan order (N*K x d), or None for the calling thread's scratch.\n"
-           "bf16_activations: the inputs hold bf16 values (a bf16 model); bf16 experts on the avx512_bf16 path then\n"
-           "multiply in pairs with `vdpbf16ps`, rounding the hidden activations to bf16 as the model would.")
+           "bf16_activations: the inputs hold bf16 values (a bf16 model); bf16 experts on the avx512_bf16 and\n"
+           "amx_bf16 paths then multiply in pairs (`vdpbf16ps`, AMX tiles), rounding the hidden activations\n"
+           "to bf16 as the model would.")
       .def("infer", &packed_infer, nb::arg("hidden_states"), nb::arg("top_k_index"), nb::arg("top_k_weights"),
            nb::arg("expert_parallel"), nb::arg("threads").none() = nb::none(),
            "The module's inference forward in one call: y (N x d) in the inputs' dtype, or None unless the\n"

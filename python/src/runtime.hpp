@@ -39,7 +39,7 @@ inline packed::Isa isa_from_name(const std::string& name) {
       return i;
     }
   throw ConfigError("apex_ffn.set_isa: unknown kernel path '" + name +
-                    "', expected one of scalar, avx2, avx512, avx512_vnni, avx512_bf16");
+                    "', expected one of scalar, avx2, avx512, avx512_vnni, avx512_bf16, amx_bf16");
 }
 
 void bind_float_experts(nanobind::module_& m);

@@ -101,7 +101,7 @@ def test_packed_f32_equals_float_experts():
 
 @pytest.mark.parametrize("gate,transposed", [("silu", False), ("clamped", True)])
 def test_bf16_activations_pair_products_only_where_they_can(gate, transposed):
-    """bf16 SiLU experts on the avx512_bf16 path multiply in bf16 pairs when told the inputs are a bf16
+    """bf16 SiLU experts on the avx512_bf16 and amx_bf16 paths multiply in bf16 pairs when told the inputs are a bf16
     model's; every other path, type and gate gives the widened (exact-activation) bits either way."""
     x, ids, w, *_ = case(n=40, requires_grad=False)
     x = x.bfloat16().float()  # a bf16 model's values
@@ -115,7 +115,7 @@ def test_bf16_activations_pair_products_only_where_they_can(gate, transposed):
                 wide = ops.packed_experts(x, ids, w, h, False)
                 pairs = ops.packed_experts(x, ids, w, h, False, True)
                 assert torch.equal(ops.packed_forward(x, ids, w, h, False, True), pairs)
-                if types == "bf16" and gate == "silu" and isa == "avx512_bf16":
+                if types == "bf16" and gate == "silu" and isa in ("avx512_bf16", "amx_bf16"):
                     assert not torch.equal(pairs, wide)  # A rounded to bf16: other bits
                     assert rel(pairs, y_ref) <= 1e-2 and rel(wide, y_ref) <= 1e-2
                 else:

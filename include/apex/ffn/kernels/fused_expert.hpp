@@ -23,12 +23,13 @@
 ///
 /// bf16 products. `widened` (the default everywhere) converts each weight with
 /// one shift or mask and uses fp32 FMAs: activations stay exact and the speed
-/// is the float kernel's. `paired` (avx512_bf16 only) rounds X and A to bf16
+/// is the float kernel's. `paired` (avx512_bf16 and amx_bf16) rounds X and A to bf16
 /// and uses `vdpbf16ps`, two multiply-adds per lane and instruction. Its
 /// worth depends on the CPU: on a Sapphire Rapids-class Xeon `vdpbf16ps`
 /// issues at about half the rate of an fp32 FMA, so paired products reach
-/// ≈ 85 GFLOP/s against ≈ 149 widened (beating the FMA rate there needs
-/// AMX-BF16 tiles, which this engine does not use); on an AMD Zen 4 EPYC it
+/// ≈ 85 GFLOP/s against ≈ 149 widened, and the `amx_bf16` path runs them on
+/// AMX-BF16 tiles instead (kernels/arch/amx_bf16.hpp: ≈ 10× packed float
+/// at 512 rows, in blocks of kAmxRowBlock rows); on an AMD Zen 4 EPYC it
 /// issues at the FMA's rate, so paired products reach 197–216 GFLOP/s against
 /// 100–110 widened, 1.96–2.26× packed float from 16 to 1024 rows (bench_packed,
 /// BM_expert's bf16p column). `automatic` stays widened on every CPU: paired
@@ -85,6 +86,7 @@
 #include "arch/avx512_quant.hpp"
 #include "arch/avx512_quant_k.hpp"
 #include "arch/avx512_vnni_quant.hpp"
+#include "arch/amx_bf16.hpp"
 #include "arch/scalar.hpp"
 #include "epilogue.hpp"
 #include "packed_weights.hpp"
@@ -98,7 +100,7 @@ namespace apex::packed {
 enum class Bf16Products {
   automatic,  ///< widened: exact activations, the same bits on every path and CPU
   widened,    ///< weights widened to fp32, activations exact (every path)
-  paired,     ///< `vdpbf16ps`, activations rounded to bf16 (avx512_bf16 only)
+  paired,     ///< bf16 pairs, activations rounded to bf16 (avx512_bf16: `vdpbf16ps`; amx_bf16: tiles)
 };
 
 struct ForwardOptions {
@@ -126,14 +128,22 @@ inline constexpr Index kSmallRows = 32;
 /// Rows per block in the many-row regime: X (64 × d) and A (64 × f) of a
 /// block stay in L2 while the panels stream.
 inline constexpr Index kRowBlock = 64;
+/// Rows per block of paired products on AMX tiles. The tiles multiply
+/// ≈ 10× faster than the vector paths, so at 64 rows a block is bound by
+/// streaming its weights from memory once per block; 256 rows (X and A in
+/// bf16, 1.4 MiB at d = 2048, f = 768, still in L2) streams them a quarter
+/// as often (one expert, 512 rows, on a Sapphire Rapids-class Xeon: 64 /
+/// 128 / 256 / 512 rows gave 436–472 / 598–625 / 693–711 / 579–596
+/// GFLOP/s at d = f = 2880).
+inline constexpr Index kAmxRowBlock = 256;
 
 namespace detail {
 
 /// Per-thread scratch kept between calls (like core/workspace.hpp, 64-byte aligned).
 struct Scratch {
   AlignedArray<float> a;   // rows × lda: A = SiLU(G) ⊙ U
-  AlignedArray<bf16> xb;   // rows × ⌈d⌉₂: X in bf16 (paired products)
-  AlignedArray<bf16> ab;   // rows × ⌈f⌉₂: A in bf16 (paired products)
+  AlignedArray<bf16> xb;   // rows × ⌈d⌉₂ (amx_bf16: ⌈rows⌉₁₆ × ⌈d⌉₃₂ as tiles): X in bf16 (paired products)
+  AlignedArray<bf16> ab;   // rows × ⌈f⌉₂ (amx_bf16: ⌈rows⌉₁₆ × ⌈f⌉₃₂ as tiles): A in bf16 (paired products)
 };
 inline Scratch& thread_scratch() {
   thread_local Scratch s;
@@ -172,7 +182,7 @@ void run_quant_panel(Isa isa, const PanelMatrix& pm, Index p, const QuantRows& x
                      Index ncols) {
 #if APEX_PACKED_X86
   const std::byte* codes = pm.panel<T>(p);
-  if (isa == Isa::avx512_vnni || isa == Isa::avx512_bf16)
+  if (has_vnni(isa))
     return quant_panel_512<QuantTilesVnni, T, Epi>(codes, pm.scales(p), pm.k(), x, rows, out, ldo, ncols);
   if (isa == Isa::avx512)
     return quant_panel_512<QuantTilesAvx512, T, Epi>(codes, pm.scales(p), pm.k(), x, rows, out, ldo, ncols);
@@ -221,12 +231,34 @@ inline void rows_to_bf16(const float* src, Index lds, Index rows, Index n, bf16*
   }
 }
 
-/// As forward_block with `vdpbf16ps` products (bf16 weights, avx512_bf16).
+/// As forward_block with paired bf16 products: `vdpbf16ps` on avx512_bf16,
+/// AMX tiles on amx_bf16 (kernels/arch/amx_bf16.hpp), whose scratch holds
+/// X and A as zero-padded activation tiles.
 template <class Act>
-void forward_block_paired(const PackedExpert& e, const float* x, Index ldx, Index rows, float* a, Index lda,
-                          Scratch& s, float* y, Index ldy) {
+void forward_block_paired(Isa isa, const PackedExpert& e, const float* x, Index ldx, Index rows, float* a,
+                          Index lda, Scratch& s, float* y, Index ldy) {
   const Index d = e.d_model(), f = e.d_ffn();
   constexpr Index H = PackedExpert::kHiddenPerPanel, O = PackedExpert::kOutPerPanel;
+  if (isa == Isa::amx_bf16) {
+    const Index rows_pad = (rows + kAmxRows - 1) / kAmxRows * kAmxRows;
+    const Index cd = (d + kAmxDepth - 1) / kAmxDepth, cf = (f + kAmxDepth - 1) / kAmxDepth;
+    bf16* xt = grow(s.xb, rows_pad * cd * kAmxDepth);  // X as tiles: ⌈rows⌉₁₆ × ⌈d⌉₃₂
+    bf16* at = grow(s.ab, rows_pad * cf * kAmxDepth);  // A as tiles: ⌈rows⌉₁₆ × ⌈f⌉₃₂
+    rows_to_bf16_tiles(x, ldx, rows, d, xt, cd);
+    const AmxTiles tiles;
+    const PanelMatrix &gu = e.gate_up(), &dn = e.down();
+    for (Index p = 0; p < gu.panels(); ++p) {  // then the next panel, or the first down panel
+      const bool more = p + 1 < gu.panels();
+      panel_amx<GatedEpilogue<Act>>(gu.bf16_panel(p), d, xt, cd, rows, a + p * H, lda, std::min(H, f - p * H),
+                                    more ? gu.bf16_panel(p + 1) : dn.bf16_panel(0),
+                                    more ? gu.panel_code_bytes() : dn.panel_code_bytes());
+    }
+    rows_to_bf16_tiles(a, lda, rows, f, at, cf);
+    for (Index q = 0; q < dn.panels(); ++q)
+      panel_amx<PlainEpilogue>(dn.bf16_panel(q), f, at, cf, rows, y + q * O, ldy, std::min(O, d - q * O),
+                               q + 1 < dn.panels() ? dn.bf16_panel(q + 1) : nullptr, dn.panel_code_bytes());
+    return;
+  }
   const Index ldxb = d + (d & 1), ldab = f + (f & 1);
   bf16* xb = grow(s.xb, rows * ldxb);  // rows × ldxb
   bf16* ab = grow(s.ab, rows * ldab);  // rows × ldab
@@ -258,13 +290,15 @@ void forward(const PackedExpert& e, const float* x, Index ldx, Index m, float* y
   const bool is_bf16 = e.dtypes() == ExpertDtypes(Dtype::bf16);
   if (opt.bf16_products == Bf16Products::paired) {
     apex::detail::require_config(is_bf16, where, "bf16_products = paired needs bf16 weights");
-    apex::detail::require_config(opt.isa == Isa::avx512_bf16, where, [&] {
-      return std::string("bf16_products = paired needs path 'avx512_bf16', not '") + isa_name(opt.isa) + "'";
+    apex::detail::require_config(has_bf16_pairs(opt.isa), where, [&] {
+      return std::string("bf16_products = paired needs path 'avx512_bf16' or 'amx_bf16', not '") +
+             isa_name(opt.isa) + "'";
     });
   }
   if (m == 0) return;
   const bool paired = opt.bf16_products == Bf16Products::paired;  // validated above
-  const Index block = m <= kSmallRows ? m : kRowBlock;
+
+  const Index block = m <= kSmallRows ? m : paired && opt.isa == Isa::amx_bf16 ? kAmxRowBlock : kRowBlock;
   const Index lda = (f + 15) / 16 * 16;  // A rows start on 64-byte boundaries
   detail::Scratch& s = detail::thread_scratch();
   float* a = detail::grow(s.a, apex::detail::checked_product(where, "scratch rows x d_ffn", {block, lda}));
@@ -274,7 +308,7 @@ void forward(const PackedExpert& e, const float* x, Index ldx, Index m, float* y
     float* yr = y + r0 * ldy;
 #if APEX_PACKED_X86
     if (paired) {
-      detail::forward_block_paired<Act>(e, xr, ldx, rows, a, lda, s, yr, ldy);
+      detail::forward_block_paired<Act>(opt.isa, e, xr, ldx, rows, a, lda, s, yr, ldy);
       continue;
     }
 #endif

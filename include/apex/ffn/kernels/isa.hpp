@@ -5,8 +5,8 @@
 /// Every path is compiled into every build: the SIMD paths are ordinary
 /// functions carrying GCC/Clang `__attribute__((target(...)))`, so a build for
 /// the compiler's default target (x86-64 baseline, as the test and sanitizer
-/// presets use) still contains the AVX2, AVX-512, AVX-512 VNNI and AVX-512
-/// BF16 kernels.
+/// presets use) still contains the AVX2, AVX-512, AVX-512 VNNI, AVX-512
+/// BF16 and AMX-BF16 kernels.
 /// Which path a call uses by default is fixed at compile time from the
 /// compiler's target macros (`-march=native` on this machine selects
 /// `avx512_bf16`); a caller may name another path explicitly, which is checked
@@ -15,6 +15,11 @@
 
 #include <cstdint>
 #include <string>
+
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "../core/errors.hpp"
 
@@ -35,6 +40,8 @@
 #define APEX_TARGET_AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define APEX_TARGET_AVX512BF16 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,avx2,fma,f16c")))
+#define APEX_TARGET_AMX_BF16 \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,avx2,fma,f16c")))
 // A tile's per-block step, inlined so the tile's accumulators stay in
 // registers (GCC otherwise keeps the larger block bodies out of line).
 #define APEX_KERNEL_INLINE __attribute__((always_inline))
@@ -50,9 +57,13 @@ namespace apex::packed {
 /// - `avx512_vnni`: as avx512 with VL, the block formats' products with
 ///   `vpdpbusd`;
 /// - `avx512_bf16`: as avx512_vnni, and bf16 weights may be multiplied in
-///   pairs with `vdpbf16ps` (Bf16Products::paired).
-/// Float weights run the same AVX-512 tiles on the last three.
-enum class Isa { scalar, avx2, avx512, avx512_vnni, avx512_bf16 };
+///   pairs with `vdpbf16ps` (Bf16Products::paired);
+/// - `amx_bf16`: as avx512_bf16, with the paired products on AMX-BF16 tiles
+///   (`tdpbf16ps`, kernels/arch/amx_bf16.hpp). Never the compile-time
+///   default: the tiles need the operating system's permission, asked at
+///   run time.
+/// Float weights run the same AVX-512 tiles on the last four.
+enum class Isa { scalar, avx2, avx512, avx512_vnni, avx512_bf16, amx_bf16 };
 
 /// The path the compiler targets (see the file comment).
 inline constexpr Isa kDefaultIsa =
@@ -70,7 +81,8 @@ inline constexpr Isa kDefaultIsa =
 #endif
 
 /// All paths, in increasing order of capability.
-inline constexpr Isa kAllIsas[] = {Isa::scalar, Isa::avx2, Isa::avx512, Isa::avx512_vnni, Isa::avx512_bf16};
+inline constexpr Isa kAllIsas[] = {Isa::scalar, Isa::avx2, Isa::avx512, Isa::avx512_vnni, Isa::avx512_bf16,
+                                   Isa::amx_bf16};
 
 inline const char* isa_name(Isa isa) {
   switch (isa) {
@@ -79,6 +91,7 @@ inline const char* isa_name(Isa isa) {
     case Isa::avx512: return "avx512";
     case Isa::avx512_vnni: return "avx512_vnni";
     case Isa::avx512_bf16: return "avx512_bf16";
+    case Isa::amx_bf16: return "amx_bf16";
   }
   return "unknown";
 }
@@ -97,6 +110,24 @@ inline bool cpu_has_f16c() {
   }();
   return has;
 }
+
+/// Whether the CPU has AMX-TILE and AMX-BF16 (CPUID leaf 7, EDX bits 24
+/// and 22) and Linux lets this process use the tile data (arch_prctl
+/// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, Linux ≥ 5.16; without it the
+/// first tile instruction faults). Asked once; the grant is the process's.
+inline bool amx_bf16_granted() {
+  static const bool granted = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || (d & (1u << 24)) == 0 || (d & (1u << 22)) == 0) return false;
+#if defined(__linux__) && defined(SYS_arch_prctl)
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+    return false;
+#endif
+  }();
+  return granted;
+}
 #endif
 }  // namespace detail
 
@@ -111,6 +142,7 @@ inline bool cpu_supports(Isa isa) {
     case Isa::avx512_vnni:
       return cpu_supports(Isa::avx512) && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
     case Isa::avx512_bf16: return cpu_supports(Isa::avx512_vnni) && __builtin_cpu_supports("avx512bf16");
+    case Isa::amx_bf16: return cpu_supports(Isa::avx512_bf16) && detail::amx_bf16_granted();
 #else
     default: return false;
 #endif
@@ -120,16 +152,24 @@ inline bool cpu_supports(Isa isa) {
 
 /// Whether `isa` is one of the AVX-512 paths (which share the float tiles).
 constexpr bool is_avx512(Isa isa) {
-  return isa == Isa::avx512 || isa == Isa::avx512_vnni || isa == Isa::avx512_bf16;
+  return isa == Isa::avx512 || isa == Isa::avx512_vnni || isa == Isa::avx512_bf16 || isa == Isa::amx_bf16;
 }
+
+/// Whether path `isa` has `vpdpbusd` (the block formats' VNNI tiles).
+constexpr bool has_vnni(Isa isa) {
+  return isa == Isa::avx512_vnni || isa == Isa::avx512_bf16 || isa == Isa::amx_bf16;
+}
+
+/// Whether path `isa` has `vdpbf16ps` (Bf16Products::paired).
+constexpr bool has_bf16_pairs(Isa isa) { return isa == Isa::avx512_bf16 || isa == Isa::amx_bf16; }
 
 /// Which tiles the block formats (Q8_0 … MXFP4) run on path `isa`: "vnni"
 /// (`vpdpbusd`), "avx512bw", "avx2" or "scalar" (for benchmark reports).
 constexpr const char* block_format_tiles(Isa isa) {
-  return isa == Isa::avx512_vnni || isa == Isa::avx512_bf16 ? "vnni"
-         : isa == Isa::avx512                               ? "avx512bw"
-         : isa == Isa::avx2                                 ? "avx2"
-                                                            : "scalar";
+  return has_vnni(isa)              ? "vnni"
+         : isa == Isa::avx512       ? "avx512bw"
+         : isa == Isa::avx2         ? "avx2"
+                                    : "scalar";
 }
 
 namespace detail {
@@ -139,7 +179,8 @@ inline void require_isa(const char* where, Isa isa) {
   bool known = false;  // a value cast from an integer: name it, not "unknown"
   for (Isa i : kAllIsas) known = known || i == isa;
   apex::detail::require_config(known, where, [&] {
-    return "isa must be one of scalar, avx2, avx512, avx512_vnni, avx512_bf16, got " + std::to_string(int(isa));
+    return "isa must be one of scalar, avx2, avx512, avx512_vnni, avx512_bf16, amx_bf16, got " +
+           std::to_string(int(isa));
   });
   apex::detail::require_config(cpu_supports(isa), where, [&] {
     return std::string("kernel path '") + isa_name(isa) + "' is not supported by this CPU";
