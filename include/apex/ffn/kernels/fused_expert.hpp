@@ -233,7 +233,7 @@ inline void rows_to_bf16(const float* src, Index lds, Index rows, Index n, bf16*
 
 /// As forward_block with paired bf16 products: `vdpbf16ps` on avx512_bf16,
 /// AMX tiles on amx_bf16 (kernels/arch/amx_bf16.hpp), whose scratch holds
-/// X and A as zero-padded activation tiles.
+/// X and A as activation tiles (rows_to_bf16_tiles).
 template <class Act>
 void forward_block_paired(Isa isa, const PackedExpert& e, const float* x, Index ldx, Index rows, float* a,
                           Index lda, Scratch& s, float* y, Index ldy) {
@@ -297,7 +297,6 @@ void forward(const PackedExpert& e, const float* x, Index ldx, Index m, float* y
   }
   if (m == 0) return;
   const bool paired = opt.bf16_products == Bf16Products::paired;  // validated above
-
   const Index block = m <= kSmallRows ? m : paired && opt.isa == Isa::amx_bf16 ? kAmxRowBlock : kRowBlock;
   const Index lda = (f + 15) / 16 * 16;  // A rows start on 64-byte boundaries
   detail::Scratch& s = detail::thread_scratch();
