@@ -3,6 +3,7 @@
 // every kernel path the CPU supports against a double-precision reference
 // loop with componentwise error bounds derived from the sizes.
 #include <apex/ffn/kernels/fused_expert.hpp>
+#include <apex/ffn/kernels/streamed_product.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -364,6 +365,34 @@ TEST_CASE("amx_bf16: the tiles read nothing past a panel's pairs or a row's valu
   CHECK(bound_ratio(yn, reference(xn, wgn, wun, wdn, std::ldexp(1.0, -9), 0)) <= 1.0);
   // The tiles are released after each call: the vector paths run after it.
   CHECK(forward(enarrow, xn, dot).allFinite());
+}
+
+TEST_CASE("streamed product: the same bits on every path, within fp32 of the double product", "[packed]") {
+  // Strided x, W and y (a block of wider buffers); K around the 16 lanes;
+  // n around the four weight rows of a pass.
+  const double u = std::ldexp(1.0, -24);
+  for (const Index K : {1, 15, 16, 17, 33, 100, 2048})
+    for (const Index n : {1, 3, 4, 5, 9})
+      for (const Index m : {1, 2, 7}) {
+        const Index ldx = K + 1, ldw = K + 3, ldy = n + 2;
+        const Matrix<float> x = test::random_matrix(m, ldx, std::uint64_t(K + 7 * n + m)).cast<float>();
+        const Matrix<float> w = test::random_matrix(n, ldw, std::uint64_t(3 * K + n)).cast<float>();
+        Matrix<float> y_scalar = Matrix<float>::Constant(m, ldy, 7.0f);
+        streamed_product_nt(Isa::scalar, x.data(), ldx, m, w.data(), ldw, n, K, y_scalar.data(), ldy);
+        const Matrix<double> X = x.leftCols(K).cast<double>(), W = w.leftCols(K).cast<double>();
+        const Matrix<double> ref = X * W.transpose(), mag = X.cwiseAbs() * W.cwiseAbs().transpose();  // m × n
+        INFO("K " << K << " n " << n << " m " << m);
+        CHECK(((y_scalar.leftCols(n).cast<double>() - ref).array().abs() <= 2.0 * double(K + 5) * u * mag.array())
+                  .all());
+        CHECK((y_scalar.rightCols(2).array() == 7.0f).all());  // nothing written past n
+        for (const Isa isa : supported_isas()) {
+          if (isa == Isa::scalar) continue;
+          INFO("path " << isa_name(isa));
+          Matrix<float> y = Matrix<float>::Constant(m, ldy, 7.0f);
+          streamed_product_nt(isa, x.data(), ldx, m, w.data(), ldw, n, K, y.data(), ldy);
+          CHECK(y == y_scalar);
+        }
+      }
 }
 
 TEST_CASE("SiLU epilogue: every path gives the same bits, limits exact", "[packed]") {

@@ -35,6 +35,7 @@
 
 #include <apex/ffn/inference/engine/expert_kinds.hpp>
 #include <apex/ffn/kernels/packed_products.hpp>
+#include <apex/ffn/kernels/streamed_product.hpp>
 #include <apex/ffn/layers/clamped_swiglu.hpp>
 #include <apex/ffn/layers/gated_products.hpp>
 #include <apex/ffn/layers/swiglu.hpp>
@@ -73,10 +74,11 @@ struct DhTag;  ///< m × 2f: [∂L/∂G | ∂L/∂U]
 inline constexpr Index kStreamRows = 16;
 inline constexpr Index kStreamCols = 256;  ///< out columns kept in L1 by the nn product (m × 256 floats)
 
-/// out (m × n) = a (m × K) · Wᵀ, W: n × K row-major. Few rows: one dot
-/// product per (row, weight row), the weight row read from memory once and
-/// from L1 for the other rows; else the engine's f32 tiles on W packed a
-/// chunk of panels at a time (Eigen on CPUs without AVX2). Called from
+/// out (m × n) = a (m × K) · Wᵀ, W: n × K row-major. Few rows: dot
+/// products four weight rows at a time, each weight row read from memory
+/// once and from L1 for the other rows (kernels/streamed_product.hpp);
+/// else the engine's f32 tiles on W packed a chunk of panels at a time
+/// (Eigen on CPUs without AVX2). Called from
 /// inside the per-expert tasks, so always single-threaded: not the training
 /// layers' rule, which hands a lone product to Eigen's own threads.
 template <class A, class W, class Out>
@@ -89,16 +91,9 @@ void product_nt(const A& a, const W& w, Out&& out) {
                       out.outerStride());
     return;
   }
-  for (Index j = 0; j < n; ++j) {
-    const float* wj = w.data() + j * w.outerStride();
-    for (Index i = 0; i < m; ++i) {
-      const float* ai = a.data() + i * a.outerStride();
-      float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-      for (Index k = 0; k < K; ++k) acc += ai[k] * wj[k];
-      out.data()[i * out.outerStride() + j] = acc;
-    }
-  }
+  const packed::TrainingEngine e = packed::training_engine();
+  packed::streamed_product_nt(e.enabled ? e.isa : packed::Isa::scalar, a.data(), a.outerStride(), m, w.data(),
+                              w.outerStride(), n, K, out.data(), out.outerStride());
 }
 
 /// out (m × n) = a (m × K) · W, W: K × n row-major. Few rows: rank-1
