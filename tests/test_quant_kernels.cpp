@@ -200,7 +200,7 @@ TEST_CASE("block formats: every kernel path gives the scalar path's bits", "[qua
     for (const Shape s : shapes) {
       CAPTURE(dtype_name(t), s.d, s.f);
       const PackedExpert e(weights(s.f, s.d, 7), weights(s.f, s.d, 8), weights(s.d, s.f, 9), t);
-      for (const Index m : {Index(1), Index(2), Index(3), Index(4), Index(5), Index(6), Index(37)}) {
+      for (const Index m : {Index(1), Index(2), Index(3), Index(4), Index(5), Index(6), Index(9), Index(37)}) {
         const Matrix<float> x = random_matrix(m, s.d, std::uint64_t(10 + m)).cast<float>();  // m × d
         const Matrix<float> want = forward(e, x, {Isa::scalar});
         on_simd_paths([&](Isa isa) {
@@ -256,7 +256,7 @@ TEST_CASE("block formats: extreme codes and activations give the scalar path's b
     const Index B = block_of(t), d = 2 * B, f = B == 32 ? 96 : 256;
     const auto g = extreme_tensor(t, f, d, 21), u = extreme_tensor(t, f, d, 22), dn = extreme_tensor(t, d, f, 23);
     const PackedExpert e = PackedExpert::from_file_rows(d, f, t, g.data(), u.data(), dn.data());
-    Matrix<float> x(7, d);  // 7 × d
+    Matrix<float> x(23, d);  // 23 × d: AMX-INT8 tiles (16 rows and more) on amx_bf16
     for (Index r = 0; r < x.rows(); ++r)
       for (Index k = 0; k < d; ++k) x(r, k) = (k % 32 == 0 || (k * 7 + r) % 3 == 0 ? -1.0f : 1.0f) * (r % 2 ? 0.5f : 1.0f);
     CAPTURE(dtype_name(t));

@@ -42,6 +42,8 @@
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,avx2,fma,f16c")))
 #define APEX_TARGET_AMX_BF16 \
   __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,avx2,fma,f16c")))
+#define APEX_TARGET_AMX_INT8 \
+  __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,avx2,fma,f16c")))
 // A tile's per-block step, inlined so the tile's accumulators stay in
 // registers (GCC otherwise keeps the larger block bodies out of line).
 #define APEX_KERNEL_INLINE __attribute__((always_inline))
@@ -59,7 +61,9 @@ namespace apex::packed {
 /// - `avx512_bf16`: as avx512_vnni, and bf16 weights may be multiplied in
 ///   pairs with `vdpbf16ps` (Bf16Products::paired);
 /// - `amx_bf16`: as avx512_bf16, with the paired products on AMX-BF16 tiles
-///   (`tdpbf16ps`, kernels/arch/amx_bf16.hpp). Never the compile-time
+///   (`tdpbf16ps`, kernels/arch/amx_bf16.hpp) and Q8_0, Q4_0 and MXFP4 on
+///   AMX-INT8 tiles from 16 rows (`tdpbssd`, the VNNI tiles' bits,
+///   kernels/arch/amx_int8_quant.hpp). Never the compile-time
 ///   default: the tiles need the operating system's permission, asked at
 ///   run time.
 /// Float weights run the same AVX-512 tiles on the last four.
@@ -128,6 +132,17 @@ inline bool amx_bf16_granted() {
   }();
   return granted;
 }
+
+/// Whether the CPU also has AMX-INT8 (CPUID leaf 7, EDX bit 25: `tdpbssd`,
+/// the block formats' tiles on path amx_bf16). Every CPU with AMX-BF16 so
+/// far has it; asked once. The tile data's grant is amx_bf16_granted's.
+inline bool amx_int8_present() {
+  static const bool present = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 25)) != 0;
+  }();
+  return present;
+}
 #endif
 }  // namespace detail
 
@@ -164,9 +179,12 @@ constexpr bool has_vnni(Isa isa) {
 constexpr bool has_bf16_pairs(Isa isa) { return isa == Isa::avx512_bf16 || isa == Isa::amx_bf16; }
 
 /// Which tiles the block formats (Q8_0 … MXFP4) run on path `isa`: "vnni"
-/// (`vpdpbusd`), "avx512bw", "avx2" or "scalar" (for benchmark reports).
+/// (`vpdpbusd`), "amx_int8+vnni" (`tdpbssd` for the 32-weight formats from
+/// 16 rows, where the CPU has it), "avx512bw", "avx2" or "scalar" (for
+/// benchmark reports).
 constexpr const char* block_format_tiles(Isa isa) {
-  return has_vnni(isa)              ? "vnni"
+  return isa == Isa::amx_bf16       ? "amx_int8+vnni"
+         : has_vnni(isa)            ? "vnni"
          : isa == Isa::avx512       ? "avx512bw"
          : isa == Isa::avx2         ? "avx2"
                                     : "scalar";

@@ -13,6 +13,7 @@
 /// Q8_0 block whose largest |x| exceeds 127·65504 ≈ 8.3e6 overflows its
 /// fp16 scale (ggml's format), and its products become ±Inf or NaN.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -96,16 +97,22 @@ inline void quantize_row(ActivationFormat fmt, const float* x, Index K, std::int
 }
 
 /// rows × K activations (row stride ldx; K whole blocks of `fmt`) quantized
-/// into the thread's scratch, on path `isa`.
-inline QuantRows quantize_rows(Isa isa, ActivationFormat fmt, const float* x, Index ldx, Index rows, Index K) {
+/// into the thread's scratch, on path `isa`; codes and scales followed by
+/// zero rows up to a multiple of `row_multiple` (16 for the AMX-INT8 tiles,
+/// which read whole 16-row tiles: kernels/arch/amx_int8_quant.hpp).
+inline QuantRows quantize_rows(Isa isa, ActivationFormat fmt, const float* x, Index ldx, Index rows, Index K,
+                               Index row_multiple = 1) {
   constexpr const char* where = "packed::quantize_rows";
   const Index block = fmt == ActivationFormat::q8_0 ? 32 : 256;
   QuantScratch& s = quant_scratch();
-  std::int8_t* q = grow(s.q, apex::detail::checked_product(where, "rows x K", {rows, K}));
-  float* d = grow(s.d, apex::detail::checked_product(where, "rows x blocks", {rows, K / block}));
+  const Index padded = (rows + row_multiple - 1) / row_multiple * row_multiple;
+  std::int8_t* q = grow(s.q, apex::detail::checked_product(where, "rows x K", {padded, K}));
+  float* d = grow(s.d, apex::detail::checked_product(where, "rows x blocks", {padded, K / block}));
   std::int32_t* s16 = grow(s.s16, apex::detail::checked_product(where, "rows x K/16", {rows, K / 16}));
   for (Index r = 0; r < rows; ++r)
     quantize_row(isa, fmt, x + r * ldx, K, q + r * K, d + r * (K / block), s16 + r * (K / 16));
+  std::fill(q + rows * K, q + padded * K, std::int8_t{0});
+  std::fill(d + rows * (K / block), d + padded * (K / block), 0.0f);
   return {q, K, d, K / block, s16, K / 16};
 }
 

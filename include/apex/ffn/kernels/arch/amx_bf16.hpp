@@ -36,11 +36,7 @@
 /// that CPU and ≈ 1.9 with its operands in L2; streaming the weights from
 /// memory (≈ 8 GB/s a core there) bounds the rest, hence kAmxRowBlock.
 
-/// Tile state. AMX needs the kernel's permission (granted once per process
-/// by `cpu_supports(Isa::amx_bf16)`) and a tile configuration per thread;
-/// `AmxTiles` loads the configuration for one block and releases the tiles
-/// after it, so code of other libraries on the thread (oneDNN's AMX kernels
-/// in PyTorch) finds the state it expects to configure itself.
+/// Tile state: kernels/arch/amx_tiles.hpp.
 ///
 /// Determinism. A row's sums are computed from that row's activations alone
 /// (zero rows and zero columns add exact zeros), so as on the other paths a
@@ -54,6 +50,7 @@
 
 #include "../bf16_vectors.hpp"
 #include "../epilogue.hpp"
+#include "amx_tiles.hpp"
 #include "avx512.hpp"
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -81,31 +78,6 @@ inline constexpr Index kAmxDepth = 32;
 #define APEX_AMX_X1 5
 #define APEX_AMX_W0 6
 #define APEX_AMX_W1 7
-
-/// The 64-byte operand of `ldtilecfg` (palette 1): every tile used is 16
-/// rows of 64 bytes.
-struct alignas(64) AmxConfig {
-  std::uint8_t palette = 1, start_row = 0;
-  std::uint8_t reserved[14] = {};
-  std::uint16_t colsb[16] = {};
-  std::uint8_t rows[16] = {};
-  AmxConfig() {
-    for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = 16;
-  }
-};
-static_assert(sizeof(AmxConfig) == 64, "ldtilecfg reads exactly 64 bytes");
-
-/// The tile configuration for one block of products on this thread.
-class AmxTiles {
- public:
-  APEX_TARGET_AMX_BF16 AmxTiles() {
-    static const AmxConfig config;
-    _tile_loadconfig(&config);
-  }
-  APEX_TARGET_AMX_BF16 ~AmxTiles() { _tile_release(); }
-  AmxTiles(const AmxTiles&) = delete;
-  AmxTiles& operator=(const AmxTiles&) = delete;
-};
 
 /// The zero-padded copy of a panel's last, partial chunk of 16 pairs:
 /// `pairs` pairs (< 16) of 32 lanes from `w`, then zeros (2 KiB).
@@ -153,19 +125,6 @@ APEX_TARGET_AMX_BF16 APEX_KERNEL_INLINE inline void amx_chunk(const bf16* w, con
   }
 }
 
-/// The panel after the one being multiplied, pulled into L2 a few lines at
-/// a time while this one runs. A panel's first row group reads its weights
-/// from memory and the rest from L2: without it the tile unit idles on
-/// memory for the first group and the bus idles for the others.
-struct AmxNextPanel {
-  const char* next = nullptr;  ///< the next panel's bytes (nullptr: none)
-  const char* end = nullptr;
-  Index lines_per_chunk = 0;   ///< cache lines prefetched per chunk step
-  APEX_KERNEL_INLINE void step() {
-    for (Index l = 0; l < lines_per_chunk && next < end; ++l, next += 64) _mm_prefetch(next, _MM_HINT_T1);
-  }
-};
-
 /// out (rows × ncols) = epilogue(xt (rows × K, bf16 tiles of
 /// rows_to_bf16_tiles, `chunks` ≥ ⌈K/32⌉ per row group) · panel w) on AMX
 /// tiles, prefetching `next_bytes` bytes at `next` into L2 meanwhile (none
@@ -177,11 +136,7 @@ APEX_TARGET_AMX_BF16 void panel_amx(const bf16* w, Index K, const bf16* xt, Inde
   const Index group = chunks * kAmxRows * kAmxDepth;  // elements per row group
   const Index steps = (rows + 2 * kAmxRows - 1) / (2 * kAmxRows) * (full + (tail ? 1 : 0));
   AmxNextPanel ahead;
-  if (next && steps > 0) {
-    ahead.next = static_cast<const char*>(next);
-    ahead.end = ahead.next + next_bytes;
-    ahead.lines_per_chunk = (next_bytes / 64 + steps - 1) / steps;
-  }
+  ahead.spread(next, next_bytes, steps);
   AmxTailChunk last;
   if (tail) last.fill(w + full * kAmxRows * 64, tail);
   alignas(64) float acc[2 * kAmxRows][32];  // two row groups × 32 lanes
