@@ -34,8 +34,8 @@
 // (d_ffn 1376 = 43·32) skips q4_k and q6_k (named in the label), and
 // small_f1280 (512/1280/E8/K2/S1, the nearest whole number of 256-weight
 // super-blocks) runs all eight. The label names the kernel path
-// (packed::kDefaultIsa) and the tiles the block formats ran on it
-// (packed::block_format_tiles: vnni, avx512bw, avx2 or scalar).
+// (packed::kDefaultIsa, or `--isa=<path>`, e.g. --isa=amx_bf16) and the
+// tiles the block formats ran on it (packed::block_format_tiles).
 // Counters per type T, as "T:counter":
 //   x_bf16, x_f32, x_q8_0 (4- and 6-bit types) — T's time / that type's
 //              time, each the median over the same iterations (< 1: T is
@@ -60,6 +60,7 @@
 #include <apex/ffn/moe/moe_ffn.hpp>
 
 #include <algorithm>
+#include <cstdio>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -106,10 +107,17 @@ struct PackedBase {
   // block scales included).
   virtual double true_step_bytes(const Matrix<float>& x) const = 0;
 };
+/// The kernel path the packed layers run (`--isa=<name>`; the compile-time
+/// default otherwise).
+packed::Isa& bench_isa() {
+  static packed::Isa isa = packed::kDefaultIsa;
+  return isa;
+}
+
 template <class S>
 struct PackedOf final : PackedBase {
   PackedMoE<S> p;
-  explicit PackedOf(const MoEFFN<float>& f) : p(PackedMoE<S>::from(f)) {}
+  explicit PackedOf(const MoEFFN<float>& f) : p(PackedMoE<S>::from(f)) { p.set_kernel_options({bench_isa()}); }
   void forward_into(const Matrix<float>& x, Matrix<float>& y) override { p.forward_into(x, y); }
   void set_threads(int threads) override { p.set_threads(threads); }
   double true_step_bytes(const Matrix<float>& x) const override {
@@ -409,8 +417,8 @@ void BM_BlockFormats(benchmark::State& state, int shape_index, Index n, int thre
     }
   }
   state.counters["tokens/s(bf16)"] = benchmark::Counter(double(n), benchmark::Counter::kIsIterationInvariantRate);
-  std::string label = std::string(s.name) + " isa=" + packed::isa_name(packed::kDefaultIsa) +
-                      " block_tiles=" + packed::block_format_tiles(packed::kDefaultIsa);
+  std::string label = std::string(s.name) + " isa=" + packed::isa_name(bench_isa()) +
+                      " block_tiles=" + packed::block_format_tiles(bench_isa());
   if (cold) label += std::string(" bw_probe=") + kReadProbeName;
   if (!skipped.empty()) label += " skipped=" + skipped + " (d_ffn " + std::to_string(s.f) + " not whole blocks)";
   state.SetLabel(label);
@@ -587,12 +595,37 @@ BENCHMARK(BM_ResidentTraining)->Iterations(1)->Unit(benchmark::kSecond);
 
 }  // namespace
 
+/// Takes `--isa=<path>` out of argv into bench_isa(); false (with a message)
+/// for a path this CPU cannot run or a name no path has.
+bool take_isa_flag(int& argc, char** argv) {
+  int kept = 1;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg.rfind("--isa=", 0) != 0) {
+      argv[kept++] = argv[i];
+      continue;
+    }
+    const std::string name = arg.substr(6);
+    bool found = false;
+    for (const packed::Isa isa : packed::kAllIsas)
+      if (name == packed::isa_name(isa)) bench_isa() = isa, found = true;
+    if (!found || !packed::cpu_supports(bench_isa())) {
+      std::fprintf(stderr, "bench_inference: --isa=%s: %s\n", name.c_str(),
+                   found ? "this CPU cannot run that path" : "no such kernel path");
+      return false;
+    }
+  }
+  argc = kept;
+  return true;
+}
+
 int main(int argc, char** argv) {
+  if (!take_isa_flag(argc, argv)) return 1;
   register_block_formats();
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::AddCustomContext("packed_isa", apex::packed::isa_name(apex::packed::kDefaultIsa));
-  benchmark::AddCustomContext("block_format_tiles", apex::packed::block_format_tiles(apex::packed::kDefaultIsa));
+  benchmark::AddCustomContext("packed_isa", apex::packed::isa_name(bench_isa()));
+  benchmark::AddCustomContext("block_format_tiles", apex::packed::block_format_tiles(bench_isa()));
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;
