@@ -80,7 +80,7 @@
 #include "arch/avx2_dequantize_panel.hpp"
 #include "arch/avx512_dequantize_panel.hpp"
 #include "dequantize_panel.hpp"
-#include "fused_expert.hpp"
+#include "matrix_runs.hpp"
 #include "panel_matrix.hpp"
 #include "spread_rows.hpp"
 

@@ -33,7 +33,7 @@
 #include <atomic>
 #include <cstring>
 
-#include "fused_expert.hpp"
+#include "matrix_runs.hpp"
 
 namespace apex::packed {
 

@@ -6,7 +6,7 @@
 ///     dx (rows × K) = dy (rows × O) · M,   O = 32·panels,
 ///
 /// M the matrix whose row 32p + l is lane l of panel p (the forward is
-/// y = x·Mᵀ: kernels/fused_expert.hpp, run_matrix). Which logical output a
+/// y = x·Mᵀ: kernels/matrix_runs.hpp, run_matrix). Which logical output a
 /// lane is (a gate, an up or a down row) is the owner's business: dy's
 /// columns are in lane order, and those of padding lanes must be finite
 /// (their weights are zero).
@@ -54,7 +54,7 @@
 
 #include "../core/errors.hpp"
 #include "arch/avx2_unpack_columns.hpp"
-#include "fused_expert.hpp"
+#include "matrix_runs.hpp"
 #include "spread_rows.hpp"
 #include "unpack_columns.hpp"
 

@@ -1,7 +1,7 @@
 #pragma once
 /// \file kernels/arch/amx_int8_quant.hpp
 /// The 32-weight block formats (Q8_0, Q4_0, MXFP4) on AMX-INT8 tiles, path
-/// `amx_bf16` from 8 rows (Q8_0) or 16 (kernels/fused_expert.hpp:
+/// `amx_bf16` from 8 rows (Q8_0) or 16 (kernels/matrix_runs.hpp:
 /// amx_int8_rows). One `tdpbssd` multiplies a 16 × 32 tile of quantized
 /// activations (s8) by a 32 × 16 tile of one block's weights (s8) into the
 /// 16 × 16 exact int32 block sums: 8192 multiply-adds, where a `vpdpbusd`
